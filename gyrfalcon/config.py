@@ -1,0 +1,61 @@
+"""Server settings: one dataclass, filled from the command line or the environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+#: Environment variable through which `gyrfalcon serve` hands its settings to gunicorn workers.
+SETTINGS_ENV = "GYRFALCON_SETTINGS"
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+@dataclass
+class Settings:
+    """Everything a worker needs to build the app and its engine (vLLM's names where they exist)."""
+
+    model: str | None = None  # a Hugging Face folder or a .gguf file; None: the embedded default
+    served_model_name: list[str] = field(default_factory=list)
+    engine: str = "transformers"
+    max_model_len: int | None = None  # None: the model's own context length
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 4096
+    max_queue_len: int = 64
+    max_logprobs: int = 20
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "auto"
+    num_threads: int = 1
+    max_body_bytes: int = 4 * 1024 * 1024
+    api_keys: list[str] = field(default_factory=list)
+    plugins_allow: list[str] | None = None  # None: every installed plugin
+    plugins_block: list[str] = field(default_factory=list)
+    cache_dir: str | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError with one clear line for a bad setting."""
+        positive = ("max_num_seqs", "max_num_batched_tokens", "max_queue_len", "num_threads", "max_body_bytes")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"--max-logprobs must be at least 0, got {self.max_logprobs}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
+        if self.model is not None and not os.path.exists(self.model):
+            raise ValueError(f"--model {self.model!r}: no such file or folder")
+
+    def to_env(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        raw = os.environ.get(SETTINGS_ENV)
+        return cls(**json.loads(raw)) if raw else cls()

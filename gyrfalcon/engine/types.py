@@ -1,0 +1,204 @@
+"""Plain-data types that cross the engine boundary.
+
+Everything here is a dataclass of built-in values (no tensors, no open handles, no callbacks), so
+that a request and its outputs can be pickled or sent as JSON to an engine in another process.
+Field names follow vLLM's ``SamplingParams`` and ``RequestOutput`` so that a delegating engine is a
+thin adapter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Temperatures below this are greedy decoding (vLLM's threshold), in the spec and the code alike.
+GREEDY_TEMPERATURE = 1e-5
+
+#: Logprob values are always finite on the wire; ``-inf`` becomes this value.
+LOGPROB_FLOOR = -9999.0
+
+#: Seeds are int64 on the wire; child seeds ``seed + index`` wrap modulo 2**64.
+SEED_MODULUS = 2**64
+
+
+class OutputKind(str, enum.Enum):
+    """How a request's output stream reports progress.
+
+    ``DELTA``: each output carries only what is new since the previous one (streaming).
+    ``CUMULATIVE``: each output carries everything produced so far.
+    ``FINAL_ONLY``: one output, when every choice has finished (non-streaming).
+    """
+
+    DELTA = "delta"
+    CUMULATIVE = "cumulative"
+    FINAL_ONLY = "final_only"
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters with vLLM's names and defaults.
+
+    A field left at its default is "not asked for"; the frontend rejects a non-default field the
+    engine does not list in :attr:`EngineInfo.capabilities`.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    #: number of top log-probabilities per generated position (None: no logprobs at all)
+    logprobs: int | None = None
+    #: number of top log-probabilities per prompt position (None: none)
+    prompt_logprobs: int | None = None
+    #: explicit token ids whose logprobs are reported at every generated position
+    logprob_token_ids: list[int] | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def child_seed(self, index: int) -> int | None:
+        """The seed of choice ``index``: ``seed + index`` modulo 2**64 (None when unseeded)."""
+        if self.seed is None:
+            return None
+        return (self.seed + index) % SEED_MODULUS
+
+    def asked_fields(self) -> set[str]:
+        """Names of the fields set to something other than their default."""
+        asked = set()
+        for f in dataclasses.fields(self):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if getattr(self, f.name) != default:
+                asked.add(f.name)
+        return asked
+
+
+@dataclass
+class EngineRequest:
+    """One request as the engine sees it: prompt token ids, sampling parameters, output kind.
+
+    ``extensions`` holds plugin-declared fields (already validated by the frontend) by name.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    output_kind: OutputKind = OutputKind.FINAL_ONLY
+    extensions: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at generated (or prompt) positions, as parallel lists.
+
+    For position ``i``: ``token_ids[i]`` is the token at that position and ``logprobs[i]`` its
+    logprob; ``top_token_ids[i]`` / ``top_logprobs[i]`` list the other reported tokens (the top-k,
+    then any explicitly requested ids), without the position's own token unless it ranks there.
+    A prompt position without a logprob (the first one) holds ``None`` in ``logprobs``.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top_token_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def extend(self, other: TokenLogprobs) -> None:
+        self.token_ids.extend(other.token_ids)
+        self.logprobs.extend(other.logprobs)
+        self.top_token_ids.extend(other.top_token_ids)
+        self.top_logprobs.extend(other.top_logprobs)
+
+
+@dataclass
+class CompletionOutput:
+    """One choice of a request.
+
+    In a DELTA output ``text``/``token_ids``/``logprobs`` hold only what is new; in CUMULATIVE and
+    FINAL_ONLY outputs they hold everything so far. ``finish_reason`` is ``"stop"``, ``"length"``
+    or ``"abort"`` once the choice has finished, else None. ``stop_reason`` is the stop string or
+    stop token id that ended it (None for end-of-sequence or length).
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: TokenLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineError:
+    """An error reported in-band on an output stream (the request ends with it)."""
+
+    message: str
+    type: str = "engine_error"
+    param: str | None = None
+    status: int = 500
+
+
+@dataclass
+class RequestOutput:
+    """One item of a request's output stream.
+
+    ``outputs`` lists the choices that changed (DELTA) or all choices (CUMULATIVE, FINAL_ONLY).
+    ``finished`` is True on the last item; ``num_generated_tokens`` counts every choice's tokens
+    so far, for usage.
+    """
+
+    request_id: str
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: TokenLogprobs | None = None
+    num_generated_tokens: int = 0
+    error: EngineError | None = None
+
+
+@dataclass
+class EngineInfo:
+    """What an engine serves and can honour.
+
+    ``capabilities`` names every ``SamplingParams`` field the engine honours (plus ``extensions``
+    names); the frontend rejects any other field set to a non-default value with a 400.
+    """
+
+    model_path: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    max_logprobs: int
+    max_num_seqs: int
+    capabilities: frozenset[str]
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+@dataclass
+class EngineHealth:
+    """``ready`` is False while the model loads or warms up; ``message`` says why."""
+
+    ready: bool
+    message: str = ""

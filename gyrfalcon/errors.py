@@ -1,0 +1,31 @@
+"""The one error type every layer raises for a request it cannot honour."""
+
+from __future__ import annotations
+
+
+class RequestError(Exception):
+    """A request the server refuses, with the HTTP status and the offending field.
+
+    ``param`` names the request field (dotted for nested ones, e.g. ``sampling_params.top_k``);
+    ``type`` is the OpenAI-style error type. The API layer turns this into the error envelope
+    ``{"error": {"message", "type", "param", "code"}}`` with ``code`` = ``status``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.type = type
+        self.headers = headers or {}
+
+    def __repr__(self) -> str:
+        return f"RequestError({self.status}, {self.param!r}, {self.message!r})"

@@ -1,0 +1,108 @@
+"""The plugin contract of gyrfalcon. The docstrings below ARE the documentation of every hook.
+
+Plugins are modules or objects with functions marked ``@hookimpl`` (``gyrfalcon.hookimpl``), found
+through the ``gyrfalcon`` entry-point group; the built-in behaviour is shipped as default plugins
+registered through the same path (``gyrfalcon.plugins.DEFAULT_PLUGINS``).
+
+There are two kinds of hooks, because the engine may live in another process:
+
+* **frontend hooks** run in the HTTP process, import no torch and must be pure and fast;
+* **engine hooks** run in the engine process and are resolved once when the engine starts, never
+  looked up inside the step loop.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    import falcon
+
+    from gyrfalcon.config import Settings
+    from gyrfalcon.engine.interface import Engine
+    from gyrfalcon.engine.types import EngineInfo, EngineRequest
+    from gyrfalcon.policies import LogitsProcessor, LogprobGatherer
+
+PROJECT = "gyrfalcon"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# ---------------------------------------------------------------- frontend hooks
+
+
+@hookspec
+def gyrfalcon_engines() -> dict[str, Any]:
+    """Offer engine backends: return ``{name: factory}``.
+
+    ``factory(settings: Settings) -> Engine`` builds and starts an engine. The backend that serves is
+    chosen by the ``--engine`` setting (default ``transformers``), never by plugin order; two plugins
+    offering the same name is a start-up error.
+    """
+
+
+@hookspec
+def gyrfalcon_request_extensions() -> dict[str, dict[str, Any]]:
+    """Declare request fields of your own: return ``{name: json_schema_fragment}``.
+
+    Each name becomes a typed property of the ``extensions`` object accepted by generate,
+    completions, chat and batch chat; the fragments are merged into the served OpenAPI spec (so they
+    are fuzzed) and validated at run time. The validated values reach the engine in
+    ``EngineRequest.extensions[name]``. A name declared twice is a start-up error. A plugin that
+    declares a field must also honour it (an engine hook listing it in ``fields``), or the request is
+    rejected with 400 as unsupported.
+    """
+
+
+@hookspec
+def gyrfalcon_validate_request(endpoint: str, request: EngineRequest, info: EngineInfo) -> None:
+    """Check a translated request after the built-in rules; raise ``RequestError`` to refuse it.
+
+    ``endpoint`` is one of ``"generate"``, ``"completions"``, ``"chat"``, ``"chat_batch"``. Raise
+    :class:`gyrfalcon.errors.RequestError` with the offending ``param`` (a 400 unless you set another
+    status). Must not modify ``request`` and must not block.
+    """
+
+
+@hookspec
+def gyrfalcon_add_routes(app: falcon.App, engine: Engine, settings: Settings) -> None:
+    """Add routes of your own to the Falcon app (``app.add_route(...)``) at start-up.
+
+    Your resources answer errors with :class:`gyrfalcon.errors.RequestError` so that they share the
+    error envelope of every other route.
+    """
+
+
+@hookspec
+def gyrfalcon_startup(settings: Settings) -> None:
+    """Called once per worker process after the app is built, before it serves."""
+
+
+@hookspec
+def gyrfalcon_shutdown() -> None:
+    """Called once per worker process when it stops serving."""
+
+
+# ---------------------------------------------------------------- engine hooks
+
+
+@hookspec
+def gyrfalcon_logits_processors(info: EngineInfo) -> list[LogitsProcessor]:
+    """Offer batch-shaped logits processors (see :class:`gyrfalcon.policies.LogitsProcessor`).
+
+    Called once when the engine starts. Each processor transforms ``[B, V]`` logits for the rows
+    that want it, declares the request fields it honours (``fields``, reported by the engine as
+    capabilities) and validates them at submit time. Processors run in ascending ``order``.
+    """
+
+
+@hookspec
+def gyrfalcon_logprob_gatherers(info: EngineInfo) -> list[LogprobGatherer]:
+    """Offer logprob gatherers (see :class:`gyrfalcon.policies.LogprobGatherer`).
+
+    Called once when the engine starts. Each gatherer picks, from the same batched log-softmax the
+    step sampled from, which token ids to report at each position (top-k, explicit ids, …) and
+    declares the fields it honours.
+    """

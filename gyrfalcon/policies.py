@@ -1,0 +1,84 @@
+"""Base classes of the batch-shaped engine policies that plugins provide.
+
+A policy object is small and pure: it sees a whole batch at once (``[B, V]`` logits) and the per-row
+parameters in a :class:`BatchRows`. It declares which request fields it understands (``fields``), so
+the engine can report them as capabilities, and validates them synchronously at submit time.
+This module imports no torch: the frontend may import it to read declarations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gyrfalcon.engine.types import EngineInfo, SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+@dataclass
+class BatchRows:
+    """Per-row state of a batch, aligned with the rows of the logits tensor.
+
+    ``generators`` holds each row's seeded ``torch.Generator`` (None for unseeded rows), on the
+    logits' device.
+    """
+
+    params: list[SamplingParams]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+    extensions: list[dict[str, Any]] = field(default_factory=list)
+    generators: list[Any] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
+class LogitsProcessor:
+    """Transforms a batch of next-token logits; subclasses set the class attributes.
+
+    - ``name``: unique, for allowlists and errors.
+    - ``fields``: the ``SamplingParams`` field names (or ``extensions`` keys) this processor honours.
+    - ``order``: processors run in ascending order (penalties and biases < 100 ≤ temperature <
+      200 ≤ truncation such as top-k/top-p/min-p).
+    """
+
+    name: str = ""
+    fields: frozenset[str] = frozenset()
+    order: int = 0
+
+    def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
+        """Raise :class:`gyrfalcon.errors.RequestError` (with ``param``) for values it cannot honour."""
+
+    def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
+        """True when this row needs the processor (rows that don't are left untouched)."""
+        raise NotImplementedError
+
+    def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
+        """Return the processed ``[B, V]`` logits; only the rows listed in ``selected`` may change."""
+        raise NotImplementedError
+
+
+class LogprobGatherer:
+    """Chooses which log-probabilities to report at each position.
+
+    ``gather`` receives the raw log-softmax ``[B, V]`` of the batch (before processors), the sampled
+    token of each row, and the rows; it returns, per row, either None (nothing from this gatherer)
+    or a pair ``(token_ids, logprobs)`` of equal-length lists to add to that position's report.
+    The engine merges the pairs of every gatherer in order, without duplicates.
+    """
+
+    name: str = ""
+    fields: frozenset[str] = frozenset()
+
+    def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
+        """Raise :class:`gyrfalcon.errors.RequestError` (with ``param``) for values it cannot honour."""
+
+    def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
+        raise NotImplementedError
+
+    def gather(
+        self, logprobs: torch.Tensor, sampled: torch.Tensor, rows: BatchRows, selected: list[int]
+    ) -> list[tuple[list[int], list[float]] | None]:
+        raise NotImplementedError
