@@ -1,0 +1,81 @@
+"""``gyrfalcon serve`` (and later ``gyrfalcon bench``): the command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from gyrfalcon.config import SETTINGS_ENV, Settings
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model under gunicorn (OpenAI-compatible API)")
+    p.add_argument("--model", default=None, help="a Hugging Face folder or a .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=[], help="model names clients may ask for")
+    p.add_argument("--engine", default="transformers", help="engine backend (from the installed plugins)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=Settings.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=Settings.max_num_batched_tokens)
+    p.add_argument("--max-queue-len", type=int, default=Settings.max_queue_len)
+    p.add_argument("--max-logprobs", type=int, default=Settings.max_logprobs)
+    p.add_argument("--seed", type=int, default=Settings.seed)
+    p.add_argument("--dtype", default=Settings.dtype)
+    p.add_argument("--device", default=Settings.device)
+    p.add_argument("--num-threads", type=int, default=Settings.num_threads, help="torch threads per worker")
+    p.add_argument("--max-body-bytes", type=int, default=Settings.max_body_bytes)
+    p.add_argument("--api-key", action="append", default=[], dest="api_keys")
+    p.add_argument("--plugins-allow", nargs="*", default=None)
+    p.add_argument("--plugins-block", nargs="*", default=[])
+    p.add_argument("--cache-dir", default=None)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    names = {f for f in Settings.__dataclass_fields__}
+    return Settings(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def serve(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    try:
+        settings.validate()
+    except ValueError as exc:
+        print(f"gyrfalcon: {exc}", file=sys.stderr)
+        return 2
+    if not 0 < args.port < 65536:
+        print(f"gyrfalcon: --port must be in 1..65535, got {args.port}", file=sys.stderr)
+        return 2
+    from gyrfalcon.models.default import resolve_model
+
+    # Convert a GGUF (or the embedded default) before gunicorn forks: never in two workers at once.
+    settings.model = resolve_model(settings.model, settings.cache_dir)
+    env = dict(os.environ)
+    env[SETTINGS_ENV] = settings.to_env()
+    env.setdefault("MALLOC_ARENA_MAX", "2")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    argv = [
+        sys.executable, "-m", "gunicorn",
+        "-c", "python:gyrfalcon.gunicorn_conf",
+        "--bind", f"{args.host}:{args.port}",
+        "gyrfalcon.api.app:wsgi_app()",
+    ]
+    print(f"gyrfalcon: serving {settings.model} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    os.execve(sys.executable, argv, env)
+    return 0  # not reached
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gyrfalcon", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

