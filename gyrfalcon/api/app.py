@@ -1,0 +1,92 @@
+"""The Falcon WSGI app factory.
+
+``create_app(engine, settings, pm)`` wires the routes around an engine it is given (tests pass the
+real engine on a tiny model); ``wsgi_app()`` is the gunicorn entry point
+(``gunicorn 'gyrfalcon.api.app:wsgi_app()'``) that builds the engine from the settings in the
+environment, in the worker process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hmac
+
+import falcon
+import pluggy
+
+from gyrfalcon.api import errors
+from gyrfalcon.api.context import ServerContext
+from gyrfalcon.api.errors import APIError
+from gyrfalcon.api.resources import (
+    HealthResource,
+    InferenceResource,
+    MetricsResource,
+    ModelsResource,
+    OpenAPIResource,
+    VersionResource,
+)
+from gyrfalcon.config import Settings
+from gyrfalcon.engine.interface import Engine
+from gyrfalcon.plugins import merged_dict, plugin_manager
+
+#: routes that answer without an API key
+PUBLIC_ROUTES = frozenset({"/health", "/version", "/openapi.json", "/metrics"})
+
+
+class APIKeyMiddleware:
+    """``Authorization: Bearer <key>`` on every route but the public ones, when keys are configured."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = [k.encode() for k in keys]
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        if not self.keys or req.path in PUBLIC_ROUTES:
+            return
+        auth = req.get_header("Authorization") or ""
+        token = auth.removeprefix("Bearer ").strip().encode()
+        if not auth.startswith("Bearer ") or not any(hmac.compare_digest(token, k) for k in self.keys):
+            raise APIError(401, "Missing or invalid API key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager) -> falcon.App:
+    """A Falcon app serving ``engine``; plugins may add routes."""
+    ctx = ServerContext(engine, settings, pm)
+    app = falcon.App(middleware=[APIKeyMiddleware(settings.api_keys)])
+    app.req_options.strip_url_path_trailing_slash = True
+    errors.install(app)
+    app.add_route("/health", HealthResource(ctx))
+    app.add_route("/version", VersionResource())
+    app.add_route("/metrics", MetricsResource(ctx))
+    app.add_route("/openapi.json", OpenAPIResource(ctx))
+    app.add_route("/v1/models", ModelsResource(ctx))
+    app.add_route("/inference/v1/generate", InferenceResource(ctx, "generate"))
+    app.add_route("/v1/completions", InferenceResource(ctx, "completions"))
+    app.add_route("/v1/chat/completions", InferenceResource(ctx, "chat"))
+    app.add_route("/v1/chat/completions/batch", InferenceResource(ctx, "chat_batch"))
+    pm.hook.gyrfalcon_add_routes(app=app, engine=engine, settings=settings)
+    app.ctx.server = ctx
+    return app
+
+
+def build_engine(settings: Settings, pm: pluggy.PluginManager) -> Engine:
+    """The engine backend named by ``settings.engine``, from the plugins' offers."""
+    engines = merged_dict(pm.hook.gyrfalcon_engines(), "engine")
+    if settings.engine not in engines:
+        raise SystemExit(f"--engine {settings.engine!r} is not installed; available: {', '.join(sorted(engines))}")
+    return engines[settings.engine](settings, pm)
+
+
+def wsgi_app() -> falcon.App:
+    """gunicorn entry point: settings from the environment, engine built in this worker."""
+    settings = Settings.from_env()
+    pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
+    engine = build_engine(settings, pm)
+    app = create_app(engine, settings, pm)
+    pm.hook.gyrfalcon_startup(settings=settings)
+
+    def _stop() -> None:
+        pm.hook.gyrfalcon_shutdown()
+        engine.shutdown(grace=5.0)
+
+    atexit.register(_stop)
+    return app

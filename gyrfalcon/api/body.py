@@ -1,0 +1,23 @@
+"""Reading a JSON request body: content type (415), size limit (413), then strict JSON (400)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import falcon
+
+from gyrfalcon.api.errors import APIError
+from gyrfalcon.protocol.wire import parse_json
+
+
+def read_json(req: falcon.Request, max_bytes: int) -> Any:
+    media_type = (req.content_type or "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got {req.content_type or 'none'!r}")
+    length = req.content_length
+    if length is not None and length > max_bytes:
+        raise APIError(413, f"The request body is {length} bytes; the limit is {max_bytes}")
+    raw = req.bounded_stream.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise APIError(413, f"The request body exceeds the limit of {max_bytes} bytes")
+    return parse_json(raw)

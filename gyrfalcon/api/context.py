@@ -1,0 +1,69 @@
+"""What every resource shares: the engine, the settings, the plugins, and what is derived from them."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import orjson
+import pluggy
+
+from gyrfalcon.api.errors import APIError
+from gyrfalcon.config import Settings
+from gyrfalcon.engine.interface import Engine
+from gyrfalcon.engine.types import EngineInfo
+from gyrfalcon.plugins import merged_dict
+from gyrfalcon.protocol.translate import Translator
+
+
+def default_served_name(settings: Settings) -> str:
+    if settings.served_model_name:
+        return settings.served_model_name[0]
+    if settings.model is None:
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(os.path.normpath(settings.model)).removesuffix(".gguf")
+
+
+class ServerContext:
+    """Holds the engine and builds, once the model is ready, the translator and the served spec."""
+
+    def __init__(self, engine: Engine, settings: Settings, pm: pluggy.PluginManager) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.pm = pm
+        self.started = int(time.time())
+        self.served_model_names = list(settings.served_model_name) or [default_served_name(settings)]
+        self.extension_schemas: dict[str, dict[str, Any]] = merged_dict(
+            pm.hook.gyrfalcon_request_extensions(), "request extension"
+        )
+        self._lock = threading.Lock()
+        self._translator: Translator | None = None
+        self._spec: bytes | None = None
+
+    def ready_info(self) -> EngineInfo:
+        """The engine's info, or a 503 while the model is still loading."""
+        health = self.engine.health()
+        if not health.ready:
+            raise APIError(503, health.message or "The model is loading", headers={"Retry-After": "1"})
+        return self.engine.info()
+
+    def translator(self) -> Translator:
+        if self._translator is None:
+            self.ready_info()
+            with self._lock:
+                if self._translator is None:
+                    self._translator = Translator(
+                        self.engine, self.served_model_names, self.extension_schemas, self.pm.hook.gyrfalcon_validate_request
+                    )
+        return self._translator
+
+    def served_spec_bytes(self) -> bytes:
+        if self._spec is None:
+            from gyrfalcon.openapi.serving import deployment_spec
+
+            info = self.ready_info()
+            spec = deployment_spec(info, self.served_model_names, self.extension_schemas)
+            self._spec = orjson.dumps(spec)
+        return self._spec

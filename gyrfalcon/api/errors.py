@@ -1,0 +1,76 @@
+"""One error envelope for every non-2xx answer, Falcon's own 404/405/413 included.
+
+``{"error": {"message": str, "type": str, "param": str | null, "code": int}}`` with the HTTP status as
+``code``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import falcon
+import orjson
+
+from gyrfalcon.errors import RequestError
+
+log = logging.getLogger("gyrfalcon.api")
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_body(status: int, message: str, type: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type or _TYPES.get(status, "error"), "param": param, "code": status}}
+
+
+class APIError(falcon.HTTPError):
+    """A Falcon HTTP error that carries the envelope's ``type`` and ``param``."""
+
+    def __init__(self, status: int, message: str, type: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(falcon.code_to_http_status(status), description=message, headers=headers)
+        self.error_type = type
+        self.param = param
+
+    @classmethod
+    def from_request_error(cls, error: RequestError) -> APIError:
+        type_ = error.type if error.type != "invalid_request_error" else None
+        return cls(error.status, error.message, type_, error.param, error.headers)
+
+
+def serialize_error(req: falcon.Request, resp: falcon.Response, exception: falcon.HTTPError) -> None:
+    """Falcon's error serializer: every HTTPError becomes the envelope."""
+    status = exception.status_code
+    message = exception.description or exception.title or falcon.code_to_http_status(status)
+    type_ = getattr(exception, "error_type", None)
+    param = getattr(exception, "param", None)
+    if isinstance(exception, falcon.HTTPRouteNotFound) or status == 404 and not message:
+        message = f"No route for {req.method} {req.path}"
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = orjson.dumps(error_body(status, message, type_, param))
+
+
+def handle_request_error(req: falcon.Request, resp: falcon.Response, ex: RequestError, params: dict) -> None:
+    raise APIError.from_request_error(ex)
+
+
+def handle_unexpected(req: falcon.Request, resp: falcon.Response, ex: Exception, params: dict) -> None:
+    if isinstance(ex, falcon.HTTPError):
+        raise ex
+    log.exception("unhandled error on %s %s", req.method, req.path)
+    raise APIError(500, f"Internal error: {type(ex).__name__}")
+
+
+def install(app: falcon.App) -> None:
+    app.set_error_serializer(serialize_error)
+    app.add_error_handler(Exception, handle_unexpected)
+    app.add_error_handler(RequestError, handle_request_error)

@@ -1,0 +1,93 @@
+"""One resource class per route; responders stay thin and delegate to protocol and serving."""
+
+from __future__ import annotations
+
+import time
+
+import falcon
+import orjson
+
+from gyrfalcon import __version__
+from gyrfalcon.api.body import read_json
+from gyrfalcon.api.context import ServerContext
+from gyrfalcon.api.errors import APIError
+from gyrfalcon.api.sse import start_stream
+from gyrfalcon.serving.runner import complete, stream_chunks, submit_all
+
+
+def _json(resp: falcon.Response, body: object, status: int = 200) -> None:
+    resp.status = falcon.code_to_http_status(status)
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = orjson.dumps(body)
+
+
+class HealthResource:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        health = self.ctx.engine.health()
+        if not health.ready:
+            raise APIError(503, health.message or "The model is loading", headers={"Retry-After": "1"})
+        _json(resp, {"status": "ok"})
+
+
+class VersionResource:
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        _json(resp, {"version": __version__})
+
+
+class ModelsResource:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        info = self.ctx.ready_info()
+        data = [
+            {"id": name, "object": "model", "created": self.ctx.started, "owned_by": "gyrfalcon", "max_model_len": info.max_model_len}
+            for name in self.ctx.served_model_names
+        ]
+        _json(resp, {"object": "list", "data": data})
+
+
+class OpenAPIResource:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.content_type = falcon.MEDIA_JSON
+        resp.data = self.ctx.served_spec_bytes()
+
+
+class InferenceResource:
+    """POST an inference request: translate, submit, then answer JSON or stream SSE."""
+
+    def __init__(self, ctx: ServerContext, endpoint: str) -> None:
+        self.ctx = ctx
+        self.endpoint = endpoint
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        body = read_json(req, self.ctx.settings.max_body_bytes)
+        serving = self.ctx.translator().translate(self.endpoint, body, req.get_header("X-Request-Id"))
+        engine = self.ctx.engine
+        streams = [] if serving.prompt_only else submit_all(engine, serving)
+        if serving.stream:
+            start_stream(resp, stream_chunks(engine, serving, streams))
+        else:
+            _json(resp, complete(engine, serving, streams))
+        resp.set_header("X-Request-Id", serving.response_id)
+
+
+class MetricsResource:
+    """Prometheus text exposition of the engine's counters."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        lines = [f"gyrfalcon_uptime_seconds {time.time() - self.ctx.started:.3f}"]
+        for key, value in sorted(self.ctx.engine.stats().items()):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                lines.append(f"gyrfalcon_{key} {value}")
+        resp.content_type = "text/plain; version=0.0.4"
+        resp.text = "\n".join(lines) + "\n"

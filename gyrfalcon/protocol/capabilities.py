@@ -1,0 +1,60 @@
+"""Which request fields this deployment can honour: the rest are refused with 400, never ignored.
+
+A wire field maps to the engine capability that honours it: by default the ``SamplingParams`` field
+of the same name; a few wire fields need a capability of another name; fields handled entirely by
+the frontend (prompt, stream, echo, …) need none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from gyrfalcon.engine.types import SamplingParams
+from gyrfalcon.errors import RequestError
+from gyrfalcon.protocol.rules import RequestFields
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+#: wire fields whose capability has another name
+WIRE_CAPABILITY: dict[str, str] = {
+    "top_logprobs": "logprobs",
+    "return_tokens_as_token_ids": "logprobs",
+    "max_completion_tokens": "max_tokens",
+    "use_beam_search": "use_beam_search",
+}
+
+
+def capability_of(wire_field: str) -> str | None:
+    """The engine capability a wire field needs, or None when the frontend handles it alone."""
+    if wire_field in WIRE_CAPABILITY:
+        return WIRE_CAPABILITY[wire_field]
+    if wire_field in _SAMPLING_FIELDS:
+        return wire_field
+    return None
+
+
+def unsupported_fields(wire_fields: Iterable[str], capabilities: frozenset[str]) -> set[str]:
+    """The wire fields (of a request schema) that this engine cannot honour."""
+    return {name for name in wire_fields if (cap := capability_of(name)) is not None and cap not in capabilities}
+
+
+def check_supported(fields: RequestFields, defaults: dict[str, Any], capabilities: frozenset[str]) -> None:
+    """Refuse a field the engine cannot honour, unless the client sent exactly its wire default.
+
+    ``defaults`` maps wire field names to their documented default (absent: no default, so any
+    value counts as asking for it). Extensions are checked by name against the capabilities too.
+    """
+    for name, value in fields.values.items():
+        if name == "extensions":
+            for ext in value or {}:
+                if ext not in capabilities:
+                    raise RequestError(f"Extension '{ext}' is not supported by this server's engine", f"extensions.{ext}")
+            continue
+        cap = capability_of(name)
+        if cap is None or cap in capabilities:
+            continue
+        if name in defaults and value == defaults[name]:
+            continue
+        raise fields.error(name, f"'{name}' is not supported by this server")

@@ -1,0 +1,34 @@
+"""Internal request objects: what the serving layer needs once the wire model has been translated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gyrfalcon.engine.types import EngineRequest
+
+
+@dataclass
+class ServingRequest:
+    """One HTTP request, translated: its engine requests and how to present their outputs.
+
+    ``requests`` holds one engine request per prompt (completions with several prompts) or per
+    conversation (batch chat); choice ``j`` of prompt ``i`` is presented with index ``i * n + j``
+    (batch chat: ``n`` is 1, so index = conversation).
+    """
+
+    endpoint: str
+    model: str
+    response_id: str
+    requests: list[EngineRequest]
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    prompt_texts: list[str] = field(default_factory=list)
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    #: chat: logprobs asked (bool); completions/generate: the top-k count or None
+    logprobs: Any = None
+    #: completions with echo and max_tokens 0: answer from the prompt alone, no generation
+    prompt_only: bool = False

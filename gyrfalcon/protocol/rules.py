@@ -1,0 +1,130 @@
+"""Cross-field rules of the protocol, by id.
+
+The rules that JSON Schema can state are ALSO written in the OpenAPI documents as ``if``/``then``
+blocks carrying the same ``x-rule`` id (so Schemathesis respects and attacks them); the others are
+runtime-only and listed in the served spec's ``x-runtime-rules`` table. A test checks that every id
+here is in one of the two places. Rules run after schema validation and before the "not supported"
+check, in the order of :data:`RULES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gyrfalcon.engine.types import GREEDY_TEMPERATURE
+from gyrfalcon.errors import RequestError
+
+#: endpoints that accept a request body
+ENDPOINTS = ("generate", "completions", "chat", "chat_batch")
+
+#: fields that live under ``sampling_params`` in a generate request
+TOP_LEVEL_GENERATE_FIELDS = frozenset({"token_ids", "sampling_params", "model", "stream", "stream_options", "request_id", "extensions"})
+
+
+@dataclass(frozen=True)
+class RequestFields:
+    """The fields a client actually sent, flattened (generate's ``sampling_params`` merged in)."""
+
+    endpoint: str
+    values: dict[str, Any]
+
+    @classmethod
+    def from_body(cls, endpoint: str, body: dict[str, Any]) -> RequestFields:
+        values = dict(body)
+        if endpoint == "generate":
+            values.update(values.pop("sampling_params", None) or {})
+        return cls(endpoint, values)
+
+    def has(self, name: str) -> bool:
+        return name in self.values
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.values.get(name, default)
+
+    def param(self, name: str) -> str:
+        """The field's name as the client wrote it (``sampling_params.top_k`` on generate)."""
+        if self.endpoint == "generate" and name not in TOP_LEVEL_GENERATE_FIELDS:
+            return f"sampling_params.{name}"
+        return name
+
+    def error(self, name: str, message: str) -> RequestError:
+        return RequestError(message, self.param(name))
+
+
+Rule = Callable[[RequestFields], None]
+
+
+def stream_options_requires_stream(f: RequestFields) -> None:
+    if f.has("stream_options") and f.get("stream") is not True:
+        raise f.error("stream_options", "'stream_options' is only allowed when 'stream' is true")
+
+
+def prompt_logprobs_not_streaming(f: RequestFields) -> None:
+    if f.has("prompt_logprobs") and f.get("stream") is True:
+        raise f.error("prompt_logprobs", "'prompt_logprobs' is not available when streaming")
+
+
+def n_greedy(f: RequestFields) -> None:
+    if f.get("n", 1) > 1 and f.has("temperature") and f.get("temperature") < GREEDY_TEMPERATURE:
+        raise f.error("n", "n > 1 needs sampling: greedy decoding (temperature < 1e-5) would repeat one choice")
+
+
+def top_logprobs_requires_logprobs(f: RequestFields) -> None:
+    if f.endpoint in ("chat", "chat_batch") and f.has("top_logprobs") and f.get("logprobs") is not True:
+        raise f.error("top_logprobs", "'top_logprobs' requires 'logprobs': true")
+
+
+def logprob_token_ids_requires_logprobs(f: RequestFields) -> None:
+    if not f.has("logprob_token_ids"):
+        return
+    if f.endpoint in ("chat", "chat_batch"):
+        ok = f.get("logprobs") is True
+    else:
+        ok = f.get("logprobs") is not None
+    if not ok:
+        wanted = "'logprobs': true" if f.endpoint in ("chat", "chat_batch") else "'logprobs' to be set"
+        raise f.error("logprob_token_ids", f"'logprob_token_ids' requires {wanted}")
+
+
+def logprob_token_ids_not_beam_search(f: RequestFields) -> None:
+    if f.has("logprob_token_ids") and f.get("use_beam_search") is True:
+        raise f.error("logprob_token_ids", "'logprob_token_ids' cannot be combined with 'use_beam_search'")
+
+
+def logprob_token_ids_not_echo_without_tokens(f: RequestFields) -> None:
+    if f.endpoint == "completions" and f.has("logprob_token_ids") and f.get("echo") is True and f.get("max_tokens", 16) == 0:
+        raise f.error("logprob_token_ids", "'logprob_token_ids' needs generated positions: not with 'echo' and 'max_tokens': 0")
+
+
+def max_tokens_zero_requires_echo(f: RequestFields) -> None:
+    if f.endpoint == "completions" and f.get("max_tokens", 16) == 0 and f.get("echo") is not True:
+        raise f.error("max_tokens", "'max_tokens': 0 is only allowed with 'echo': true")
+
+
+#: Every rule JSON Schema can state, by id, in the order they are checked.
+RULES: dict[str, Rule] = {
+    "stream_options_requires_stream": stream_options_requires_stream,
+    "prompt_logprobs_not_streaming": prompt_logprobs_not_streaming,
+    "n_greedy": n_greedy,
+    "top_logprobs_requires_logprobs": top_logprobs_requires_logprobs,
+    "logprob_token_ids_requires_logprobs": logprob_token_ids_requires_logprobs,
+    "logprob_token_ids_not_beam_search": logprob_token_ids_not_beam_search,
+    "logprob_token_ids_not_echo_without_tokens": logprob_token_ids_not_echo_without_tokens,
+    "max_tokens_zero_requires_echo": max_tokens_zero_requires_echo,
+}
+
+#: Runtime-only rule ids, enforced during translation because they need the resolved ``max_tokens``,
+#: the tokenizer or the engine's limits (``gyrfalcon.protocol.translate``).
+TRANSLATION_RULES = ("min_tokens_le_max_tokens", "prompt_fits_context", "logit_bias_ids_in_vocab", "chat_template_renders")
+
+
+def check_rules(fields: RequestFields) -> None:
+    """Run every cross-field rule; the first violated one raises its 400."""
+    for rule in RULES.values():
+        rule(fields)
+
+
+def all_rule_ids() -> set[str]:
+    return set(RULES) | set(TRANSLATION_RULES)

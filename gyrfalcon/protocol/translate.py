@@ -1,0 +1,269 @@
+"""The one boundary where generated wire models become internal requests.
+
+``Translator.translate(endpoint, body, header_request_id)`` runs, in order: extension validation,
+strict schema validation (generated model), cross-field rules, the "not supported" check, model
+lookup, prompt building and limits, then the plugins' ``gyrfalcon_validate_request``. Every refusal
+is a :class:`RequestError` naming its ``param``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import jsonschema
+import pydantic
+import pydantic_core
+
+from gyrfalcon import generated
+from gyrfalcon.engine.interface import Engine
+from gyrfalcon.engine.types import EngineInfo, EngineRequest, OutputKind, SamplingParams
+from gyrfalcon.errors import RequestError
+from gyrfalcon.protocol.capabilities import check_supported
+from gyrfalcon.protocol.requests import ServingRequest
+from gyrfalcon.protocol.rules import RequestFields, check_rules
+from gyrfalcon.protocol.wire import validate
+
+#: the generated model of each endpoint's request body
+WIRE_MODELS: dict[str, type[pydantic.BaseModel]] = {
+    "generate": generated.GenerateRequest,
+    "completions": generated.CompletionRequest,
+    "chat": generated.ChatCompletionRequest,
+    "chat_batch": generated.BatchChatCompletionRequest,
+}
+
+RESPONSE_ID_PREFIX = {"generate": "generate-tokens", "completions": "cmpl", "chat": "chatcmpl", "chat_batch": "chatcmpl"}
+
+#: wire fields copied as they are into SamplingParams
+_COPIED = (
+    "n", "temperature", "top_p", "min_p", "seed", "min_tokens", "stop_token_ids", "ignore_eos",
+    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "allowed_token_ids", "bad_words",
+    "prompt_logprobs", "logprob_token_ids",
+)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def wire_defaults(model: type[pydantic.BaseModel]) -> dict[str, Any]:
+    """Documented defaults of a generated model's fields, by wire name."""
+    defaults = {}
+    for name, info in model.model_fields.items():
+        default = info.default
+        if default is pydantic_core.PydanticUndefined or default is getattr(pydantic, "MISSING", object()):
+            continue
+        if default is None and not info.is_required() and info.annotation is not None and "None" not in str(info.annotation):
+            continue
+        defaults[info.alias or name] = default
+    return defaults
+
+
+class Translator:
+    """Turns request bodies into :class:`ServingRequest` objects for one engine."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        served_model_names: list[str],
+        extension_schemas: dict[str, dict[str, Any]],
+        validate_hook: Callable[..., Any] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.info: EngineInfo = engine.info()
+        self.served_model_names = served_model_names
+        self._extensions = jsonschema.Draft202012Validator(
+            {"type": "object", "properties": extension_schemas, "additionalProperties": False}
+        )
+        self._validate_hook = validate_hook
+        self._defaults = {endpoint: wire_defaults(model) for endpoint, model in WIRE_MODELS.items()}
+        self._defaults["generate"].update(wire_defaults(generated.GenerateSamplingParams))
+
+    # ------------------------------------------------------------------ steps
+    def translate(self, endpoint: str, body: Any, header_request_id: str | None = None) -> ServingRequest:
+        if not isinstance(body, dict):
+            raise RequestError("The request body must be a JSON object", None)
+        body = dict(body)
+        extensions = self._check_extensions(body.pop("extensions", None)) if "extensions" in body else None
+        wire = validate(WIRE_MODELS[endpoint], body)
+        sent = wire.model_dump(mode="python", by_alias=True, exclude_unset=True)
+        if extensions is not None:
+            sent["extensions"] = extensions
+        fields = RequestFields.from_body(endpoint, sent)
+        check_rules(fields)
+        check_supported(fields, self._defaults[endpoint], self.info.capabilities)
+        model = self._model_name(fields.get("model"))
+        self._check_limits(fields)
+
+        external_id = header_request_id or fields.get("request_id")
+        response_id = f"{RESPONSE_ID_PREFIX[endpoint]}-{external_id or uuid.uuid4().hex}"
+        prompts, prompt_texts, prompt_param = self._prompts(fields)
+        sampling = self._sampling(fields)
+        stream = bool(fields.get("stream", False))
+        kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
+        requests = []
+        for i, prompt in enumerate(prompts):
+            params = self._with_max_tokens(fields, sampling, len(prompt), prompt_param)
+            requests.append(
+                EngineRequest(
+                    request_id=f"{response_id}-{i}-{uuid.uuid4().hex[:8]}",
+                    prompt_token_ids=prompt,
+                    sampling=params,
+                    output_kind=kind,
+                    extensions=dict(extensions or {}),
+                )
+            )
+        if self._validate_hook is not None:
+            for request in requests:
+                self._validate_hook(endpoint=endpoint, request=request, info=self.info)
+        stream_options = fields.get("stream_options") or {}
+        echo = bool(fields.get("echo", False))
+        return ServingRequest(
+            endpoint=endpoint,
+            model=model,
+            response_id=response_id,
+            requests=requests,
+            n=sampling.n,
+            stream=stream,
+            include_usage=bool(stream_options.get("include_usage", False)),
+            echo=echo,
+            prompt_texts=prompt_texts,
+            return_token_ids=bool(fields.get("return_token_ids", False)),
+            return_tokens_as_token_ids=bool(fields.get("return_tokens_as_token_ids", False)),
+            logprobs=fields.get("logprobs"),
+            prompt_only=endpoint == "completions" and echo and sampling.max_tokens == 0,
+        )
+
+    def _check_extensions(self, extensions: Any) -> dict[str, Any]:
+        error = next(iter(self._extensions.iter_errors(extensions)), None)
+        if error is not None:
+            path = ".".join(str(p) for p in error.absolute_path)
+            param = f"extensions.{path}" if path else "extensions"
+            raise RequestError(f"Invalid value for '{param}': {error.message}", param)
+        return extensions
+
+    def _model_name(self, requested: str | None) -> str:
+        if requested is None:
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise RequestError(f"The model '{requested}' does not exist", "model", status=404, type="NotFoundError")
+        return requested
+
+    def _check_limits(self, f: RequestFields) -> None:
+        """The deployment limits laid over the served spec, enforced identically here."""
+        info = self.info
+        if f.get("n", 1) > info.max_num_seqs:
+            raise f.error("n", f"'n' must be at most {info.max_num_seqs} on this server")
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            value = f.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > info.max_logprobs:
+                raise f.error(name, f"'{name}' must be at most {info.max_logprobs} on this server")
+        for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):
+            self._check_vocab(f.param(name), f.get(name) or [])
+        for key in f.get("logit_bias") or {}:
+            if int(key) >= info.vocab_size:
+                raise f.error("logit_bias", f"'logit_bias' names token id {key}, outside the vocabulary (size {info.vocab_size})")
+
+    def _check_vocab(self, param: str, ids: list[int]) -> None:
+        for token_id in ids:
+            if token_id >= self.info.vocab_size:
+                raise RequestError(f"Token id {token_id} in '{param}' is outside the vocabulary (size {self.info.vocab_size})", param)
+
+    # ------------------------------------------------------------------ prompts
+    def _prompts(self, f: RequestFields) -> tuple[list[list[int]], list[str], str]:
+        """Token ids of every prompt, their texts (for echo), and the prompt's param name."""
+        if f.endpoint == "generate":
+            ids = f.get("token_ids")
+            self._check_vocab("token_ids", ids)
+            return [ids], [], "token_ids"
+        if f.endpoint == "completions":
+            return self._completion_prompts(f.get("prompt"))
+        conversations = [f.get("messages")] if f.endpoint == "chat" else f.get("messages")
+        add_generation_prompt = f.get("add_generation_prompt", True)
+        prompts = []
+        for i, messages in enumerate(conversations):
+            param = "messages" if f.endpoint == "chat" else f"messages.{i}"
+            try:
+                text = self.engine.apply_chat_template([_plain_message(m) for m in messages], add_generation_prompt)
+            except Exception as exc:  # a template raising on these messages is the client's 400
+                raise RequestError(f"The chat template cannot render these messages: {exc}", param) from None
+            prompts.append(self.engine.tokenize(text, add_special_tokens=False))
+        return prompts, [], "messages"
+
+    def _completion_prompts(self, prompt: Any) -> tuple[list[list[int]], list[str], str]:
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        ids, texts = [], []
+        for i, item in enumerate(items):
+            param = "prompt" if len(items) == 1 else f"prompt.{i}"
+            if isinstance(item, str):
+                tokens = self.engine.tokenize(item, add_special_tokens=True)
+                text = item
+            else:
+                self._check_vocab(param, item)
+                tokens, text = list(item), self.engine.detokenize(item)
+            if not tokens:
+                raise RequestError("The prompt is empty after tokenization", param)
+            ids.append(tokens)
+            texts.append(text)
+        return ids, texts, "prompt"
+
+    # ------------------------------------------------------------------ sampling
+    def _sampling(self, f: RequestFields) -> SamplingParams:
+        params = SamplingParams(**{name: f.get(name) for name in _COPIED if f.has(name)})
+        if f.has("top_k"):
+            params.top_k = -1 if f.get("top_k") == 0 else f.get("top_k")
+        stop = f.get("stop")
+        if stop is not None:
+            params.stop = [stop] if isinstance(stop, str) else list(stop)
+        if f.has("logit_bias"):
+            params.logit_bias = {int(k): float(v) for k, v in f.get("logit_bias").items()}
+        logprobs = f.get("logprobs")
+        if f.endpoint in ("chat", "chat_batch"):
+            if logprobs is True:
+                params.logprobs = f.get("top_logprobs", 0)
+        elif logprobs is not None:
+            params.logprobs = logprobs
+        return params
+
+    def _with_max_tokens(self, f: RequestFields, sampling: SamplingParams, prompt_len: int, prompt_param: str) -> SamplingParams:
+        """Resolve ``max_tokens`` for one prompt and check that prompt + max_tokens fit the context."""
+        context = self.info.max_model_len
+        if f.has("max_completion_tokens"):
+            name, max_tokens = "max_completion_tokens", f.get("max_completion_tokens")
+        elif f.get("max_tokens") is not None:
+            name, max_tokens = "max_tokens", f.get("max_tokens")
+        elif f.endpoint == "completions":
+            name, max_tokens = None, COMPLETIONS_DEFAULT_MAX_TOKENS
+        else:
+            name, max_tokens = None, context - prompt_len
+        if prompt_len > context or (max_tokens > 0 and prompt_len >= context):
+            raise RequestError(
+                f"The prompt has {prompt_len} tokens; this model's context is {context} tokens", f.param(prompt_param)
+            )
+        if prompt_len + max_tokens > context:
+            raise RequestError(
+                f"This model's context is {context} tokens, but {prompt_len} prompt tokens + {max_tokens} "
+                f"completion tokens were requested",
+                f.param(name) if name else f.param(prompt_param),
+            )
+        if sampling.min_tokens > max_tokens:
+            raise f.error("min_tokens", f"'min_tokens' ({sampling.min_tokens}) must not exceed 'max_tokens' ({max_tokens})")
+        return dataclasses.replace(sampling, max_tokens=max_tokens)
+
+
+def _plain_message(message: dict[str, Any]) -> dict[str, str]:
+    """A wire chat message as the plain dict chat templates expect."""
+    content = message["content"]
+    if not isinstance(content, str):
+        content = "\n".join(part["text"] for part in content)
+    role = "system" if message["role"] == "developer" else message["role"]
+    plain = {"role": role, "content": content}
+    if message.get("name"):
+        plain["name"] = message["name"]
+    return plain

@@ -1,0 +1,67 @@
+"""From request bytes to a strictly validated generated model, with errors that name their field."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TypeVar
+
+import orjson
+import pydantic
+
+from gyrfalcon.errors import RequestError
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Parts of a pydantic error location that name a union member or a validator, not a field.
+_NOT_A_FIELD = re.compile(r"^(str|int|float|bool|list|dict|tuple|none|is-instance|function-.*|literal.*)$", re.I)
+
+
+def parse_json(raw: bytes) -> Any:
+    """Parse a body with orjson; whole floats become ints (JSON has one number type).
+
+    Raises a 400 for malformed JSON.
+    """
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"Malformed JSON body: {exc}", None) from None
+    return _ints_from_whole_floats(data)
+
+
+def _ints_from_whole_floats(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    if isinstance(value, list):
+        return [_ints_from_whole_floats(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _ints_from_whole_floats(v) for k, v in value.items()}
+    return value
+
+
+def error_param(loc: tuple[Any, ...]) -> str | None:
+    """A dotted field path from a pydantic error location, without union-member tags."""
+    parts = [str(p) for p in loc if isinstance(p, int) or (_IDENTIFIER.match(str(p)) and not _NOT_A_FIELD.match(str(p)))]
+    return ".".join(parts) or None
+
+
+def validate(model: type[M], data: Any, prefix: str | None = None) -> M:
+    """Validate ``data`` strictly against a generated model; the first error becomes a 400."""
+    if not isinstance(data, dict):
+        raise RequestError("The request body must be a JSON object", prefix)
+    try:
+        return model.model_validate(data, strict=True)
+    except pydantic.ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        # A failed union reports one error per member; the shortest location names the field best.
+        first = min(errors, key=lambda e: len(e["loc"]))
+        param = error_param(first["loc"])
+        if prefix:
+            param = f"{prefix}.{param}" if param else prefix
+        if first["type"] == "extra_forbidden":
+            message = f"Unknown or unsupported field '{param}'"
+        elif first["type"] == "missing":
+            message = f"Field '{param}' is required"
+        else:
+            message = f"Invalid value for '{param}': {first['msg']}"
+        raise RequestError(message, param) from None

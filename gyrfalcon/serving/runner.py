@@ -1,0 +1,84 @@
+"""Run a :class:`ServingRequest` on the engine: submit synchronously, then collect or stream."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from gyrfalcon.engine.interface import Engine, OutputStream
+from gyrfalcon.engine.types import RequestOutput
+from gyrfalcon.errors import RequestError
+from gyrfalcon.protocol.requests import ServingRequest
+from gyrfalcon.serving.formats import FORMATTERS, CompletionFormatter
+
+
+def submit_all(engine: Engine, serving: ServingRequest) -> list[OutputStream]:
+    """Submit every engine request; if one is refused, abort those already accepted and re-raise."""
+    streams: list[OutputStream] = []
+    try:
+        for request in serving.requests:
+            streams.append(engine.submit(request))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return streams
+
+
+def _raise_in_band(output: RequestOutput) -> None:
+    if output.error is not None:
+        error = output.error
+        raise RequestError(error.message, error.param, status=error.status, type=error.type)
+
+
+def complete(engine: Engine, serving: ServingRequest, streams: list[OutputStream]) -> dict[str, Any]:
+    """Wait for every stream's final output and build the response body."""
+    formatter = FORMATTERS[serving.endpoint](serving)
+    if serving.prompt_only:
+        assert isinstance(formatter, CompletionFormatter)
+        return formatter.prompt_only()
+    finals: list[RequestOutput] = []
+    try:
+        for stream in streams:
+            last = None
+            for output in stream:
+                _raise_in_band(output)
+                last = output
+            if last is None or not last.finished:
+                raise RequestError("The engine ended the request without a final output", None, status=500, type="engine_error")
+            finals.append(last)
+    finally:
+        for stream in streams:
+            stream.close()
+    return formatter.final(finals)
+
+
+def stream_chunks(engine: Engine, serving: ServingRequest, streams: list[OutputStream]) -> Iterator[dict[str, Any]]:
+    """Yield the response's SSE chunks (dicts); raise :class:`RequestError` for an in-band error.
+
+    Streams are read one after the other (their outputs queue up meanwhile); every choice's last
+    chunk carries its ``finish_reason``. Closing the generator aborts whatever is still running.
+    """
+    formatter = FORMATTERS[serving.endpoint](serving)
+    prompt_tokens = completion_tokens = 0
+    if serving.prompt_only:
+        assert isinstance(formatter, CompletionFormatter)
+        body = formatter.prompt_only()
+        yield formatter.envelope(body["choices"], chunk=True)
+        if serving.include_usage:
+            yield formatter.usage_chunk(body["usage"]["prompt_tokens"], 0)
+        return
+    try:
+        yield from formatter.opening_chunks()
+        for i, stream in enumerate(streams):
+            for output in stream:
+                _raise_in_band(output)
+                yield from formatter.delta_chunks(i, output)
+                if output.finished:
+                    prompt_tokens += len(output.prompt_token_ids)
+                    completion_tokens += output.num_generated_tokens
+        if serving.include_usage:
+            yield formatter.usage_chunk(prompt_tokens, completion_tokens)
+    finally:
+        for stream in streams:
+            stream.close()
