@@ -1,0 +1,126 @@
+"""The token chooser: processors on the batch, then greedy argmax or a seeded exponential race.
+
+One ``[B, V]`` pass per step:
+
+1. the raw log-softmax (before any processor) goes to the logprob gatherers — the single hook
+   point :meth:`Sampler.gather_logprobs`, which also receives the sampled ids;
+2. ``min_tokens``: stop token ids (and eos unless ``ignore_eos``) are masked until enough tokens
+   have been generated (vLLM's rule);
+3. the plugin processors run in ascending ``order``, each on the rows that want it;
+4. greedy rows (temperature < 1e-5) take the argmax; the others ``argmax(probs / q)`` with
+   ``q ~ Exp(1)`` drawn from the row's own generator (the request's child seed, or the engine's
+   generator when unseeded), so a seeded row samples the same token whatever its batch company.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gyrfalcon.engine.types import LOGPROB_FLOOR, TokenLogprobs
+from gyrfalcon.policies import BatchRows, LogitsProcessor, LogprobGatherer
+
+
+@dataclass
+class SamplerOutput:
+    """Per row: the sampled token id and, for rows whose request asked, its logprob entry."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    """Applies the engine's processors and gatherers (resolved once at start) to a batch."""
+
+    def __init__(
+        self,
+        processors: list[LogitsProcessor],
+        gatherers: list[LogprobGatherer],
+        eos_token_ids: list[int],
+        default_generator: torch.Generator,
+    ) -> None:
+        self.processors = sorted(processors, key=lambda p: p.order)
+        self.gatherers = list(gatherers)
+        self.eos_token_ids = list(eos_token_ids)
+        self.default_generator = default_generator
+
+    def _selected(self, policy, rows: BatchRows) -> list[int]:
+        extensions = rows.extensions or [{}] * len(rows)
+        return [i for i in range(len(rows)) if policy.wants(rows.params[i], extensions[i])]
+
+    def _mask_min_tokens(self, logits: torch.Tensor, rows: BatchRows) -> None:
+        for i, params in enumerate(rows.params):
+            if len(rows.output_token_ids[i]) >= params.min_tokens:
+                continue
+            banned = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned.extend(self.eos_token_ids)
+            if banned:
+                logits[i, banned] = -math.inf
+
+    def choose(self, logits: torch.Tensor, rows: BatchRows) -> torch.Tensor:
+        """``[B]`` token ids from processed logits: argmax for greedy rows, exponential race otherwise."""
+        chosen = logits.argmax(dim=-1)
+        random_rows = [i for i, params in enumerate(rows.params) if not params.greedy]
+        if random_rows:
+            generators = rows.generators or [None] * len(rows)
+            vocab = logits.shape[-1]
+            q = torch.stack(
+                [
+                    torch.empty(vocab, device=logits.device, dtype=torch.float32).exponential_(
+                        generator=generators[i] or self.default_generator
+                    )
+                    for i in random_rows
+                ]
+            )
+            index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+            probs = logits.index_select(0, index).float().softmax(dim=-1)
+            chosen[index] = (probs / q.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+        return chosen
+
+    def gather_logprobs(
+        self, raw_logprobs: torch.Tensor | None, sampled: torch.Tensor, rows: BatchRows, selected: list[list[int]]
+    ) -> list[TokenLogprobs | None]:
+        """The logprob hook point: one position's report per row (None where no gatherer wants it).
+
+        ``raw_logprobs`` is the log-softmax of the step's unprocessed logits; ``selected[g]`` lists
+        the rows gatherer ``g`` wants. A row's report holds the sampled token and its logprob, then
+        every gatherer's ``(ids, logprobs)`` pairs in gatherer order without duplicate ids.
+        """
+        reports: list[TokenLogprobs | None] = [None] * len(rows)
+        if raw_logprobs is None:
+            return reports
+        sampled_list = sampled.tolist()
+        for g, gatherer in enumerate(self.gatherers):
+            if not selected[g]:
+                continue
+            pairs = gatherer.gather(raw_logprobs, sampled, rows, selected[g])
+            for i, pair in enumerate(pairs):
+                if pair is None:
+                    continue
+                report = reports[i]
+                if report is None:
+                    lp = max(float(raw_logprobs[i, sampled_list[i]]), LOGPROB_FLOOR)
+                    report = reports[i] = TokenLogprobs([sampled_list[i]], [lp], [[]], [[]])
+                seen = set(report.top_token_ids[0])
+                for token_id, value in zip(*pair):
+                    if token_id not in seen:
+                        seen.add(token_id)
+                        report.top_token_ids[0].append(int(token_id))
+                        report.top_logprobs[0].append(max(float(value), LOGPROB_FLOOR))
+        return reports
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: BatchRows) -> SamplerOutput:
+        """Sample one token per row of ``[B, V]`` logits (modified in place)."""
+        gathered = [self._selected(g, rows) for g in self.gatherers]
+        raw_logprobs = logits.float().log_softmax(dim=-1) if any(gathered) else None
+        self._mask_min_tokens(logits, rows)
+        for processor in self.processors:
+            selected = self._selected(processor, rows)
+            if selected:
+                logits = processor(logits, rows, selected)
+        sampled = self.choose(logits, rows)
+        return SamplerOutput(sampled.tolist(), self.gather_logprobs(raw_logprobs, sampled, rows, gathered))

@@ -1,0 +1,81 @@
+"""One choice being generated: its tokens, text, logprobs and finish state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gyrfalcon.engine.detokenizer import IncrementalDetokenizer
+from gyrfalcon.engine.stopping import StopChecker
+from gyrfalcon.engine.types import SamplingParams, TokenLogprobs
+
+
+class Sequence:
+    """Choice ``index`` of a request. :meth:`append` applies detokenisation and the stop rules.
+
+    ``text`` is everything decoded so far (already cut at a stop string); ``visible_text`` is what
+    may be sent while the choice runs (a possible stop-string start is held back).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        params: SamplingParams,
+        prompt_token_ids: list[int],
+        detokenizer: IncrementalDetokenizer,
+        stopper: StopChecker,
+        generator: Any = None,
+    ) -> None:
+        self.index = index
+        self.params = params
+        self.prompt_token_ids = prompt_token_ids
+        self.detokenizer = detokenizer
+        self.stopper = stopper
+        self.generator = generator
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: TokenLogprobs | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.stop_reason = stop_reason
+
+    def visible_text(self) -> str:
+        if self.finished:
+            return self.text
+        held = self.stopper.holdback(self.text)
+        return self.text[: len(self.text) - held] if held else self.text
+
+    def append(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        """Add a generated token and decide whether the choice has finished."""
+        self.token_ids.append(token_id)
+        if logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = TokenLogprobs()
+            self.logprobs.extend(logprobs)
+        count = len(self.token_ids)
+        token_stop = self.stopper.check_token(token_id, count)
+        if token_stop is not None:
+            # vLLM: the stop token's own text is only part of the output with include_stop_str_in_output.
+            if self.params.include_stop_str_in_output:
+                self.text += self.detokenizer.add(token_id)
+            self.text += self.detokenizer.flush()
+            self.finish(*token_stop)
+            return
+        delta = self.detokenizer.add(token_id)
+        self.text += delta
+        hit = self.stopper.check_text(self.text, len(delta), count)
+        if hit is not None:
+            stop, cut = hit
+            self.text = self.text[:cut]
+            self.finish("stop", stop)
+            return
+        if self.stopper.check_length(count):
+            self.text += self.detokenizer.flush()
+            self.finish("length")

@@ -1,0 +1,327 @@
+"""``TransformersEngine``: the in-process engine running a transformers causal LM on a step loop.
+
+Construction is quick (config and tokenizer only); a background thread loads the model, warms it up
+with one short generation, then runs the step loop. ``health()`` answers ``ready=False`` with
+``"loading model"`` until then. Requests wait in a bounded FIFO; this runner serves one request at a
+time, its ``n`` choices decoding together as one batch over a KV cache prefilled once and forked.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from gyrfalcon.config import Settings
+from gyrfalcon.engine.detokenizer import IncrementalDetokenizer
+from gyrfalcon.engine.interface import Engine, OutputStream
+from gyrfalcon.engine.outputs import RequestState
+from gyrfalcon.engine.runner import ModelRunner
+from gyrfalcon.engine.sampler import Sampler
+from gyrfalcon.engine.scheduler import Scheduler
+from gyrfalcon.engine.sequence import Sequence
+from gyrfalcon.engine.stopping import StopChecker
+from gyrfalcon.engine.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind
+from gyrfalcon.engine.validation import NATIVE_CAPABILITIES, validate_request
+from gyrfalcon.errors import RequestError
+from gyrfalcon.models.loading import load_model_and_tokenizer, resolve_device, resolve_dtype
+from gyrfalcon.policies import BatchRows
+
+log = logging.getLogger(__name__)
+
+_WARMUP_PROMPT = [5, 6, 7, 8]
+
+
+class TransformersEngine(Engine):
+    """An :class:`Engine` over a local Hugging Face causal-LM folder.
+
+    ``settings``: model folder (``model_path`` overrides ``settings.model``, e.g. a converted GGUF
+    folder), limits, seed, dtype, device, threads. ``pm``: the plugin manager whose engine hooks
+    (logits processors, logprob gatherers) are resolved once here; None builds one from
+    ``settings.plugins_allow`` / ``settings.plugins_block``. ``start=False`` leaves the background
+    thread to :meth:`start` (tests).
+    """
+
+    def __init__(self, settings: Settings, pm: Any = None, *, model_path: str | None = None, start: bool = True):
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        self.settings = settings
+        path = model_path or settings.model
+        if not path:
+            raise ValueError("TransformersEngine needs a model folder (settings.model or model_path)")
+        self.model_path = str(path)
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device)
+        self.config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        self.special_ids = frozenset(self.tokenizer.all_special_ids)
+        self.eos_token_ids = self._eos_ids(GenerationConfig)
+
+        model_max = int(getattr(self.config, "max_position_embeddings", 0) or settings.max_model_len or 2048)
+        max_model_len = min(settings.max_model_len or model_max, model_max)
+        base = EngineInfo(
+            model_path=self.model_path,
+            vocab_size=int(self.config.vocab_size),
+            max_model_len=max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            max_logprobs=settings.max_logprobs,
+            max_num_seqs=settings.max_num_seqs,
+            capabilities=NATIVE_CAPABILITIES,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=self.device,
+        )
+        if pm is None:
+            from gyrfalcon.plugins import plugin_manager
+
+            pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
+        self.processors = [p for result in pm.hook.gyrfalcon_logits_processors(info=base) for p in (result or [])]
+        self.gatherers = [g for result in pm.hook.gyrfalcon_logprob_gatherers(info=base) for g in (result or [])]
+        capabilities = set(NATIVE_CAPABILITIES)
+        for policy in [*self.processors, *self.gatherers]:
+            capabilities |= set(policy.fields)
+        base.capabilities = frozenset(capabilities)
+        self._info = base
+
+        self.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        self.sampler = Sampler(self.processors, self.gatherers, self.eos_token_ids, self.generator)
+        self.scheduler = Scheduler(settings.max_queue_len)
+        self.runner: ModelRunner | None = None
+        self._lock = threading.Lock()
+        self._live: dict[str, RequestState] = {}
+        self._running: RequestState | None = None
+        self._accepting = True
+        self._stop = threading.Event()
+        self._health = EngineHealth(ready=False, message="loading model")
+        self._counters = dict.fromkeys(
+            ("requests_submitted", "requests_finished", "requests_aborted", "requests_failed",
+             "prompt_tokens", "generation_tokens", "steps"), 0)  # fmt: skip
+        self._thread = threading.Thread(target=self._main, name="gyrfalcon-engine", daemon=True)
+        if start:
+            self.start()
+
+    def _eos_ids(self, generation_config_cls) -> list[int]:
+        ids: list[int] = []
+        try:
+            eos = generation_config_cls.from_pretrained(self.model_path, local_files_only=True).eos_token_id
+        except OSError:
+            eos = None
+        for value in [*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id]:
+            if value is not None and int(value) not in ids:
+                ids.append(int(value))
+        return ids
+
+    # ------------------------------------------------------------------ Engine API
+
+    def start(self) -> None:
+        """Start the background thread (load, warm up, step loop)."""
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def health(self) -> EngineHealth:
+        return self._health
+
+    def wait_ready(self, timeout: float = 60.0) -> EngineHealth:
+        """Block until the model is loaded and warmed up (or failed); returns the health."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self._health.ready and self._thread.is_alive():
+            time.sleep(0.01)
+        return self._health
+
+    def submit(self, request: EngineRequest) -> OutputStream:
+        if not self._accepting:
+            raise RequestError("the engine is shutting down", None, status=503, type="server_overloaded",
+                               headers={"Retry-After": "1"})  # fmt: skip
+        validate_request(request, self._info, self.processors, self.gatherers)
+        stream = OutputStream(request.request_id, on_close=self.abort)
+        state = RequestState(request, stream, self._make_sequences(request))
+        with self._lock:
+            if request.request_id in self._live:
+                raise RequestError(f"request id {request.request_id!r} is already running", "request_id")
+            self.scheduler.add(state)
+            self._live[request.request_id] = state
+            self._counters["requests_submitted"] += 1
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            state = self._live.get(request_id)
+            if state is None:
+                return
+            state.abort_requested = True
+            waiting = self.scheduler.remove(request_id)
+        if waiting is not None:
+            waiting.abort()
+            self._emit(waiting)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            running = self._running
+            stats: dict[str, Any] = dict(self._counters)
+            stats["waiting"] = len(self.scheduler)
+            stats["running"] = 0 if running is None else 1
+            stats["running_sequences"] = 0 if running is None else sum(not s.finished for s in running.sequences)
+        return stats
+
+    def shutdown(self, grace: float = 5.0) -> None:
+        self._accepting = False
+        deadline = time.monotonic() + max(grace, 0.0)
+        while time.monotonic() < deadline and self._live and self._thread.is_alive():
+            time.sleep(0.01)
+        with self._lock:
+            ids = list(self._live)
+        for request_id in ids:
+            self.abort(request_id)
+        self._stop.set()
+        self.scheduler.wake()
+        if self._thread.is_alive():
+            self._thread.join(timeout=max(grace, 1.0) + 5.0)
+        for state in self.scheduler.drain():  # the loop never ran (load failure or not started)
+            state.abort()
+            self._emit(state)
+        self._health = EngineHealth(ready=False, message="shut down")
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)  # fmt: skip
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                for t in token_ids]  # fmt: skip
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    # ------------------------------------------------------------------ internals
+
+    def _make_sequences(self, request: EngineRequest) -> list[Sequence]:
+        params = request.sampling
+        sequences = []
+        for index in range(params.n):
+            seed = params.child_seed(index)
+            generator = None
+            if seed is not None and not params.greedy:
+                generator = torch.Generator(device=self.device).manual_seed(seed)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, self.special_ids,
+                                                 params.skip_special_tokens, params.spaces_between_special_tokens)  # fmt: skip
+            stopper = StopChecker(params, self.eos_token_ids, len(request.prompt_token_ids), self._info.max_model_len)
+            sequences.append(Sequence(index, params, request.prompt_token_ids, detokenizer, stopper, generator))
+        return sequences
+
+    def _emit(self, state: RequestState) -> None:
+        """Send what a step produced; end the stream and forget the request once it has finished."""
+        output = state.make_output()
+        if output is not None:
+            state.stream.put(output)
+        if state.finished and not state.closed:
+            state.closed = True
+            state.stream.finish()
+            self._forget(state, "requests_aborted" if state.abort_requested else "requests_finished")
+
+    def _forget(self, state: RequestState, counter: str) -> None:
+        with self._lock:
+            self._live.pop(state.request_id, None)
+            self._counters[counter] += 1
+
+    def _main(self) -> None:
+        try:
+            self._load()
+        except Exception as exc:  # noqa: BLE001 - reported through health and in-band errors
+            log.exception("model failed to load")
+            self._health = EngineHealth(ready=False, message=f"model failed to load: {exc}")
+            self._accepting = False
+            for state in self.scheduler.drain():
+                self._fail(state, f"model failed to load: {exc}")
+            return
+        self._health = EngineHealth(ready=True, message="")
+        while not self._stop.is_set():
+            state = self.scheduler.next_request(timeout=0.05)
+            if state is None:
+                continue
+            with self._lock:
+                self._running = state
+            try:
+                self._serve(state)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the loop
+                log.exception("request %s failed", state.request_id)
+                self._fail(state, f"internal error: {exc}")
+            finally:
+                with self._lock:
+                    self._running = None
+
+    def _fail(self, state: RequestState, message: str) -> None:
+        if state.closed:
+            return
+        state.closed = True
+        state.stream.put(state.fail(EngineError(message)))
+        state.stream.finish()
+        self._forget(state, "requests_failed")
+
+    def _load(self) -> None:
+        if self.device == "cpu":
+            torch.set_num_threads(self.settings.num_threads)
+        model, _ = load_model_and_tokenizer(self.model_path, self.settings.dtype, self.device)
+        self.runner = ModelRunner(model, self.device)
+        # Warm-up: one short generation through the same path as requests (no stream involved).
+        logits, batch = self.runner.prefill(_WARMUP_PROMPT)
+        batch.fork(2)
+        for _ in range(2):
+            token = logits.argmax(dim=-1)
+            logits = self.runner.decode(batch, token.expand(2).tolist())
+
+    def _rows(self, state: RequestState, active: list[Sequence]) -> BatchRows:
+        request = state.request
+        return BatchRows(
+            params=[seq.params for seq in active],
+            prompt_token_ids=[request.prompt_token_ids] * len(active),
+            output_token_ids=[seq.token_ids for seq in active],
+            extensions=[request.extensions] * len(active),
+            generators=[seq.generator for seq in active],
+        )
+
+    @torch.inference_mode()
+    def _serve(self, state: RequestState) -> None:
+        """Run one request to completion: prefill once, fork to n rows, decode until all finish."""
+        assert self.runner is not None
+        if state.abort_requested:
+            state.abort()
+            self._emit(state)
+            return
+        prompt = state.request.prompt_token_ids
+        with self._lock:
+            self._counters["prompt_tokens"] += len(prompt)
+        logits, batch = self.runner.prefill(prompt)
+        active = list(state.sequences)
+        batch.fork(len(active))
+        logits = logits.expand(len(active), -1).clone()
+        while True:
+            if state.abort_requested or self._stop.is_set():
+                state.abort_requested = True
+                state.abort()
+                self._emit(state)
+                return
+            sampled = self.sampler.sample(logits, self._rows(state, active))
+            for seq, token_id, logprobs in zip(active, sampled.token_ids, sampled.logprobs):
+                seq.append(token_id, logprobs)
+            with self._lock:
+                self._counters["generation_tokens"] += len(active)
+                self._counters["steps"] += 1
+            self._emit(state)
+            keep = [row for row, seq in enumerate(active) if not seq.finished]
+            if not keep:
+                return
+            if len(keep) < len(active):
+                batch.select(keep)
+                active = [active[row] for row in keep]
+            logits = self.runner.decode(batch, [seq.token_ids[-1] for seq in active])
+
+
+__all__ = ["OutputKind", "TransformersEngine"]

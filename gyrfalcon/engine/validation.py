@@ -1,0 +1,67 @@
+"""Synchronous checks of an incoming request against the engine's limits and capabilities."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gyrfalcon.engine.types import EngineInfo, EngineRequest, OutputKind
+from gyrfalcon.errors import RequestError
+from gyrfalcon.policies import LogitsProcessor, LogprobGatherer
+
+#: ``SamplingParams`` fields the runner honours itself; processors and gatherers add theirs.
+NATIVE_CAPABILITIES = frozenset(
+    {
+        "n",
+        "max_tokens",
+        "min_tokens",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+    }
+)
+
+
+def validate_request(
+    request: EngineRequest,
+    info: EngineInfo,
+    processors: Sequence[LogitsProcessor] = (),
+    gatherers: Sequence[LogprobGatherer] = (),
+) -> None:
+    """Raise :class:`RequestError` (400 with ``param``) for anything this engine cannot serve."""
+    params = request.sampling
+    for name in sorted(params.asked_fields() - info.capabilities):
+        raise RequestError(f"{name} is not supported by this server", name)
+    for name in sorted(set(request.extensions) - info.capabilities):
+        raise RequestError(f"extension {name} is not supported by this server", f"extensions.{name}")
+    try:
+        OutputKind(request.output_kind)
+    except ValueError:
+        raise RequestError(f"unknown output kind {request.output_kind!r}", "output_kind") from None
+
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise RequestError("the prompt must contain at least one token", "prompt")
+    if any(not isinstance(t, int) or t < 0 or t >= info.vocab_size for t in prompt):
+        raise RequestError(f"prompt token ids must be in [0, {info.vocab_size})", "prompt")
+    if not 1 <= params.n <= info.max_num_seqs:
+        raise RequestError(f"n must be between 1 and {info.max_num_seqs}", "n")
+    if params.max_tokens < 1:
+        raise RequestError("max_tokens must be at least 1", "max_tokens")
+    if len(prompt) + params.max_tokens > info.max_model_len:
+        raise RequestError(
+            f"this model's maximum context length is {info.max_model_len} tokens; the prompt has "
+            f"{len(prompt)} tokens and max_tokens asks for {params.max_tokens} more",
+            "max_tokens",
+        )
+    if not 0 <= params.min_tokens <= params.max_tokens:
+        raise RequestError("min_tokens must be between 0 and max_tokens", "min_tokens")
+    if any(not s for s in params.stop):
+        raise RequestError("stop strings must not be empty", "stop")
+    if any(t < 0 or t >= info.vocab_size for t in params.stop_token_ids):
+        raise RequestError(f"stop_token_ids must be in [0, {info.vocab_size})", "stop_token_ids")
+    for policy in [*processors, *gatherers]:
+        policy.validate(params, request.extensions, info)
