@@ -1,0 +1,113 @@
+"""Pydantic v2 wire models generated from ``gyrfalcon/openapi/*.yaml``.
+
+HAND-WRITTEN re-export: this ``__init__.py`` is the only hand-written file in the folder. The
+modules ``common.py``, ``generate.py`` and ``openai.py`` are written by ``python -m gyrfalcon.codegen``
+(datamodel-code-generator) and must never be edited by hand; change the YAML and regenerate.
+
+Validating a request body::
+
+    data = orjson.loads(body)    # then turn whole floats (1.0) into ints: fuzzers send them for integers
+    req = CompletionRequest.model_validate(data, strict=True)
+
+Absent optional fields. A field WITH a wire default in the spec (``default:``) holds that default
+when the client omits it (``stream`` is ``False``, ``n`` is ``1``, completions ``max_tokens`` is
+``16``, completions ``logprobs`` is ``None``); a client that sends the default is indistinguishable
+from one that omits it. A field WITHOUT a default holds the sentinel ``pydantic.MISSING`` when
+omitted (``seed``, ``stop``, ``max_tokens`` on chat/generate, ``logprob_token_ids``,
+``sampling_params``, ``stream_options``, ...). Test for it by identity::
+
+    from pydantic import MISSING
+    if req.seed is MISSING: ...
+    seed = None if req.seed is MISSING else req.seed
+
+``MISSING`` is truthy: never write ``req.seed or default``. To know which fields the client sent,
+use ``req.model_fields_set``. ``model_dump()`` leaves ``MISSING`` fields out.
+
+Not enforced by these models (the protocol layer checks them): the ``if``/``then`` cross-field
+rules (``x-rule`` in the YAML), ``uniqueItems`` on ``logprob_token_ids``, and every deployment limit
+of the served spec (model names, vocabulary size, context length, ``max_num_seqs``,
+``max_logprobs``, unsupported fields, plugin ``extensions`` properties).
+``Extensions`` forbids every key: validate ``extensions`` against the plugins' fragments separately.
+"""
+
+from gyrfalcon.generated.common import (
+    ErrorDetail,
+    ErrorResponse,
+    Extensions,
+    ServerSentEvent,
+    StreamOptions,
+    Usage,
+)
+from gyrfalcon.generated.generate import (
+    GenerateChoice,
+    GenerateLogprobEntry,
+    GenerateLogprobs,
+    GenerateRequest,
+    GenerateResponse,
+    GenerateSamplingParams,
+    GenerateStreamResponse,
+    GenerateTopLogprob,
+)
+from gyrfalcon.generated.openai import (
+    BatchChatCompletionRequest,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatContentPartText,
+    ChatDelta,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    VersionResponse,
+)
+
+__all__ = [
+    "BatchChatCompletionRequest",
+    "ChatCompletionChoice",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatCompletionStreamChoice",
+    "ChatCompletionStreamResponse",
+    "ChatContentPartText",
+    "ChatDelta",
+    "ChatLogprobToken",
+    "ChatLogprobs",
+    "ChatMessage",
+    "ChatResponseMessage",
+    "ChatTopLogprob",
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "CompletionStreamResponse",
+    "ErrorDetail",
+    "ErrorResponse",
+    "Extensions",
+    "GenerateChoice",
+    "GenerateLogprobEntry",
+    "GenerateLogprobs",
+    "GenerateRequest",
+    "GenerateResponse",
+    "GenerateSamplingParams",
+    "GenerateStreamResponse",
+    "GenerateTopLogprob",
+    "HealthResponse",
+    "ModelCard",
+    "ModelList",
+    "ServerSentEvent",
+    "StreamOptions",
+    "Usage",
+    "VersionResponse",
+]

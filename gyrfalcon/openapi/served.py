@@ -1,0 +1,330 @@
+"""The one served spec: the OpenAPI documents bundled, with this deployment's limits laid over them.
+
+``bundle()`` merges ``common.yaml``, ``generate.yaml`` and ``openai.yaml`` into one OpenAPI 3.1
+document (cross-file ``$ref``s rewritten to local ones). ``served_spec(limits)`` lays a
+:class:`ServedLimits` over it so that a fuzzer's "valid" request is valid for this server, and adds
+``x-runtime-rules``: the rules JSON Schema cannot state (:data:`RUNTIME_RULES`).
+
+Pure Python (PyYAML only): importable by the HTTP frontend without torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+OPENAPI_DIR = Path(__file__).resolve().parent
+#: The source documents, in bundling order (shared components first).
+DOCUMENTS = ("common.yaml", "generate.yaml", "openai.yaml")
+_COMPONENT_SECTIONS = ("schemas", "responses", "headers", "parameters", "requestBodies", "securitySchemes")
+
+#: Request fields holding token ids: every integer inside gets ``maximum: vocab_size - 1``.
+TOKEN_ID_FIELDS = frozenset({"token_ids", "prompt", "stop_token_ids", "allowed_token_ids", "logprob_token_ids"})
+#: Integer request fields counting log-probabilities: ``maximum: max_logprobs``.
+LOGPROB_COUNT_FIELDS = frozenset({"logprobs", "top_logprobs", "prompt_logprobs"})
+#: Request fields bounded by the context: ``maximum: max_model_len - 1``.
+MAX_TOKENS_FIELDS = frozenset({"max_tokens", "max_completion_tokens"})
+
+#: Rules the protocol layer enforces in code that the served spec cannot state as ``if``/``then``
+#: (each is a 400 carrying ``param``). The cross-field rules stated in the spec carry ``x-rule`` ids
+#: (see :func:`rule_ids`); together the two lists cover every protocol rule.
+RUNTIME_RULES: tuple[dict[str, str], ...] = (
+    {
+        "id": "min_tokens_le_max_tokens",
+        "param": "min_tokens",
+        "description": "min_tokens must not exceed the effective max_tokens "
+        "(max_completion_tokens on chat wins over max_tokens; completions default 16).",
+    },
+    {
+        "id": "prompt_fits_context",
+        "param": "prompt",
+        "description": "prompt tokens + max_tokens <= max_model_len. param is the prompt field of the "
+        "endpoint: token_ids (generate), prompt (completions), messages (chat, batch chat). An omitted "
+        "max_tokens on chat, batch chat and generate means up to the context, so there the prompt alone "
+        "must leave room for one token.",
+    },
+    {
+        "id": "logit_bias_ids_in_vocab",
+        "param": "logit_bias",
+        "description": "Every logit_bias key is a token id below the vocabulary size "
+        "(the served spec also narrows its propertyNames pattern).",
+    },
+    {
+        "id": "chat_template_renders",
+        "param": "messages",
+        "description": "The model's chat template renders the conversation (e.g. role order it accepts).",
+    },
+    {
+        "id": "token_ids_in_vocab",
+        "param": "token_ids",
+        "description": "Every token id (token_ids, prompt ids, stop_token_ids, allowed_token_ids, "
+        "logprob_token_ids) is below the vocabulary size; param names the field. Stated in the served "
+        "spec as maximum, enforced in code because the generated models carry no deployment limits.",
+    },
+    {
+        "id": "logprob_token_ids_unique",
+        "param": "logprob_token_ids",
+        "description": "No duplicate ids (uniqueItems in the spec; the generated models do not check it).",
+    },
+    {
+        "id": "n_le_max_num_seqs",
+        "param": "n",
+        "description": "n <= the server's max_num_seqs (stated in the served spec as maximum).",
+    },
+    {
+        "id": "logprobs_le_max_logprobs",
+        "param": "logprobs",
+        "description": "logprobs, top_logprobs and prompt_logprobs <= the server's max_logprobs "
+        "(stated in the served spec as maximum); param names the field.",
+    },
+    {
+        "id": "model_served",
+        "param": "model",
+        "description": "model, when given, is a served model name (404 otherwise; enum in the served spec).",
+    },
+    {
+        "id": "field_supported",
+        "param": "<field>",
+        "description": "A field the engine cannot honour is rejected unless it holds its wire default "
+        "(const/not in the served spec); checked after schema and cross-field rules.",
+    },
+    {
+        "id": "extensions_valid",
+        "param": "extensions",
+        "description": "Each extensions property is validated by the plugin that declared it.",
+    },
+)
+
+
+@dataclass
+class ServedLimits:
+    """This deployment's limits, laid over the bundled spec by :func:`served_spec`.
+
+    ``unsupported`` holds wire field names the engine cannot honour; names that occur in no request
+    schema are ignored. ``extensions`` maps a plugin name to the JSON-Schema fragment of its field.
+    """
+
+    model_names: list[str]
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_logprobs: int = 20
+    unsupported: set[str] = field(default_factory=set)
+    extensions: dict[str, dict] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 1 or self.max_model_len < 2 or self.max_num_seqs < 1 or self.max_logprobs < 0:
+            raise ValueError(f"impossible limits: {self!r}")
+
+
+def _load(name: str) -> dict[str, Any]:
+    with (OPENAPI_DIR / name).open() as f:
+        # The JSON round trip drops YAML aliases (shared objects) so that callers may edit in place.
+        return json.loads(json.dumps(yaml.safe_load(f)))
+
+
+def _localise_refs(node: Any) -> Any:
+    """Rewrite ``other.yaml#/x`` references to ``#/x`` (every document is merged into one)."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and "#" in value:
+                value = "#" + value.split("#", 1)[1]
+            out[key] = _localise_refs(value)
+        return out
+    if isinstance(node, list):
+        return [_localise_refs(v) for v in node]
+    return node
+
+
+@lru_cache(maxsize=1)
+def _bundle_json() -> str:
+    from gyrfalcon import __version__
+
+    docs = {name: _localise_refs(_load(name)) for name in DOCUMENTS}
+    spec: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "gyrfalcon",
+            "version": __version__,
+            "description": "\n\n".join(d["info"].get("description", "") for d in docs.values()).strip(),
+        },
+        "paths": {},
+        "components": {},
+    }
+    for name, doc in docs.items():
+        for path, item in doc.get("paths", {}).items():
+            if path in spec["paths"]:
+                raise ValueError(f"{name}: path {path} is already defined by another document")
+            spec["paths"][path] = item
+        for section, entries in doc.get("components", {}).items():
+            if section not in _COMPONENT_SECTIONS:
+                raise ValueError(f"{name}: unexpected components section {section!r}")
+            target = spec["components"].setdefault(section, {})
+            for key, value in entries.items():
+                if key in target and target[key] != value:
+                    raise ValueError(f"{name}: components/{section}/{key} differs from another document's")
+                target[key] = value
+    return json.dumps(spec)
+
+
+def bundle() -> dict[str, Any]:
+    """The documents merged into one OpenAPI 3.1 document (a fresh copy on every call)."""
+    return json.loads(_bundle_json())
+
+
+def _schema_of_ref(spec: dict[str, Any], ref: str) -> tuple[str, dict[str, Any]]:
+    prefix = "#/components/schemas/"
+    if not ref.startswith(prefix):
+        raise ValueError(f"unexpected $ref {ref!r}")
+    name = ref[len(prefix) :]
+    return name, spec["components"]["schemas"][name]
+
+
+def request_schema_names(spec: dict[str, Any]) -> list[str]:
+    """Names of the component schemas reachable from any request body (``if``/``then`` not followed)."""
+    seen: list[str] = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                name, target = _schema_of_ref(spec, node["$ref"])
+                if name not in seen:
+                    seen.append(name)
+                    visit(target)
+            for key, value in node.items():
+                if key not in ("if", "then", "else", "not", "$ref"):
+                    visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    for item in spec["paths"].values():
+        for operation in item.values():
+            if isinstance(operation, dict) and "requestBody" in operation:
+                for media in operation["requestBody"]["content"].values():
+                    visit(media["schema"])
+    return seen
+
+
+def request_field_names(spec: dict[str, Any]) -> set[str]:
+    """Every property name of every request schema (the names ``ServedLimits.unsupported`` may use)."""
+    schemas = spec["components"]["schemas"]
+    return {p for name in request_schema_names(spec) for p in schemas[name].get("properties", {})}
+
+
+def decimal_range_pattern(hi: int) -> str:
+    """An anchored regex matching exactly the canonical decimals ``0..hi`` (no leading zeros)."""
+    if hi < 0:
+        raise ValueError("hi must be >= 0")
+    digits = str(hi)
+    width = len(digits)
+    alts = ["0"]
+    if width >= 2:
+        alts.append("[1-9]" if width == 2 else f"[1-9][0-9]{{0,{width - 2}}}")
+    for i, ch in enumerate(digits):
+        low = 1 if i == 0 else 0
+        if int(ch) > low:
+            rest = width - i - 1
+            alts.append(digits[:i] + f"[{low}-{int(ch) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    if hi != 0:
+        alts.append(digits)
+    return "^(" + "|".join(alts) + ")$"
+
+
+def _is_integer(schema: dict[str, Any]) -> bool:
+    t = schema.get("type")
+    return t == "integer" or (isinstance(t, list) and "integer" in t)
+
+
+def _integer_schemas(node: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        if _is_integer(node):
+            yield node
+        for value in node.values():
+            yield from _integer_schemas(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _integer_schemas(value)
+
+
+def _cap(schema: dict[str, Any], maximum: int) -> None:
+    schema["maximum"] = min(schema.get("maximum", maximum), maximum)
+
+
+def _overlay_property(name: str, schema: dict[str, Any], limits: ServedLimits) -> dict[str, Any]:
+    if name == "model" and limits.model_names:
+        schema["enum"] = list(limits.model_names)
+    if name == "n":
+        _cap(schema, limits.max_num_seqs)
+    if name in MAX_TOKENS_FIELDS and _is_integer(schema):
+        _cap(schema, limits.max_model_len - 1)
+    if name in LOGPROB_COUNT_FIELDS and _is_integer(schema):
+        _cap(schema, limits.max_logprobs)
+    if name in TOKEN_ID_FIELDS:
+        for sub in _integer_schemas(schema):
+            _cap(sub, limits.vocab_size - 1)
+    if name == "logit_bias" and "propertyNames" in schema:
+        schema["propertyNames"] = {"pattern": decimal_range_pattern(limits.vocab_size - 1)}
+    if name in limits.unsupported:
+        if "default" in schema:
+            schema["const"] = schema["default"]
+            schema["description"] = (schema.get("description", "") + " Not supported here: only the default.").strip()
+        else:
+            schema = {"not": {}, "description": "Not supported by this server: must be absent."}
+    return schema
+
+
+def served_spec(limits: ServedLimits) -> dict[str, Any]:
+    """The bundle with ``limits`` laid over every request schema, plus ``x-runtime-rules``.
+
+    - ``model``: ``enum`` of the served names; ``n``: ``maximum`` max_num_seqs (batch chat stays 1);
+      ``max_tokens``/``max_completion_tokens``: ``maximum`` max_model_len - 1;
+    - every token-id integer: ``maximum`` vocab_size - 1; ``logit_bias`` keys: ids below vocab_size;
+    - integer logprob counts (``logprobs``, ``top_logprobs``, ``prompt_logprobs``): ``maximum`` max_logprobs;
+    - unsupported fields: ``const: <default>`` where the wire schema has a default, else ``not: {}``;
+    - ``Extensions``: ``properties`` = the plugins' fragments (still ``additionalProperties: false``).
+
+    Only the properties of request schemas are touched; ``if``/``then`` rule blocks stay as written.
+    """
+    spec = bundle()
+    schemas = spec["components"]["schemas"]
+    for name in request_schema_names(spec):
+        props = schemas[name].get("properties", {})
+        for prop in list(props):
+            props[prop] = _overlay_property(prop, props[prop], limits)
+    if limits.extensions:
+        schemas["Extensions"]["properties"] = copy.deepcopy(limits.extensions)
+    spec["x-runtime-rules"] = [dict(rule) for rule in RUNTIME_RULES]
+    return spec
+
+
+def x_rules(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(component schema name, x-rule id)`` for every ``if``/``then`` rule block in ``spec``."""
+    found: list[tuple[str, str]] = []
+
+    def visit(owner: str, node: Any) -> None:
+        if isinstance(node, dict):
+            if "x-rule" in node:
+                found.append((owner, node["x-rule"]))
+            for value in node.values():
+                visit(owner, value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(owner, value)
+
+    for name, schema in spec["components"]["schemas"].items():
+        visit(name, schema)
+    return found
+
+
+def rule_ids(spec: dict[str, Any]) -> set[str]:
+    """The set of ``x-rule`` ids stated in ``spec`` (compare with the protocol layer's rules)."""
+    return {rule for _, rule in x_rules(spec)}
