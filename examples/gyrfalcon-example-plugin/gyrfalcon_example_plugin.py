@@ -40,10 +40,10 @@ def gyrfalcon_request_extensions() -> dict[str, dict[str, Any]]:
     return {
         FIELD: {
             "type": "array",
-            "items": {"type": "integer", "minimum": 0},
+            "items": {"type": "integer", "minimum": 0, "x-token-id": True},
             "maxItems": 16,
             "uniqueItems": True,
-            "description": "Token ids that may never be sampled.",
+            "description": "Token ids that may never be sampled (x-token-id: the server caps them below its vocabulary).",
         }
     }
 

@@ -64,7 +64,6 @@ def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager) -> 
     app.add_route("/v1/chat/completions", InferenceResource(ctx, "chat"))
     app.add_route("/v1/chat/completions/batch", InferenceResource(ctx, "chat_batch"))
     pm.hook.gyrfalcon_add_routes(app=app, engine=engine, settings=settings)
-    app.ctx.server = ctx
     return app
 
 

@@ -11,6 +11,7 @@ import orjson
 import pluggy
 
 from gyrfalcon.api.errors import APIError
+from gyrfalcon.api.spec import bounded_extensions, deployment_spec
 from gyrfalcon.config import Settings
 from gyrfalcon.engine.interface import Engine
 from gyrfalcon.engine.types import EngineInfo
@@ -54,15 +55,14 @@ class ServerContext:
             self.ready_info()
             with self._lock:
                 if self._translator is None:
+                    extensions = bounded_extensions(self.extension_schemas, self.engine.info())
                     self._translator = Translator(
-                        self.engine, self.served_model_names, self.extension_schemas, self.pm.hook.gyrfalcon_validate_request
+                        self.engine, self.served_model_names, extensions, self.pm.hook.gyrfalcon_validate_request
                     )
         return self._translator
 
     def served_spec_bytes(self) -> bytes:
         if self._spec is None:
-            from gyrfalcon.openapi.serving import deployment_spec
-
             info = self.ready_info()
             spec = deployment_spec(info, self.served_model_names, self.extension_schemas)
             self._spec = orjson.dumps(spec)

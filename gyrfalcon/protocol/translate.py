@@ -132,7 +132,7 @@ class Translator:
             return_token_ids=bool(fields.get("return_token_ids", False)),
             return_tokens_as_token_ids=bool(fields.get("return_tokens_as_token_ids", False)),
             logprobs=fields.get("logprobs"),
-            prompt_only=endpoint == "completions" and echo and sampling.max_tokens == 0,
+            prompt_only=endpoint == "completions" and echo and requests[0].sampling.max_tokens == 0,
         )
 
     def _check_extensions(self, extensions: Any) -> dict[str, Any]:
@@ -161,6 +161,9 @@ class Translator:
                 raise f.error(name, f"'{name}' must be at most {info.max_logprobs} on this server")
         for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):
             self._check_vocab(f.param(name), f.get(name) or [])
+        ids = f.get("logprob_token_ids") or []
+        if len(set(ids)) != len(ids):
+            raise f.error("logprob_token_ids", "'logprob_token_ids' must not repeat a token id")
         for key in f.get("logit_bias") or {}:
             if int(key) >= info.vocab_size:
                 raise f.error("logit_bias", f"'logit_bias' names token id {key}, outside the vocabulary (size {info.vocab_size})")

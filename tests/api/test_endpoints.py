@@ -1,0 +1,188 @@
+"""Every endpoint on the real tiny-model engine: shapes, n > 1, streaming, stops, echo, usage."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import chat_delta_text, sse_events, stream_by_choice
+
+SAMPLED = {"temperature": 1.0, "seed": 1234, "ignore_eos": True}
+
+
+def post(client, path, body, **kw):
+    return client.simulate_post(path, json=body, **kw)
+
+
+def test_health_version_models(client):
+    assert client.simulate_get("/health").json == {"status": "ok"}
+    assert "version" in client.simulate_get("/version").json
+    models = client.simulate_get("/v1/models").json
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+    assert models["data"][0]["max_model_len"] > 0
+
+
+def test_completion_shape_and_usage(client):
+    r = post(client, "/v1/completions", {"model": "tiny", "prompt": "hello world", "max_tokens": 5, **SAMPLED})
+    assert r.status_code == 200, r.text
+    body = r.json
+    assert body["object"] == "text_completion" and body["model"] == "tiny" and body["id"].startswith("cmpl-")
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["logprobs"] is None
+    assert body["usage"]["completion_tokens"] == 5
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 5
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_completion_n_returns_all_choices(client, n):
+    r = post(client, "/v1/completions", {"prompt": "abc", "max_tokens": 4, "n": n, **SAMPLED})
+    assert r.status_code == 200, r.text
+    choices = r.json["choices"]
+    assert [c["index"] for c in choices] == list(range(n))
+    assert all(c["finish_reason"] == "length" for c in choices)
+    assert r.json["usage"]["completion_tokens"] == 4 * n
+
+
+@pytest.mark.parametrize("path,body,text_of", [
+    ("/v1/completions", {"prompt": "the cat", "max_tokens": 6}, lambda c: c.get("text", "")),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}, chat_delta_text),
+])
+@pytest.mark.parametrize("n", [1, 3])
+def test_streaming_n_matches_non_streaming(client, path, body, text_of, n):
+    body = {**body, **SAMPLED, "n": n}
+    final = post(client, path, body).json
+    r = post(client, path, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
+    events = sse_events(r.text)
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == final["usage"]
+    joined = stream_by_choice(events[:-2] + ["[DONE]"], text_of)
+    assert sorted(joined) == list(range(n))
+    for choice in final["choices"]:
+        got = joined[choice["index"]]
+        assert got["finishes"] == [choice["finish_reason"]], got
+        assert got["after_finish"] == 0
+        expected = choice["text"] if "text" in choice else choice["message"]["content"]
+        assert got["text"] == expected
+
+
+def test_chat_shape_roles_and_developer(client):
+    body = {
+        "messages": [
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}], "name": "ann"},
+        ],
+        "max_completion_tokens": 3, "max_tokens": 50, **SAMPLED,
+    }
+    r = post(client, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json["choices"]
+    assert choice["message"]["role"] == "assistant"
+    assert r.json["usage"]["completion_tokens"] == 3  # max_completion_tokens wins over max_tokens
+    assert r.json["object"] == "chat.completion"
+
+
+def test_chat_stream_opens_with_roles(client):
+    r = post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": 2, "stream": True, **SAMPLED})
+    events = sse_events(r.text)
+    first = events[0]
+    assert first["object"] == "chat.completion.chunk"
+    assert sorted(c["index"] for c in first["choices"]) == [0, 1]
+    assert all(c["delta"]["role"] == "assistant" for c in first["choices"])
+
+
+def test_chat_default_max_tokens_is_up_to_context(client, tiny_engine):
+    r = post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **SAMPLED})
+    assert r.status_code == 200, r.text
+    usage = r.json["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == tiny_engine.info().max_model_len
+
+
+def test_batch_chat_one_choice_per_conversation(client):
+    convs = [[{"role": "user", "content": "a"}], [{"role": "user", "content": "bb"}], [{"role": "user", "content": "ccc"}]]
+    r = post(client, "/v1/chat/completions/batch", {"messages": convs, "max_tokens": 3, **SAMPLED})
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json["choices"]] == [0, 1, 2]
+    assert r.json["usage"]["completion_tokens"] == 9
+    singles = [post(client, "/v1/chat/completions", {"messages": c, "max_tokens": 3, **SAMPLED}).json for c in convs]
+    assert r.json["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+    assert [c["message"]["content"] for c in r.json["choices"]] == [s["choices"][0]["message"]["content"] for s in singles]
+
+
+def test_generate_tokens_in_tokens_out(client):
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "n": 2, **SAMPLED}, "request_id": "abc"}
+    r = post(client, "/inference/v1/generate", body)
+    assert r.status_code == 200, r.text
+    assert r.json["request_id"] == "generate-tokens-abc"
+    assert [c["index"] for c in r.json["choices"]] == [0, 1]
+    assert all(len(c["token_ids"]) == 4 for c in r.json["choices"])
+    assert r.json["usage"]["prompt_tokens"] == 3
+    r = post(client, "/inference/v1/generate", body, headers={"X-Request-Id": "hdr"})
+    assert r.json["request_id"] == "generate-tokens-hdr"  # the header wins over the body
+
+
+def test_generate_stream_tokens_join(client):
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 5, "n": 2, **SAMPLED}}
+    final = post(client, "/inference/v1/generate", body).json
+    events = sse_events(post(client, "/inference/v1/generate", {**body, "stream": True}).text)
+    joined = stream_by_choice(events)
+    for choice in final["choices"]:
+        assert joined[choice["index"]]["token_ids"] == choice["token_ids"]
+        assert joined[choice["index"]]["finishes"] == [choice["finish_reason"]]
+
+
+def test_several_prompts_index_is_prompt_times_n_plus_j(client):
+    prompts = [[5, 6], [7, 8, 9]]
+    r = post(client, "/v1/completions", {"prompt": prompts, "n": 2, "max_tokens": 2, **SAMPLED, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choices = r.json["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert [c["prompt_token_ids"] for c in choices] == [prompts[0]] * 2 + [prompts[1]] * 2
+    assert r.json["usage"]["prompt_tokens"] == 5 and r.json["usage"]["completion_tokens"] == 8
+
+
+def test_echo_of_token_ids_returns_text(client, tiny_engine):
+    ids = tiny_engine.tokenize("hello there")
+    r = post(client, "/v1/completions", {"prompt": ids, "echo": True, "max_tokens": 0})
+    assert r.status_code == 200, r.text
+    assert r.json["choices"][0]["text"] == tiny_engine.detokenize(ids)
+    assert r.json["usage"]["completion_tokens"] == 0
+    r = post(client, "/v1/completions", {"prompt": "hello there", "echo": True, "max_tokens": 2, **SAMPLED})
+    assert r.json["choices"][0]["text"].startswith("hello there")
+
+
+def test_stop_token_ids_end_the_choice(client):
+    greedy = post(client, "/inference/v1/generate", {"token_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}}).json
+    tokens = greedy["choices"][0]["token_ids"]
+    stop_id = tokens[2]
+    first = tokens.index(stop_id)
+    r = post(client, "/inference/v1/generate", {"token_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_tokens": 6, "ignore_eos": True, "stop_token_ids": [stop_id]}}).json
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop_id
+    assert choice["token_ids"] == tokens[: first + 1]
+
+
+def test_stop_string_cuts_text(client):
+    base = {"prompt": "once upon", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    text = post(client, "/v1/completions", base).json["choices"][0]["text"]
+    stop = text[3:5]
+    if not stop.strip():
+        pytest.skip("greedy text too uniform for a stop string")
+    cut = post(client, "/v1/completions", {**base, "stop": [stop]}).json["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+    assert cut["text"] == text[: text.index(stop)]
+    kept = post(client, "/v1/completions", {**base, "stop": stop, "include_stop_str_in_output": True}).json["choices"][0]
+    assert kept["text"] == text[: text.index(stop) + len(stop)]
+
+
+def test_seeded_sampling_is_reproducible(client):
+    body = {"prompt": "abc", "max_tokens": 8, "n": 2, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    a = post(client, "/v1/completions", body).json["choices"]
+    b = post(client, "/v1/completions", body).json["choices"]
+    assert [c["text"] for c in a] == [c["text"] for c in b]
+
+
+def test_openapi_json_is_the_served_spec(client):
+    spec = client.simulate_get("/openapi.json").json
+    assert spec["openapi"].startswith("3.1")
+    assert "/v1/chat/completions" in spec["paths"]
