@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,9 +54,14 @@ def render(input_dir: Path = INPUT_DIR) -> dict[str, str]:
     _check_project_config()
     input_dir = Path(input_dir).resolve()
     with tempfile.TemporaryDirectory(prefix="gyrfalcon-codegen-") as tmp:
+        # Only the YAML documents: the openapi package also holds Python modules.
+        docs = Path(tmp) / "openapi"
+        docs.mkdir()
+        for path in input_dir.glob("*.yaml"):
+            shutil.copyfile(path, docs / path.name)
         out = Path(tmp) / "generated"
         proc = subprocess.run(
-            [sys.executable, "-m", "datamodel_code_generator", "--input", str(input_dir), "--output", str(out)],
+            [sys.executable, "-m", "datamodel_code_generator", "--input", str(docs), "--output", str(out)],
             cwd=PROJECT_ROOT,  # so that it reads [tool.datamodel-codegen] from our pyproject.toml
             capture_output=True,
             text=True,
