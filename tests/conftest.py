@@ -1,0 +1,44 @@
+"""Session fixtures: the tiny random model (built once, offline) and a started engine on it."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import pytest  # noqa: E402
+
+TINY_MAX_MODEL_LEN = 128
+TINY_MAX_NUM_SEQS = 8
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A folder holding the tiny random Llama and its BPE tokenizer (see gyrfalcon.models.tiny)."""
+    from gyrfalcon.models.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+
+
+def tiny_settings(model_dir: str, **overrides):
+    """Settings for an engine on the tiny model: context 128, 8 sequences, fp32 on CPU, seed 0."""
+    from gyrfalcon.config import Settings
+
+    values = dict(model=model_dir, max_model_len=TINY_MAX_MODEL_LEN, max_num_seqs=TINY_MAX_NUM_SEQS,
+                  max_queue_len=16, dtype="float32", device="cpu", seed=0)  # fmt: skip
+    values.update(overrides)
+    return Settings(**values)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir: str):
+    """A started ``TransformersEngine`` on the tiny model, ready (loaded and warmed up)."""
+    from gyrfalcon.plugins.engines import create_transformers_engine
+
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir))
+    health = engine.wait_ready(timeout=120)
+    assert health.ready, health.message
+    yield engine
+    engine.shutdown(grace=1.0)

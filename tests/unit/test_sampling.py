@@ -1,0 +1,244 @@
+"""Sampling processors against per-row references, and the token chooser."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gyrfalcon.engine.sampler import Sampler
+from gyrfalcon.engine.types import EngineInfo, SamplingParams
+from gyrfalcon.errors import RequestError
+from gyrfalcon.plugins.sampling import (
+    MinPProcessor,
+    TemperatureProcessor,
+    TopKProcessor,
+    TopPProcessor,
+    gyrfalcon_logits_processors,
+)
+from gyrfalcon.policies import BatchRows, LogprobGatherer
+
+V = 16
+INFO = EngineInfo("m", V, 64, [2], 20, 8, frozenset())
+
+
+def rows_for(params: list[SamplingParams], generators=None) -> BatchRows:
+    return BatchRows(
+        params=params,
+        prompt_token_ids=[[1, 2]] * len(params),
+        output_token_ids=[[] for _ in params],
+        extensions=[{} for _ in params],
+        generators=generators or [None] * len(params),
+    )
+
+
+def known_logits(rows: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randn(rows, V, generator=gen) * 3
+
+
+def apply(processor, logits, params):
+    rows = rows_for(params)
+    selected = [i for i, p in enumerate(params) if processor.wants(p, {})]
+    return processor(logits.clone(), rows, selected), selected
+
+
+# per-row references, written the obvious (slow) way
+def ref_top_k(row: torch.Tensor, k: int) -> torch.Tensor:
+    kth = sorted(row.tolist(), reverse=True)[k - 1]
+    return torch.where(row >= kth, row, torch.tensor(-math.inf))
+
+
+def ref_top_p(row: torch.Tensor, p: float) -> torch.Tensor:
+    probs = row.softmax(-1).tolist()
+    order = sorted(range(V), key=lambda i: -probs[i])
+    keep, total = set(), 0.0
+    for i in order:
+        keep.add(i)
+        total += probs[i]
+        if total >= p:
+            break
+    return torch.tensor([row[i].item() if i in keep else -math.inf for i in range(V)])
+
+
+def ref_min_p(row: torch.Tensor, min_p: float) -> torch.Tensor:
+    probs = row.softmax(-1)
+    return torch.where(probs >= probs.max() * min_p, row, torch.tensor(-math.inf))
+
+
+def test_temperature_touches_only_asking_rows():
+    params = [SamplingParams(temperature=0.5), SamplingParams(), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=2.0)]  # fmt: skip
+    logits = known_logits(4)
+    out, selected = apply(TemperatureProcessor(), logits, params)
+    assert selected == [0, 3]
+    torch.testing.assert_close(out[0], logits[0] / 0.5)
+    torch.testing.assert_close(out[3], logits[3] / 2.0)
+    assert torch.equal(out[1], logits[1]) and torch.equal(out[2], logits[2])
+
+
+def test_top_k_matches_reference_per_row():
+    params = [SamplingParams(top_k=3), SamplingParams(), SamplingParams(top_k=1), SamplingParams(top_k=V)]
+    logits = known_logits(4)
+    out, selected = apply(TopKProcessor(V), logits, params)
+    assert selected == [0, 2]  # top_k=-1 and top_k >= vocab ask for nothing
+    assert torch.equal(out[0], ref_top_k(logits[0], 3))
+    assert torch.equal(out[2], ref_top_k(logits[2], 1))
+    assert torch.equal(out[1], logits[1]) and torch.equal(out[3], logits[3])
+
+
+@pytest.mark.parametrize("p", [0.05, 0.3, 0.75, 0.99])
+def test_top_p_matches_reference_per_row(p):
+    params = [SamplingParams(top_p=p), SamplingParams(), SamplingParams(top_p=0.5)]
+    logits = known_logits(3)
+    out, selected = apply(TopPProcessor(), logits, params)
+    assert selected == [0, 2]
+    assert torch.equal(torch.isinf(out[0]), torch.isinf(ref_top_p(logits[0], p)))
+    assert torch.equal(torch.isinf(out[2]), torch.isinf(ref_top_p(logits[2], 0.5)))
+    assert torch.equal(out[1], logits[1])
+    kept = ~torch.isinf(out[0])
+    assert torch.equal(out[0][kept], logits[0][kept])
+
+
+def test_min_p_matches_reference_per_row():
+    params = [SamplingParams(min_p=0.1), SamplingParams(min_p=0.0), SamplingParams(min_p=0.5)]
+    logits = known_logits(3)
+    out, selected = apply(MinPProcessor(), logits, params)
+    assert selected == [0, 2]
+    assert torch.equal(out[0], ref_min_p(logits[0], 0.1))
+    assert torch.equal(out[2], ref_min_p(logits[2], 0.5))
+    assert torch.equal(out[1], logits[1])
+
+
+def test_greedy_rows_are_not_touched_by_truncation():
+    params = [SamplingParams(temperature=0.0, top_k=2, top_p=0.5, min_p=0.3)]
+    for processor in gyrfalcon_logits_processors(INFO):
+        assert not processor.wants(params[0], {})
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        (SamplingParams(top_k=-2), "top_k"),
+        (SamplingParams(top_p=0.0), "top_p"),
+        (SamplingParams(top_p=1.5), "top_p"),
+        (SamplingParams(min_p=1.5), "min_p"),
+        (SamplingParams(temperature=-1.0), "temperature"),
+        (SamplingParams(temperature=math.nan), "temperature"),
+    ],
+)
+def test_processors_validate(params, param):
+    with pytest.raises(RequestError) as err:
+        for processor in gyrfalcon_logits_processors(INFO):
+            processor.validate(params, {}, INFO)
+    assert err.value.param == param and err.value.status == 400
+
+
+def make_sampler(gatherers=(), seed=0) -> Sampler:
+    return Sampler(gyrfalcon_logits_processors(INFO), list(gatherers), [2], torch.Generator().manual_seed(seed))
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_greedy_is_argmax():
+    logits = known_logits(3)
+    params = [SamplingParams(temperature=0.0)] * 3
+    out = make_sampler().sample(logits.clone(), rows_for(params))
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == [None, None, None]
+
+
+def test_seeded_rows_are_reproducible_and_independent_of_company():
+    logits = known_logits(4)
+    me = SamplingParams(temperature=0.9, top_k=8, seed=7)
+    alone = []
+    gen = seeded(7)
+    for _ in range(5):
+        alone.append(make_sampler().sample(logits[1:2].clone(), rows_for([me], [gen])).token_ids[0])
+    company = [SamplingParams(temperature=1.3), me, SamplingParams(temperature=0.0), SamplingParams(top_p=0.4, seed=3)]
+    gens = [None, seeded(7), None, seeded(3)]
+    together = []
+    sampler = make_sampler(seed=99)
+    for _ in range(5):
+        together.append(sampler.sample(logits.clone(), rows_for(company, gens)).token_ids[1])
+    assert alone == together
+    assert len(set(alone)) > 1  # it really samples
+
+
+def test_exponential_race_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1] + [0.0] * (V - 3))
+    logits = probs.log().unsqueeze(0)
+    sampler = make_sampler()
+    rows = rows_for([SamplingParams()])
+    counts = torch.zeros(V)
+    trials = 3000
+    for _ in range(trials):
+        counts[sampler.sample(logits.clone(), rows).token_ids[0]] += 1
+    freq = counts / trials
+    assert torch.allclose(freq[:3], probs[:3], atol=0.04)
+    assert counts[3:].sum() == 0
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
+    logits = torch.zeros(3, V)
+    logits[:, 2] = 100.0  # eos
+    logits[:, 5] = 50.0  # a stop token id
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[5]),
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[5], ignore_eos=True),
+        SamplingParams(temperature=0.0, min_tokens=1),
+    ]
+    rows = rows_for(params)
+    rows.output_token_ids = [[9], [9], [9]]  # one token generated so far
+    out = make_sampler().sample(logits.clone(), rows)
+    # row 0: eos and 5 masked; row 1: eos not masked under ignore_eos (vLLM); row 2: min_tokens reached
+    assert out.token_ids[0] not in (2, 5)
+    assert out.token_ids[1] == 2
+    assert out.token_ids[2] == 2
+
+
+class RecordingGatherer(LogprobGatherer):
+    """Reports the two top raw logprobs of rows whose extensions ask for it."""
+
+    name = "recording"
+    fields = frozenset({"test_logprobs"})
+
+    def __init__(self):
+        self.calls = []
+
+    def wants(self, params, extensions):
+        return bool(extensions.get("test_logprobs"))
+
+    def gather(self, logprobs, sampled, rows, selected):
+        self.calls.append((logprobs.clone(), sampled.clone(), list(selected)))
+        out = [None] * len(rows)
+        for i in selected:
+            top = logprobs[i].topk(2)
+            out[i] = (top.indices.tolist(), top.values.tolist())
+        return out
+
+
+def test_logprob_hook_point_gets_raw_log_softmax_and_sampled_ids():
+    gatherer = RecordingGatherer()
+    sampler = make_sampler([gatherer])
+    logits = known_logits(2)
+    rows = rows_for([SamplingParams(temperature=0.5, top_k=2), SamplingParams(temperature=0.0)])
+    rows.extensions = [{"test_logprobs": True}, {}]
+    out = sampler.sample(logits.clone(), rows)
+    (raw, sampled, selected), = gatherer.calls
+    torch.testing.assert_close(raw, logits.log_softmax(-1))  # before temperature and top-k
+    assert sampled.tolist() == out.token_ids and selected == [0]
+    report = out.logprobs[0]
+    assert report.token_ids == [out.token_ids[0]]
+    assert report.logprobs[0] == pytest.approx(raw[0, out.token_ids[0]].item())
+    assert report.top_token_ids[0] == raw[0].topk(2).indices.tolist()
+    assert out.logprobs[1] is None
+
+
+def test_no_gatherer_wanting_means_no_log_softmax():
+    gatherer = RecordingGatherer()
+    out = make_sampler([gatherer]).sample(known_logits(2), rows_for([SamplingParams()] * 2))
+    assert gatherer.calls == [] and out.logprobs == [None, None]

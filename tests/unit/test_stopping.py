@@ -1,0 +1,171 @@
+"""Stop rules, stop strings and incremental detokenisation on the tiny model's real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from gyrfalcon.engine.detokenizer import IncrementalDetokenizer
+from gyrfalcon.engine.sequence import Sequence
+from gyrfalcon.engine.stopping import StopChecker
+from gyrfalcon.engine.types import SamplingParams
+
+EOS = 2
+PROMPT = [1, 87, 85, 264, 201]  # "<|im_start|>user\n" in the tiny tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def make_sequence(tokenizer, max_model_len: int = 128, prompt=PROMPT, **kw) -> Sequence:
+    params = SamplingParams(**{"max_tokens": 64, **kw})
+    detok = IncrementalDetokenizer(tokenizer, prompt, frozenset(tokenizer.all_special_ids),
+                                   params.skip_special_tokens, params.spaces_between_special_tokens)  # fmt: skip
+    stopper = StopChecker(params, [EOS], len(prompt), max_model_len)
+    return Sequence(0, params, prompt, detok, stopper)
+
+
+def feed(seq: Sequence, ids: list[int]) -> list[str]:
+    """Append tokens until the sequence finishes; return the visible text after each token."""
+    seen = []
+    for token_id in ids:
+        seq.append(token_id)
+        seen.append(seq.visible_text())
+        if seq.finished:
+            break
+    return seen
+
+
+# ------------------------------------------------------------------ detokenizer
+
+
+@pytest.mark.parametrize("text", ["Hello world, the capital of France is Paris.", "café 😀 ok", "one two three"])
+def test_incremental_deltas_join_to_the_full_decode_without_broken_utf8(tokenizer, text):
+    ids = encode(tokenizer, text)
+    detok = IncrementalDetokenizer(tokenizer, PROMPT, frozenset(tokenizer.all_special_ids))
+    deltas = [detok.add(t) for t in ids] + [detok.flush()]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_special_tokens_skipped_or_kept(tokenizer):
+    ids = encode(tokenizer, "one") + [EOS, 1] + encode(tokenizer, " two")
+    specials = frozenset(tokenizer.all_special_ids)
+
+    def run(**kw):
+        detok = IncrementalDetokenizer(tokenizer, PROMPT, specials, **kw)
+        return "".join(detok.add(t) for t in ids) + detok.flush()
+
+    assert run(skip_special_tokens=True) == "one two"
+    assert run(skip_special_tokens=False, spaces_between_special_tokens=False) == "one<|im_end|><|im_start|> two"
+    assert run(skip_special_tokens=False, spaces_between_special_tokens=True) == "one <|im_end|> <|im_start|>  two"
+
+
+# ------------------------------------------------------------------ stop rules
+
+
+def test_stop_string_cuts_the_text_before_it(tokenizer):
+    seq = make_sequence(tokenizer, stop=[" capital"])
+    feed(seq, encode(tokenizer, "Hello world, the capital of France"))
+    assert (seq.finish_reason, seq.stop_reason, seq.text) == ("stop", " capital", "Hello world, the")
+    assert len(seq.token_ids) == 7  # tokens are kept up to the one completing the stop string
+
+
+def test_stop_string_included_on_request(tokenizer):
+    seq = make_sequence(tokenizer, stop=[" capital"], include_stop_str_in_output=True)
+    feed(seq, encode(tokenizer, "Hello world, the capital of France"))
+    assert (seq.finish_reason, seq.text) == ("stop", "Hello world, the capital")
+
+
+def test_stop_string_split_across_tokens_and_inside_a_token(tokenizer):
+    # "lo wo" spans the tokens "lo" and " world"; the text after it within " world" is cut too
+    seq = make_sequence(tokenizer, stop=["lo wo"])
+    feed(seq, encode(tokenizer, "Hello world, the"))
+    assert (seq.stop_reason, seq.text, len(seq.token_ids)) == ("lo wo", "Hel", 4)
+    seq = make_sequence(tokenizer, stop=["apit"])
+    feed(seq, encode(tokenizer, "the capital of"))
+    assert (seq.stop_reason, seq.text) == ("apit", "the c")
+
+
+def test_earliest_stop_string_wins(tokenizer):
+    seq = make_sequence(tokenizer, stop=["France", "of"])
+    feed(seq, encode(tokenizer, "the capital of France is"))
+    assert (seq.stop_reason, seq.text) == ("of", "the capital ")
+
+
+def test_possible_stop_string_start_is_held_back(tokenizer):
+    seq = make_sequence(tokenizer, stop=["lo wo"])
+    visible = feed(seq, encode(tokenizer, "Hello world"))
+    # "Hel": its "l" could start "lo wo"; "Hello": "lo" could; then " world" completes it
+    assert visible == ["H", "He", "Hel", "Hel"]
+    assert seq.finished and seq.text == "Hel"
+    seq = make_sequence(tokenizer, stop=["lo wo"])
+    visible = feed(seq, encode(tokenizer, "Hello there"))
+    assert visible[-1] == "Hello there" and not seq.finished  # "lo t" cannot start it any more
+
+
+def test_stop_strings_only_after_min_tokens(tokenizer):
+    seq = make_sequence(tokenizer, stop=["el"], min_tokens=3)
+    feed(seq, encode(tokenizer, "Hello world, the capital"))
+    assert not seq.finished or seq.stop_reason != "el"
+    seq = make_sequence(tokenizer, stop=[" the"], min_tokens=3)
+    feed(seq, encode(tokenizer, "Hello world, the capital"))
+    assert (seq.stop_reason, seq.text) == (" the", "Hello world,")
+
+
+def test_stop_token_id(tokenizer):
+    ids = encode(tokenizer, "one two three")
+    seq = make_sequence(tokenizer, stop_token_ids=[ids[2]])
+    feed(seq, ids)
+    assert (seq.finish_reason, seq.stop_reason, seq.token_ids, seq.text) == ("stop", ids[2], ids[:3], "one")
+    seq = make_sequence(tokenizer, stop_token_ids=[ids[2]], include_stop_str_in_output=True)
+    feed(seq, ids)
+    assert seq.text == "one two"
+
+
+def test_eos_stops_without_stop_reason(tokenizer):
+    seq = make_sequence(tokenizer)
+    feed(seq, encode(tokenizer, "one") + [EOS, 5])
+    assert (seq.finish_reason, seq.stop_reason, seq.text) == ("stop", None, "one")
+    assert seq.token_ids[-1] == EOS
+
+
+def test_ignore_eos_keeps_going(tokenizer):
+    seq = make_sequence(tokenizer, ignore_eos=True, max_tokens=4)
+    feed(seq, encode(tokenizer, "one") + [EOS, EOS, EOS])
+    assert (seq.finish_reason, len(seq.token_ids)) == ("length", 4)
+
+
+def test_min_tokens_defers_eos_and_stop_token_ids(tokenizer):
+    seq = make_sequence(tokenizer, min_tokens=3, stop_token_ids=[71])
+    feed(seq, [EOS, 71, 275, EOS])
+    assert (seq.finish_reason, len(seq.token_ids)) == ("stop", 4)
+
+
+def test_max_tokens_is_length(tokenizer):
+    seq = make_sequence(tokenizer, max_tokens=3)
+    feed(seq, encode(tokenizer, "Hello world, the capital"))
+    assert (seq.finish_reason, seq.stop_reason, len(seq.token_ids)) == ("length", None, 3)
+
+
+def test_context_end_is_length(tokenizer):
+    seq = make_sequence(tokenizer, max_model_len=len(PROMPT) + 2, max_tokens=50)
+    feed(seq, encode(tokenizer, "Hello world, the capital"))
+    assert (seq.finish_reason, len(seq.token_ids)) == ("length", 2)
+
+
+def test_holdback_is_the_longest_possible_stop_prefix():
+    checker = StopChecker(SamplingParams(stop=["abc", "xbz"]), [EOS], 1, 100)
+    assert checker.holdback("zzab") == 2
+    assert checker.holdback("zzx") == 1
+    assert checker.holdback("zzxb") == 2
+    assert checker.holdback("zz") == 0
+    included = StopChecker(SamplingParams(stop=["abc"], include_stop_str_in_output=True), [EOS], 1, 100)
+    assert included.holdback("zzab") == 0
