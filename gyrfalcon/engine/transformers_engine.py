@@ -27,7 +27,7 @@ from gyrfalcon.engine.stopping import StopChecker
 from gyrfalcon.engine.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind
 from gyrfalcon.engine.validation import NATIVE_CAPABILITIES, validate_request
 from gyrfalcon.errors import RequestError
-from gyrfalcon.models.loading import load_model_and_tokenizer, resolve_device, resolve_dtype
+from gyrfalcon.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from gyrfalcon.policies import BatchRows
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class TransformersEngine(Engine):
     """
 
     def __init__(self, settings: Settings, pm: Any = None, *, model_path: str | None = None, start: bool = True):
-        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+        from transformers import AutoConfig, GenerationConfig
 
         self.settings = settings
         path = model_path or settings.model
@@ -56,12 +56,15 @@ class TransformersEngine(Engine):
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self.config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        self.tokenizer = load_tokenizer(self.model_path)
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.eos_token_ids = self._eos_ids(GenerationConfig)
 
         model_max = int(getattr(self.config, "max_position_embeddings", 0) or settings.max_model_len or 2048)
         max_model_len = min(settings.max_model_len or model_max, model_max)
+        if settings.max_model_len and settings.max_model_len > model_max:
+            log.warning("max_model_len %d exceeds the model's %d positions; using %d",
+                        settings.max_model_len, model_max, model_max)  # fmt: skip
         base = EngineInfo(
             model_path=self.model_path,
             vocab_size=int(self.config.vocab_size),
@@ -134,13 +137,13 @@ class TransformersEngine(Engine):
         return self._health
 
     def submit(self, request: EngineRequest) -> OutputStream:
-        if not self._accepting:
-            raise RequestError("the engine is shutting down", None, status=503, type="server_overloaded",
-                               headers={"Retry-After": "1"})  # fmt: skip
         validate_request(request, self._info, self.processors, self.gatherers)
         stream = OutputStream(request.request_id, on_close=self.abort)
         state = RequestState(request, stream, self._make_sequences(request))
         with self._lock:
+            if not self._accepting:
+                why = self._health.message or "the engine is shutting down"
+                raise RequestError(why, None, status=503, type="server_overloaded", headers={"Retry-After": "1"})
             if request.request_id in self._live:
                 raise RequestError(f"request id {request.request_id!r} is already running", "request_id")
             self.scheduler.add(state)
@@ -169,7 +172,8 @@ class TransformersEngine(Engine):
         return stats
 
     def shutdown(self, grace: float = 5.0) -> None:
-        self._accepting = False
+        with self._lock:
+            self._accepting = False
         deadline = time.monotonic() + max(grace, 0.0)
         while time.monotonic() < deadline and self._live and self._thread.is_alive():
             time.sleep(0.01)
@@ -236,8 +240,9 @@ class TransformersEngine(Engine):
             self._load()
         except Exception as exc:  # noqa: BLE001 - reported through health and in-band errors
             log.exception("model failed to load")
-            self._health = EngineHealth(ready=False, message=f"model failed to load: {exc}")
-            self._accepting = False
+            with self._lock:  # no submit may slip in between this and the drain below
+                self._health = EngineHealth(ready=False, message=f"model failed to load: {exc}")
+                self._accepting = False
             for state in self.scheduler.drain():
                 self._fail(state, f"model failed to load: {exc}")
             return
@@ -268,7 +273,7 @@ class TransformersEngine(Engine):
     def _load(self) -> None:
         if self.device == "cpu":
             torch.set_num_threads(self.settings.num_threads)
-        model, _ = load_model_and_tokenizer(self.model_path, self.settings.dtype, self.device)
+        model = load_model(self.model_path, self.settings.dtype, self.device)
         self.runner = ModelRunner(model, self.device)
         # Warm-up: one short generation through the same path as requests (no stream involved).
         logits, batch = self.runner.prefill(_WARMUP_PROMPT)

@@ -26,20 +26,30 @@ def resolve_dtype(dtype: str | None, device: str) -> Any:
     return getattr(torch, DTYPES[dtype])
 
 
-def load_model_and_tokenizer(path: str | os.PathLike[str], dtype: str | None = "float32", device: str | None = "cpu"):
-    """Load ``(model, tokenizer)`` from a local Hugging Face folder, in eval mode on ``device``.
+def load_model(path: str | os.PathLike[str], dtype: str | None = "float32", device: str | None = "cpu"):
+    """Load the causal LM of a local Hugging Face folder, in eval mode on ``device``.
 
     ``dtype`` is a ``Settings.dtype`` string (``float32``, ``bfloat16``, ``float16``, ``auto``).
     Never touches the network (``local_files_only=True``); thread counts are left to the caller.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
-    path = os.fspath(path)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.fspath(path), local_files_only=True, dtype=resolve_dtype(dtype, device)
+    )
     model.to(device)
     model.eval()
-    return model, tokenizer
+    return model
+
+
+def load_tokenizer(path: str | os.PathLike[str]):
+    """Load the tokenizer of a local Hugging Face folder (never from a hub)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+
+
+def load_model_and_tokenizer(path: str | os.PathLike[str], dtype: str | None = "float32", device: str | None = "cpu"):
+    """Load ``(model, tokenizer)`` from a local Hugging Face folder: see :func:`load_model`."""
+    return load_model(path, dtype, device), load_tokenizer(path)

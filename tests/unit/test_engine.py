@@ -259,3 +259,22 @@ def test_engine_hooks_resolved_from_the_given_plugin_manager(tiny_model_dir):
         assert final(engine, max_tokens=2).outputs[0].logprobs is None
     finally:
         engine.shutdown(0)
+
+
+def test_load_failure_is_reported_by_health_and_in_band(tiny_model_dir, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "model.safetensors").unlink()
+    engine = TransformersEngine(tiny_settings(str(broken)), start=False)
+    stream = engine.submit(request())
+    engine.start()
+    (last,) = list(stream)
+    assert last.finished and last.error is not None and "failed to load" in last.error.message
+    health = engine.wait_ready(10)
+    assert not health.ready and health.message.startswith("model failed to load")
+    with pytest.raises(RequestError) as err:
+        engine.submit(request())
+    assert err.value.status == 503
+    engine.shutdown(0)
