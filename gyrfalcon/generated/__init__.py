@@ -28,6 +28,10 @@ rules (``x-rule`` in the YAML), ``uniqueItems`` on ``logprob_token_ids``, and ev
 of the served spec (model names, vocabulary size, context length, ``max_num_seqs``,
 ``max_logprobs``, unsupported fields, plugin ``extensions`` properties).
 ``Extensions`` forbids every key: validate ``extensions`` against the plugins' fragments separately.
+
+Pydantic quirk: a ``const: false`` field becomes ``Literal[False]``, which accepts ``0`` (and ``0.0``
+once whole floats are ints) even with ``strict=True``. Those fields are batch chat's ``stream`` and
+``use_beam_search``; check ``type(value) is bool`` on the raw body before trusting them.
 """
 
 from gyrfalcon.generated.common import (

@@ -29,6 +29,8 @@ _COMPONENT_SECTIONS = ("schemas", "responses", "headers", "parameters", "request
 TOKEN_ID_FIELDS = frozenset({"token_ids", "prompt", "stop_token_ids", "allowed_token_ids", "logprob_token_ids"})
 #: Integer request fields counting log-probabilities: ``maximum: max_logprobs``.
 LOGPROB_COUNT_FIELDS = frozenset({"logprobs", "top_logprobs", "prompt_logprobs"})
+#: Request fields holding a prompt as token ids: every id array gets ``maxItems: max_model_len``.
+PROMPT_FIELDS = frozenset({"token_ids", "prompt"})
 #: Request fields bounded by the context: ``maximum: max_model_len - 1``.
 MAX_TOKENS_FIELDS = frozenset({"max_tokens", "max_completion_tokens"})
 
@@ -255,6 +257,18 @@ def _integer_schemas(node: Any) -> Iterator[dict[str, Any]]:
             yield from _integer_schemas(value)
 
 
+def _token_arrays(node: Any) -> Iterator[dict[str, Any]]:
+    """Array schemas whose items are integers (token ids), anywhere inside ``node``."""
+    if isinstance(node, dict):
+        if node.get("type") == "array" and isinstance(node.get("items"), dict) and _is_integer(node["items"]):
+            yield node
+        for value in node.values():
+            yield from _token_arrays(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _token_arrays(value)
+
+
 def _cap(schema: dict[str, Any], maximum: int) -> None:
     schema["maximum"] = min(schema.get("maximum", maximum), maximum)
 
@@ -271,6 +285,12 @@ def _overlay_property(name: str, schema: dict[str, Any], limits: ServedLimits) -
     if name in TOKEN_ID_FIELDS:
         for sub in _integer_schemas(schema):
             _cap(sub, limits.vocab_size - 1)
+    if name in PROMPT_FIELDS:
+        # Sound, never stricter than the runtime rule prompt_fits_context: no prompt outgrows the context.
+        for sub in _token_arrays(schema):
+            sub["maxItems"] = min(sub.get("maxItems", limits.max_model_len), limits.max_model_len)
+    if name == "min_tokens":
+        _cap(schema, limits.max_model_len - 1)  # min_tokens <= max_tokens <= max_model_len - 1
     if name == "logit_bias" and "propertyNames" in schema:
         schema["propertyNames"] = {"pattern": decimal_range_pattern(limits.vocab_size - 1)}
     if name in limits.unsupported:
@@ -288,6 +308,8 @@ def served_spec(limits: ServedLimits) -> dict[str, Any]:
     - ``model``: ``enum`` of the served names; ``n``: ``maximum`` max_num_seqs (batch chat stays 1);
       ``max_tokens``/``max_completion_tokens``: ``maximum`` max_model_len - 1;
     - every token-id integer: ``maximum`` vocab_size - 1; ``logit_bias`` keys: ids below vocab_size;
+    - prompt id arrays (``token_ids``, ``prompt``): ``maxItems`` max_model_len; ``min_tokens``:
+      ``maximum`` max_model_len - 1 (sound bounds; the exact ones are runtime rules);
     - integer logprob counts (``logprobs``, ``top_logprobs``, ``prompt_logprobs``): ``maximum`` max_logprobs;
     - unsupported fields: ``const: <default>`` where the wire schema has a default, else ``not: {}``;
     - ``Extensions``: ``properties`` = the plugins' fragments (still ``additionalProperties: false``).

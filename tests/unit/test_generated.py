@@ -137,6 +137,15 @@ def test_batch_chat_limits() -> None:
         assert rejects(g.BatchChatCompletionRequest, bad), bad
 
 
+def test_bool_literals_accept_zero_in_strict_mode() -> None:
+    """Known pydantic quirk (see gyrfalcon.generated): Literal[False] takes 0 even when strict.
+
+    The protocol layer must check the raw type; if this starts failing, pydantic fixed it.
+    """
+    req = ok(g.BatchChatCompletionRequest, {"messages": [[MSG]], "stream": 0, "use_beam_search": 0})
+    assert req.stream is False and req.use_beam_search is False
+
+
 def test_stream_options_and_extensions() -> None:
     assert ok(g.StreamOptions, {}).include_usage is False
     assert rejects(g.StreamOptions, {"include_usage": None}) and rejects(g.StreamOptions, {"x": True})

@@ -310,6 +310,12 @@ def test_overlay_limits(served: dict[str, Any]) -> None:
                 assert ints and all(i["maximum"] == 511 for i in ints), (name, field)
         if "prompt_logprobs" in props:
             assert props["prompt_logprobs"]["maximum"] == 5
+        if "min_tokens" in props:
+            assert props["min_tokens"]["maximum"] == 127
+    assert s["GenerateRequest"]["properties"]["token_ids"]["maxItems"] == 128
+    id_arrays = s["CompletionRequest"]["properties"]["prompt"]["oneOf"]
+    assert id_arrays[2]["maxItems"] == 128 and id_arrays[3]["items"]["maxItems"] == 128
+    assert id_arrays[3]["maxItems"] == 64 and "maxItems" not in s["CompletionRequest"]["properties"]["stop_token_ids"]["items"]
     assert s["CompletionRequest"]["properties"]["max_tokens"]["type"] == ["integer", "null"]
     assert s["Extensions"]["properties"] == {"demo": PLUGIN}
     assert s["Extensions"]["additionalProperties"] is False
