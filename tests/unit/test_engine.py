@@ -134,6 +134,7 @@ def test_length_at_max_tokens_and_at_context_end(tiny_engine):
         ([1, 512], {}, "prompt"),
         ([1, -1], {}, "prompt"),
         ([5] * 120, {"max_tokens": 9}, "max_tokens"),
+        ([5] * 128, {"max_tokens": 1}, "prompt"),
         (PROMPT, {"max_tokens": 0}, "max_tokens"),
         (PROMPT, {"n": 9}, "n"),
         (PROMPT, {"n": 0}, "n"),
