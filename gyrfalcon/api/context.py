@@ -11,7 +11,7 @@ import orjson
 import pluggy
 
 from gyrfalcon.api.errors import APIError
-from gyrfalcon.api.spec import bounded_extensions, deployment_spec
+from gyrfalcon.api.spec import bounded_extensions, chat_template_overhead, deployment_spec
 from gyrfalcon.config import Settings
 from gyrfalcon.engine.interface import Engine
 from gyrfalcon.engine.types import EngineInfo
@@ -57,13 +57,23 @@ class ServerContext:
                 if self._translator is None:
                     extensions = bounded_extensions(self.extension_schemas, self.engine.info())
                     self._translator = Translator(
-                        self.engine, self.served_model_names, extensions, self.pm.hook.gyrfalcon_validate_request
+                        self.engine,
+                        self.served_model_names,
+                        extensions,
+                        self.pm.hook.gyrfalcon_validate_request,
+                        max_prompts=self.settings.max_queue_len,
                     )
         return self._translator
 
     def served_spec_bytes(self) -> bytes:
         if self._spec is None:
             info = self.ready_info()
-            spec = deployment_spec(info, self.served_model_names, self.extension_schemas)
+            spec = deployment_spec(
+                info,
+                self.served_model_names,
+                self.extension_schemas,
+                chat_template_overhead(self.engine),
+                max_prompts=self.settings.max_queue_len,
+            )
             self._spec = orjson.dumps(spec)
         return self._spec

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from gyrfalcon.engine.interface import Engine
 from gyrfalcon.engine.types import EngineInfo
 from gyrfalcon.openapi.served import ServedLimits, bundle, request_field_names, served_spec
 from gyrfalcon.protocol.capabilities import unsupported_fields
@@ -31,8 +32,28 @@ def bounded_extensions(extensions: dict[str, dict[str, Any]], info: EngineInfo) 
     return bounded
 
 
-def deployment_spec(info: EngineInfo, model_names: list[str], extensions: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The spec served at ``/openapi.json``: what is valid there is valid for this server."""
+def chat_template_overhead(engine: Engine) -> dict[str, int]:
+    """Tokens a chat template adds: ``fixed`` per conversation, ``per_message`` per message."""
+    def count(n: int) -> int:
+        text = engine.apply_chat_template([{"role": "user", "content": ""}] * n, True)
+        return len(engine.tokenize(text, add_special_tokens=False))
+
+    one, two = count(1), count(2)
+    return {"fixed": max(one - (two - one), 0), "per_message": two - one}
+
+
+def deployment_spec(
+    info: EngineInfo,
+    model_names: list[str],
+    extensions: dict[str, dict[str, Any]],
+    chat: dict[str, int],
+    max_prompts: int | None = None,
+) -> dict[str, Any]:
+    """The spec served at ``/openapi.json``: what is valid there is valid for this server.
+
+    ``x-limits`` publishes the bounds a fuzzer needs to keep clear of the runtime-only rules
+    (``gyrfalcon.contract``); ``chat`` is :func:`chat_template_overhead`.
+    """
     unsupported = unsupported_fields(request_field_names(bundle()), info.capabilities)
     limits = ServedLimits(
         model_names=model_names,
@@ -42,5 +63,8 @@ def deployment_spec(info: EngineInfo, model_names: list[str], extensions: dict[s
         max_logprobs=info.max_logprobs,
         unsupported=unsupported,
         extensions=bounded_extensions(extensions, info),
+        max_prompts=max_prompts,
     )
-    return served_spec(limits)
+    spec = served_spec(limits)
+    spec["x-limits"] = {"max_model_len": info.max_model_len, "vocab_size": info.vocab_size, "chat": chat}
+    return spec

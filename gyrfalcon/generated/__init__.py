@@ -29,9 +29,9 @@ of the served spec (model names, vocabulary size, context length, ``max_num_seqs
 ``max_logprobs``, unsupported fields, plugin ``extensions`` properties).
 ``Extensions`` forbids every key: validate ``extensions`` against the plugins' fragments separately.
 
-Pydantic quirk: a ``const: false`` field becomes ``Literal[False]``, which accepts ``0`` (and ``0.0``
-once whole floats are ints) even with ``strict=True``. Those fields are batch chat's ``stream`` and
-``use_beam_search``; check ``type(value) is bool`` on the raw body before trusting them.
+Pydantic quirk: a boolean ``const`` becomes ``Literal[False]``, which accepts ``0`` (and ``0.0``
+once whole floats are ints) even with ``strict=True``. So request documents never use ``const`` on
+a boolean property: write a plain ``type: boolean`` and an ``x-rule`` instead.
 """
 
 from gyrfalcon.generated.common import (

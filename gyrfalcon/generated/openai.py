@@ -409,7 +409,10 @@ class BatchChatCompletionRequest(BaseModel):
         Field(description="Token id (decimal string) to a bias added to its logit."),
     ] = MISSING
     stream: Annotated[
-        Literal[False], Field(description="Batch chat never streams.")
+        bool,
+        Field(
+            description="Batch chat never streams: true is refused (x-rule batch_chat_not_streaming)."
+        ),
     ] = False
     user: Annotated[
         str | MISSING,
@@ -458,9 +461,7 @@ class BatchChatCompletionRequest(BaseModel):
     return_tokens_as_token_ids: Annotated[
         bool, Field(description='Tokens in logprobs are written as "token_id:N".')
     ] = False
-    use_beam_search: Annotated[
-        Literal[False], Field(description="Not with batch chat.")
-    ] = False
+    use_beam_search: bool = False
     add_generation_prompt: bool = True
     request_id: Annotated[
         str | MISSING,

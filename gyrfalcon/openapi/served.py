@@ -120,6 +120,8 @@ class ServedLimits:
     max_logprobs: int = 20
     unsupported: set[str] = field(default_factory=set)
     extensions: dict[str, dict] = field(default_factory=dict)
+    #: most prompts (completions) or conversations (batch chat) one request may carry; None: no cap
+    max_prompts: int | None = None
 
     def __post_init__(self) -> None:
         if self.vocab_size < 1 or self.max_model_len < 2 or self.max_num_seqs < 1 or self.max_logprobs < 0:
@@ -269,6 +271,14 @@ def _token_arrays(node: Any) -> Iterator[dict[str, Any]]:
             yield from _token_arrays(value)
 
 
+def _prompt_lists(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Arrays holding several prompts: of strings or of token arrays (completions), of conversations (batch)."""
+    for variant in [schema, *schema.get("oneOf", []), *schema.get("anyOf", [])]:
+        items = variant.get("items") if variant.get("type") == "array" else None
+        if isinstance(items, dict) and (items.get("type") in ("string", "array")):
+            yield variant
+
+
 def _cap(schema: dict[str, Any], maximum: int) -> None:
     schema["maximum"] = min(schema.get("maximum", maximum), maximum)
 
@@ -289,6 +299,9 @@ def _overlay_property(name: str, schema: dict[str, Any], limits: ServedLimits) -
         # Sound, never stricter than the runtime rule prompt_fits_context: no prompt outgrows the context.
         for sub in _token_arrays(schema):
             sub["maxItems"] = min(sub.get("maxItems", limits.max_model_len), limits.max_model_len)
+    if name in ("prompt", "messages") and limits.max_prompts is not None:
+        for sub in _prompt_lists(schema):
+            sub["maxItems"] = min(sub.get("maxItems", limits.max_prompts), limits.max_prompts)
     if name == "min_tokens":
         _cap(schema, limits.max_model_len - 1)  # min_tokens <= max_tokens <= max_model_len - 1
     if name == "logit_bias" and "propertyNames" in schema:

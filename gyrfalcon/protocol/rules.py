@@ -103,6 +103,11 @@ def max_tokens_zero_requires_echo(f: RequestFields) -> None:
         raise f.error("max_tokens", "'max_tokens': 0 is only allowed with 'echo': true")
 
 
+def batch_chat_not_streaming(f: RequestFields) -> None:
+    if f.endpoint == "chat_batch" and f.get("stream") is True:
+        raise f.error("stream", "Batch chat does not stream: 'stream' must be false")
+
+
 #: Every rule JSON Schema can state, by id, in the order they are checked.
 RULES: dict[str, Rule] = {
     "stream_options_requires_stream": stream_options_requires_stream,
@@ -113,6 +118,7 @@ RULES: dict[str, Rule] = {
     "logprob_token_ids_not_beam_search": logprob_token_ids_not_beam_search,
     "logprob_token_ids_not_echo_without_tokens": logprob_token_ids_not_echo_without_tokens,
     "max_tokens_zero_requires_echo": max_tokens_zero_requires_echo,
+    "batch_chat_not_streaming": batch_chat_not_streaming,
 }
 
 #: Runtime-only rule ids, enforced during translation because they need the resolved ``max_tokens``,

@@ -69,8 +69,11 @@ class Translator:
         served_model_names: list[str],
         extension_schemas: dict[str, dict[str, Any]],
         validate_hook: Callable[..., Any] | None = None,
+        max_prompts: int | None = None,
     ) -> None:
         self.engine = engine
+        #: most prompts / conversations in one request (each takes a place in the engine's queue)
+        self.max_prompts = max_prompts
         self.info: EngineInfo = engine.info()
         self.served_model_names = served_model_names
         self._extensions = jsonschema.Draft202012Validator(
@@ -183,6 +186,7 @@ class Translator:
         if f.endpoint == "completions":
             return self._completion_prompts(f.get("prompt"))
         conversations = [f.get("messages")] if f.endpoint == "chat" else f.get("messages")
+        self._check_prompt_count("messages", len(conversations))
         add_generation_prompt = f.get("add_generation_prompt", True)
         prompts = []
         for i, messages in enumerate(conversations):
@@ -201,6 +205,7 @@ class Translator:
             items = [prompt]
         else:
             items = list(prompt)
+        self._check_prompt_count("prompt", len(items))
         ids, texts = [], []
         for i, item in enumerate(items):
             param = "prompt" if len(items) == 1 else f"prompt.{i}"
@@ -215,6 +220,10 @@ class Translator:
             ids.append(tokens)
             texts.append(text)
         return ids, texts, "prompt"
+
+    def _check_prompt_count(self, param: str, count: int) -> None:
+        if self.max_prompts is not None and count > self.max_prompts:
+            raise RequestError(f"At most {self.max_prompts} prompts per request on this server, got {count}", param)
 
     # ------------------------------------------------------------------ sampling
     def _sampling(self, f: RequestFields) -> SamplingParams:

@@ -131,19 +131,17 @@ def test_chat_messages() -> None:
 def test_batch_chat_limits() -> None:
     req = ok(g.BatchChatCompletionRequest, {"messages": [[MSG], [MSG, MSG]], "n": 1, "stream": False})
     assert len(req.messages) == 2 and req.use_beam_search is False
-    for bad in ({"messages": [[MSG]], "n": 2}, {"messages": [[MSG]], "stream": True},
-                {"messages": [[MSG]], "use_beam_search": True}, {"messages": [[MSG]], "stream_options": {}},
-                {"messages": [[]]}, {"messages": [MSG]}, {"messages": [[MSG]] * 65}):  # fmt: skip
+    for bad in ({"messages": [[MSG]], "n": 2}, {"messages": [[MSG]], "stream_options": {}},
+                {"messages": [[]]}, {"messages": [MSG]}, {"messages": [[MSG]] * 65},
+                {"messages": [[MSG]], "stream": 0}, {"messages": [[MSG]], "use_beam_search": 0}):  # fmt: skip
         assert rejects(g.BatchChatCompletionRequest, bad), bad
 
 
-def test_bool_literals_accept_zero_in_strict_mode() -> None:
-    """Known pydantic quirk (see gyrfalcon.generated): Literal[False] takes 0 even when strict.
-
-    The protocol layer must check the raw type; if this starts failing, pydantic fixed it.
-    """
-    req = ok(g.BatchChatCompletionRequest, {"messages": [[MSG]], "stream": 0, "use_beam_search": 0})
-    assert req.stream is False and req.use_beam_search is False
+def test_batch_chat_stream_and_beam_search_are_plain_booleans() -> None:
+    """No ``const: false`` (pydantic's ``Literal[False]`` takes ``0`` even when strict): ``stream: true``
+    is refused by the rule ``batch_chat_not_streaming`` and ``use_beam_search: true`` as unsupported."""
+    req = ok(g.BatchChatCompletionRequest, {"messages": [[MSG]], "stream": True, "use_beam_search": True})
+    assert req.stream is True and req.use_beam_search is True
 
 
 def test_stream_options_and_extensions() -> None:

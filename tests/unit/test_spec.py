@@ -42,7 +42,10 @@ EXPECTED_RULES = {
         "stream_options_requires_stream", "prompt_logprobs_not_streaming", "n_greedy",
         "top_logprobs_requires_logprobs", "logprob_token_ids_requires_logprobs", "logprob_token_ids_not_beam_search",
     },
-    "BatchChatCompletionRequest": {"top_logprobs_requires_logprobs", "logprob_token_ids_requires_logprobs"},
+    "BatchChatCompletionRequest": {
+        "top_logprobs_requires_logprobs", "logprob_token_ids_requires_logprobs", "logprob_token_ids_not_beam_search",
+        "batch_chat_not_streaming",
+    },
 }  # fmt: skip
 
 
@@ -232,6 +235,12 @@ RULE_CASES = {
         ("CompletionRequest", {"prompt": "a", "use_beam_search": True}, True),
         ("ChatCompletionRequest", {"messages": [MSG], "logprobs": True, "logprob_token_ids": [1], "use_beam_search": True}, False),
         ("ChatCompletionRequest", {"messages": [MSG], "logprobs": True, "logprob_token_ids": [1]}, True),
+        ("BatchChatCompletionRequest", {"messages": [[MSG]], "logprobs": True, "logprob_token_ids": [1], "use_beam_search": True}, False),
+    ],
+    "batch_chat_not_streaming": [
+        ("BatchChatCompletionRequest", {"messages": [[MSG]], "stream": True}, False),
+        ("BatchChatCompletionRequest", {"messages": [[MSG]], "stream": False}, True),
+        ("BatchChatCompletionRequest", {"messages": [[MSG]]}, True),
     ],
     "logprob_token_ids_not_echo_without_tokens": [
         ("CompletionRequest", {"prompt": "a", "logprobs": 1, "logprob_token_ids": [1], "echo": True, "max_tokens": 0}, False),

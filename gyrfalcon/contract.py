@@ -1,0 +1,90 @@
+"""Schemathesis set-up for fuzzing a gyrfalcon server: the tests use it, and so can anyone.
+
+A few rules cannot be written in JSON Schema (the served spec lists them under
+``x-runtime-rules``): above all, prompt tokens + ``max_tokens`` must fit the context. A schema-valid
+request may therefore still be refused with 400. The ``filter_case`` hook below drops, from
+*positive* generation only, the cases that break such a rule, using the token bounds the served spec
+publishes under ``x-limits`` — so "valid data is accepted" stays a strict check. Use it from the CLI
+with ``SCHEMATHESIS_HOOKS=gyrfalcon.contract schemathesis run …``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import schemathesis
+
+#: slack added to every estimated prompt length (special tokens a tokenizer may add)
+_SLACK = 2
+
+
+def configure_schema(schema: Any, max_examples: int = 50) -> Any:
+    """Positive and negative generation, every check on, no example database."""
+    schema.config.generation.update(
+        modes=[schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE],
+        max_examples=max_examples,
+        database="none",
+    )
+    return schema
+
+
+def _text_tokens_bound(text: str) -> int:
+    """Byte-level tokenizers give at most one token per UTF-8 byte."""
+    return len(text.encode("utf-8", "surrogatepass")) + _SLACK
+
+
+def _message_bound(message: dict[str, Any], chat: dict[str, int]) -> int:
+    content = message.get("content", "")
+    if isinstance(content, list):
+        content = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    name = message.get("name") or ""
+    return chat["per_message"] + _text_tokens_bound(str(message.get("role", ""))) + _text_tokens_bound(str(content)) + len(name.encode())
+
+
+def prompt_token_bounds(path: str, body: dict[str, Any], chat: dict[str, int]) -> list[int]:
+    """An upper bound of the token count of every prompt (or conversation) in a request body."""
+    if path.endswith("/generate"):
+        return [len(body.get("token_ids", []))]
+    if path.endswith("/completions") and "messages" not in body:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return [_text_tokens_bound(prompt)]
+        if prompt and isinstance(prompt[0], (int, float)):  # fuzzers send whole floats for integers
+            return [len(prompt)]
+        return [_text_tokens_bound(p) if isinstance(p, str) else len(p) for p in prompt or []]
+    conversations = body.get("messages", [])
+    if not path.endswith("/batch"):
+        conversations = [conversations]
+    return [chat["fixed"] + sum(_message_bound(m, chat) for m in conv if isinstance(m, dict)) for conv in conversations]
+
+
+def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
+    """True when a schema-valid body may still break ``prompt_fits_context`` or ``min_tokens_le_max_tokens``."""
+    if not isinstance(body, dict):
+        return False
+    context = limits["max_model_len"]
+    params = body.get("sampling_params", {}) if path.endswith("/generate") else body
+    if not isinstance(params, dict):
+        return False
+    for prompt in prompt_token_bounds(path, body, limits["chat"]):
+        if path.endswith("/completions"):
+            max_tokens = params.get("max_tokens")
+            max_tokens = 16 if max_tokens is None else max_tokens
+        else:
+            max_tokens = params.get("max_completion_tokens", params.get("max_tokens"))
+            max_tokens = context - prompt if max_tokens is None else max_tokens
+        if prompt + max(max_tokens, 1) > context or params.get("min_tokens", 0) > max_tokens:
+            return True
+    return False
+
+
+@schemathesis.hook
+def filter_case(context: Any, case: Any) -> bool:
+    """Keep every negative case; drop positive cases that a runtime-only rule refuses."""
+    meta = getattr(case, "meta", None)
+    if meta is None or meta.generation.mode != schemathesis.GenerationMode.POSITIVE:
+        return True
+    limits = case.operation.schema.raw_schema.get("x-limits")
+    if not limits or case.operation.method.upper() != "POST":
+        return True
+    return not breaks_runtime_rule(case.operation.path, case.body, limits)

@@ -1,0 +1,23 @@
+"""Contract tests: Schemathesis against the served spec of an app with small limits."""
+
+from __future__ import annotations
+
+import pytest
+
+from gyrfalcon.api.app import create_app
+from gyrfalcon.plugins import plugin_manager
+from gyrfalcon.plugins.engines import create_transformers_engine
+from tests.conftest import tiny_settings
+
+#: small limits keep every valid request fast and deterministic under fuzzing
+FUZZ_LIMITS = {"max_model_len": 64, "max_num_seqs": 8, "served_model_name": ["tiny"]}
+
+
+@pytest.fixture(scope="session")
+def fuzz_app(tiny_model_dir):
+    settings = tiny_settings(tiny_model_dir, **FUZZ_LIMITS)
+    pm = plugin_manager()
+    engine = create_transformers_engine(settings, pm)
+    assert engine.wait_ready(timeout=120).ready
+    yield create_app(engine, settings, pm)
+    engine.shutdown(grace=1.0)
