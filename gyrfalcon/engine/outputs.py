@@ -48,6 +48,8 @@ class RequestState:
         self._sent = [_Sent() for _ in sequences]
         self.abort_requested = False
         self.closed = False
+        #: the prompt's logprobs, when asked for (set once the prompt is prefilled)
+        self.prompt_logprobs: TokenLogprobs | None = None
 
     @property
     def request_id(self) -> str:
@@ -66,6 +68,7 @@ class RequestState:
             outputs=choices,
             finished=self.finished,
             prompt_token_ids=list(self.request.prompt_token_ids),
+            prompt_logprobs=self.prompt_logprobs,
             num_generated_tokens=self.num_generated_tokens(),
             error=error,
         )

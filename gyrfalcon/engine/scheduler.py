@@ -1,7 +1,16 @@
-"""Admission: a bounded FIFO of waiting requests.
+"""Admission: a bounded FIFO of waiting requests and the policy that moves them into the batch.
 
-This first runner serves one request (all of its ``n`` choices) at a time; the continuous-batching
-runner will replace :meth:`Scheduler.next_request` by a policy that merges newcomers between steps.
+Between decode steps the step loop asks :meth:`Scheduler.admit` for the next group to prefill. A
+group is the oldest waiting request plus any other waiting requests with the same prompt length
+(prefilled together in one forward: equal lengths, so no padding inside the forward), as long as
+
+- the running sequences plus the group's ``n`` children stay within ``max_num_seqs``;
+- the padded batch after the merge, ``rows × longest``, stays within ``max_num_batched_tokens``
+  (an empty batch always takes the oldest request, whatever its size, so nothing starves);
+- the group's prompt tokens stay within one prefill chunk (a longer prompt is prefilled alone,
+  chunk by chunk, with decode steps of the running batch in between).
+
+The oldest request is never overtaken by a request that does not share its prompt length.
 """
 
 from __future__ import annotations
@@ -14,10 +23,19 @@ from gyrfalcon.errors import RequestError
 
 
 class Scheduler:
-    """Thread-safe bounded FIFO of :class:`RequestState` waiting to run."""
+    """Thread-safe bounded FIFO of :class:`RequestState` waiting to run, with the admission policy."""
 
-    def __init__(self, max_queue_len: int) -> None:
+    def __init__(
+        self,
+        max_queue_len: int,
+        max_num_seqs: int = 1,
+        max_num_batched_tokens: int = 1 << 30,
+        prefill_chunk_tokens: int = 512,
+    ) -> None:
         self.max_queue_len = max_queue_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self._waiting: collections.deque[RequestState] = collections.deque()
         self._cond = threading.Condition()
 
@@ -47,12 +65,40 @@ class Scheduler:
                     return state
         return None
 
-    def next_request(self, timeout: float) -> RequestState | None:
-        """The oldest waiting request, waiting up to ``timeout`` seconds for one."""
+    def admit(self, running_rows: int, running_width: int) -> list[RequestState]:
+        """Remove and return the next group to prefill (empty when nothing may start now).
+
+        ``running_rows``/``running_width``: the running batch's sequences and cache width.
+        """
+        with self._cond:
+            if not self._waiting:
+                return []
+            head = self._waiting[0]
+            length = len(head.request.prompt_token_ids)
+            rows = running_rows
+            group: list[RequestState] = []
+            for state in list(self._waiting):
+                if len(state.request.prompt_token_ids) != length:
+                    continue
+                children = len(state.sequences)
+                padded = (rows + children) * max(running_width, length)
+                fits = rows + children <= self.max_num_seqs and padded <= self.max_num_batched_tokens
+                chunk_ok = (len(group) + 1) * length <= self.prefill_chunk_tokens
+                if group and not (fits and chunk_ok):
+                    break
+                if not group and not (fits or running_rows == 0):
+                    return []  # the oldest waits for rows or tokens to free up
+                group.append(state)
+                rows += children
+            for state in group:
+                self._waiting.remove(state)
+            return group
+
+    def wait(self, timeout: float) -> None:
+        """Block until a request arrives (or :meth:`wake`, or ``timeout`` seconds)."""
         with self._cond:
             if not self._waiting:
                 self._cond.wait(timeout)
-            return self._waiting.popleft() if self._waiting else None
 
     def drain(self) -> list[RequestState]:
         """Remove and return every waiting request."""

@@ -1,14 +1,16 @@
-"""``TransformersEngine``: the in-process engine running a transformers causal LM on a step loop.
+"""``TransformersEngine``: the in-process engine running a transformers causal LM with continuous batching.
 
 Construction is quick (config and tokenizer only); a background thread loads the model, warms it up
-with one short generation, then runs the step loop. ``health()`` answers ``ready=False`` with
-``"loading model"`` until then. Requests wait in a bounded FIFO; this runner serves one request at a
-time, its ``n`` choices decoding together as one batch over a KV cache prefilled once and forked.
+with one short generation, then runs the step loop (:class:`gyrfalcon.engine.batcher.Batcher`):
+newcomers wait in a bounded FIFO, are prefilled (chunked when long) and merged into the running batch
+between decode steps, and finished sequences leave at once. ``health()`` answers ``ready=False``
+with ``"loading model"`` until the loop runs.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from gyrfalcon.config import Settings
+from gyrfalcon.engine.batcher import Batcher
 from gyrfalcon.engine.detokenizer import IncrementalDetokenizer
 from gyrfalcon.engine.interface import Engine, OutputStream
 from gyrfalcon.engine.outputs import RequestState
@@ -24,15 +27,18 @@ from gyrfalcon.engine.sampler import Sampler
 from gyrfalcon.engine.scheduler import Scheduler
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine.stopping import StopChecker
+from gyrfalcon.engine.streams import CoalescingOutputStream
 from gyrfalcon.engine.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind
 from gyrfalcon.engine.validation import NATIVE_CAPABILITIES, validate_request
 from gyrfalcon.errors import RequestError
 from gyrfalcon.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
-from gyrfalcon.policies import BatchRows
 
 log = logging.getLogger(__name__)
 
 _WARMUP_PROMPT = [5, 6, 7, 8]
+
+#: prompt tokens per prefill forward: a longer prompt is prefilled in chunks between decode steps
+PREFILL_CHUNK_TOKENS = 512
 
 
 class TransformersEngine(Engine):
@@ -90,17 +96,18 @@ class TransformersEngine(Engine):
 
         self.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
         self.sampler = Sampler(self.processors, self.gatherers, self.eos_token_ids, self.generator)
-        self.scheduler = Scheduler(settings.max_queue_len)
+        self.scheduler = Scheduler(settings.max_queue_len, settings.max_num_seqs, settings.max_num_batched_tokens,
+                                   PREFILL_CHUNK_TOKENS)  # fmt: skip
         self.runner: ModelRunner | None = None
+        self.batcher: Batcher | None = None
         self._lock = threading.Lock()
         self._live: dict[str, RequestState] = {}
-        self._running: RequestState | None = None
         self._accepting = True
         self._stop = threading.Event()
         self._health = EngineHealth(ready=False, message="loading model")
         self._counters = dict.fromkeys(
             ("requests_submitted", "requests_finished", "requests_aborted", "requests_failed",
-             "prompt_tokens", "generation_tokens", "steps"), 0)  # fmt: skip
+             "prompt_tokens", "generation_tokens", "steps", "prefill_forwards", "decode_forwards"), 0)  # fmt: skip
         self._thread = threading.Thread(target=self._main, name="gyrfalcon-engine", daemon=True)
         if start:
             self.start()
@@ -138,7 +145,7 @@ class TransformersEngine(Engine):
 
     def submit(self, request: EngineRequest) -> OutputStream:
         validate_request(request, self._info, self.processors, self.gatherers)
-        stream = OutputStream(request.request_id, on_close=self.abort)
+        stream = CoalescingOutputStream(request.request_id, request.output_kind, on_close=self.abort)
         state = RequestState(request, stream, self._make_sequences(request))
         with self._lock:
             if not self._accepting:
@@ -163,12 +170,14 @@ class TransformersEngine(Engine):
             self._emit(waiting)
 
     def stats(self) -> dict[str, Any]:
+        batcher = self.batcher
         with self._lock:
-            running = self._running
             stats: dict[str, Any] = dict(self._counters)
             stats["waiting"] = len(self.scheduler)
-            stats["running"] = 0 if running is None else 1
-            stats["running_sequences"] = 0 if running is None else sum(not s.finished for s in running.sequences)
+        stats["running"] = 0 if batcher is None else batcher.running_requests()
+        stats["running_sequences"] = 0 if batcher is None else batcher.running_sequences
+        stats["prefilling"] = 0 if batcher is None else batcher.prefilling_requests()
+        stats["pid"] = os.getpid()  # the worker process, for memory checks (bench reads its /proc status)
         return stats
 
     def shutdown(self, grace: float = 5.0) -> None:
@@ -235,6 +244,10 @@ class TransformersEngine(Engine):
             self._live.pop(state.request_id, None)
             self._counters[counter] += 1
 
+    def _count(self, name: str, value: int) -> None:
+        with self._lock:
+            self._counters[name] += value
+
     def _main(self) -> None:
         try:
             self._load()
@@ -246,21 +259,37 @@ class TransformersEngine(Engine):
             for state in self.scheduler.drain():
                 self._fail(state, f"model failed to load: {exc}")
             return
+        assert self.runner is not None
+        self.batcher = Batcher(self.runner, self.sampler, self.scheduler, self._emit, self._count,
+                               self._prompt_logprobs)  # fmt: skip
         self._health = EngineHealth(ready=True, message="")
         while not self._stop.is_set():
-            state = self.scheduler.next_request(timeout=0.05)
-            if state is None:
-                continue
-            with self._lock:
-                self._running = state
             try:
-                self._serve(state)
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the loop
-                log.exception("request %s failed", state.request_id)
-                self._fail(state, f"internal error: {exc}")
-            finally:
-                with self._lock:
-                    self._running = None
+                if not self.batcher.step():
+                    self.scheduler.wait(timeout=0.05)
+            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
+                log.exception("engine step failed")
+                self._fail_running(f"internal error: {exc}")
+        self.batcher.abort_all()
+
+    def _prompt_logprobs(self, state: RequestState, logits: torch.Tensor) -> None:
+        """Hook point for prompt logprobs: ``logits`` is ``[L, V]`` (row t predicts prompt token t+1).
+
+        Calls ``Sampler.gather_prompt_logprobs(logits, state.request)`` when the sampler has it; its
+        :class:`TokenLogprobs` reaches every output of the request as ``prompt_logprobs``.
+        """
+        gather = getattr(self.sampler, "gather_prompt_logprobs", None)
+        if gather is not None:
+            state.prompt_logprobs = gather(logits, state.request)
+
+    def _fail_running(self, message: str) -> None:
+        """Fail every request in the batch (their KV state is unknown after a failed step)."""
+        batcher = self.batcher
+        assert batcher is not None
+        states = batcher._states()
+        batcher.kv, batcher.sequences, batcher.owners, batcher.job = None, [], [], None
+        for state in states:
+            self._fail(state, message)
 
     def _fail(self, state: RequestState, message: str) -> None:
         if state.closed:
@@ -275,58 +304,16 @@ class TransformersEngine(Engine):
             torch.set_num_threads(self.settings.num_threads)
         model = load_model(self.model_path, self.settings.dtype, self.device)
         self.runner = ModelRunner(model, self.device)
-        # Warm-up: one short generation through the same path as requests (no stream involved).
-        logits, batch = self.runner.prefill(_WARMUP_PROMPT)
-        batch.fork(2)
-        for _ in range(2):
-            token = logits.argmax(dim=-1)
-            logits = self.runner.decode(batch, token.expand(2).tolist())
-
-    def _rows(self, state: RequestState, active: list[Sequence]) -> BatchRows:
-        request = state.request
-        return BatchRows(
-            params=[seq.params for seq in active],
-            prompt_token_ids=[request.prompt_token_ids] * len(active),
-            output_token_ids=[seq.token_ids for seq in active],
-            extensions=[request.extensions] * len(active),
-            generators=[seq.generator for seq in active],
-        )
-
-    @torch.inference_mode()
-    def _serve(self, state: RequestState) -> None:
-        """Run one request to completion: prefill once, fork to n rows, decode until all finish."""
-        assert self.runner is not None
-        if state.abort_requested:
-            state.abort()
-            self._emit(state)
-            return
-        prompt = state.request.prompt_token_ids
-        with self._lock:
-            self._counters["prompt_tokens"] += len(prompt)
-        logits, batch = self.runner.prefill(prompt)
-        active = list(state.sequences)
-        batch.fork(len(active))
-        logits = logits.expand(len(active), -1).clone()
-        while True:
-            if state.abort_requested or self._stop.is_set():
-                state.abort_requested = True
-                state.abort()
-                self._emit(state)
-                return
-            sampled = self.sampler.sample(logits, self._rows(state, active))
-            for seq, token_id, logprobs in zip(active, sampled.token_ids, sampled.logprobs):
-                seq.append(token_id, logprobs)
-            with self._lock:
-                self._counters["generation_tokens"] += len(active)
-                self._counters["steps"] += 1
-            self._emit(state)
-            keep = [row for row, seq in enumerate(active) if not seq.finished]
-            if not keep:
-                return
-            if len(keep) < len(active):
-                batch.select(keep)
-                active = [active[row] for row in keep]
-            logits = self.runner.decode(batch, [seq.token_ids[-1] for seq in active])
+        # Warm-up: prefill, fork, merge and decode through the same kernels as requests (no stream).
+        with torch.inference_mode():
+            logits, batch = self.runner.prefill(_WARMUP_PROMPT)
+            batch.fork(2)
+            _, other = self.runner.prefill(_WARMUP_PROMPT[:2])
+            batch.merge(other)
+            for _ in range(2):
+                token = int(logits.argmax(dim=-1)[0])
+                logits = self.runner.decode(batch, [token] * batch.rows)
+        self.runner.forwards = 0
 
 
-__all__ = ["OutputKind", "TransformersEngine"]
+__all__ = ["OutputKind", "OutputStream", "TransformersEngine"]

@@ -49,3 +49,66 @@ def test_masks_and_positions_come_from_lengths(runner):
     batch.select([0])  # the padding no remaining row needs is dropped
     assert batch.width == 3 and batch.attention_mask(1).tolist() == [[1, 1, 1, 1]]
     torch.testing.assert_close(batch.cache.layers[0].keys, keys[:1, :, 2:, :])
+
+
+def assert_rows(logits, histories, runner):
+    for row, ids in enumerate(histories):
+        torch.testing.assert_close(logits[row], reference(runner, ids), atol=1e-5, rtol=0)
+
+
+def test_merge_of_different_lengths_matches_reference(runner):
+    long_prompt = PROMPT + [44, 45, 46, 47]  # 11 tokens
+    short = [1, 90, 91]
+    logits_a, running = runner.prefill(short)
+    running.fork(2)
+    logits = runner.decode(running, [5, 6])
+    histories = [short + [5], short + [6]]
+    assert_rows(logits, histories, runner)
+    # a wider newcomer: the running rows are left-padded
+    logits_b, newcomer = runner.prefill(long_prompt)
+    torch.testing.assert_close(logits_b[0], reference(runner, long_prompt), atol=1e-5, rtol=0)
+    running.merge(newcomer)
+    histories.append(long_prompt)
+    assert running.rows == 3 and running.lengths.tolist() == [4, 4, 11] and running.width == 11
+    logits = running_step(runner, running, histories, [7, 8, 9])
+    # a narrower newcomer: it is left-padded
+    _, tiny = runner.prefill([1, 2])
+    running.merge(tiny)
+    histories.append([1, 2])
+    logits = running_step(runner, running, histories, [10, 11, 12, 13])
+    # filter the widest row away: columns no one needs are dropped
+    running.select([0, 1, 3])
+    histories = [histories[0], histories[1], histories[3]]
+    assert running.width == int(running.lengths.max())
+    running_step(runner, running, histories, [14, 15, 16])
+    # empty, then a newcomer becomes the whole batch
+    running.select([])
+    assert running.rows == 0 and running.width == 0
+    _, fresh = runner.prefill(short)
+    running.merge(fresh)
+    running_step(runner, running, [list(short)], [17])
+
+
+def running_step(runner, batch, histories, tokens):
+    logits = runner.decode(batch, tokens)
+    for ids, token in zip(histories, tokens):
+        ids.append(token)
+    assert_rows(logits, histories, runner)
+    return logits
+
+
+def test_chunked_and_grouped_prefill_match_reference(runner):
+    prompt = PROMPT + [60, 61, 62, 63, 64]  # 12 tokens in chunks of 5, 5, 2
+    batch = runner.new_batch(1)
+    for start in range(0, len(prompt), 5):
+        logits = runner.forward(batch, [prompt[start : start + 5]])
+    torch.testing.assert_close(logits[0], reference(runner, prompt), atol=1e-5, rtol=0)
+    other = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    group = runner.new_batch(2)
+    everything = runner.forward(group, [prompt, other], all_logits=True)
+    assert everything.shape[:2] == (2, 12)
+    for t in (3, 11):
+        torch.testing.assert_close(everything[1, t], reference(runner, other[: t + 1]), atol=1e-5, rtol=0)
+    group.select([0, 1, 1])  # fork the second prompt into two children
+    batch.merge(group)
+    running_step(runner, batch, [list(prompt), list(prompt), list(other), list(other)], [20, 21, 22, 23])

@@ -1,0 +1,231 @@
+"""Continuous batching: one step of the engine loop at a time, on the engine's thread.
+
+Each :meth:`Batcher.step`:
+
+1. drops the rows of aborted requests (their choices finish with ``"abort"`` at once);
+2. when no prefill is in progress, asks the scheduler for the next group of newcomers (equal prompt
+   lengths) and starts prefilling it into a KV batch of its own;
+3. runs one prefill chunk of that group; after its last chunk the first token of every child is
+   sampled from the prompt's logits (the cache of an ``n``-choice request is forked ``n`` times
+   from its single prefill), and the children that go on are merged into the running batch;
+4. runs one decode step — a single batched forward — for every running sequence, samples, emits,
+   and lets finished sequences leave the batch at once.
+
+A long prompt is prefilled chunk by chunk with decode steps in between, so running streams keep
+moving. Emission and bookkeeping go through the callbacks the engine passes in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from gyrfalcon.engine.kv_cache import PaddedKVBatch
+from gyrfalcon.engine.outputs import RequestState
+from gyrfalcon.engine.runner import ModelRunner
+from gyrfalcon.engine.sampler import Sampler
+from gyrfalcon.engine.scheduler import Scheduler
+from gyrfalcon.engine.sequence import Sequence
+from gyrfalcon.policies import BatchRows
+
+log = logging.getLogger(__name__)
+
+
+def batch_rows(sequences: list[Sequence], owners: list[RequestState]) -> BatchRows:
+    """The per-row view of a batch that processors and gatherers receive."""
+    return BatchRows(
+        params=[seq.params for seq in sequences],
+        prompt_token_ids=[seq.prompt_token_ids for seq in sequences],
+        output_token_ids=[seq.token_ids for seq in sequences],
+        extensions=[state.request.extensions for state in owners],
+        generators=[seq.generator for seq in sequences],
+    )
+
+
+def _release_memory() -> None:
+    """Give freed heap pages back to the OS (glibc only; a no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class PrefillJob:
+    """A group of newcomers with equal prompt lengths being prefilled together, chunk by chunk."""
+
+    states: list[RequestState]
+    kv: PaddedKVBatch
+    done: int = 0  # prompt positions prefilled so far
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # [k, c, V] chunks, when asked
+
+    @property
+    def length(self) -> int:
+        return len(self.states[0].request.prompt_token_ids)
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        return any(s.request.sampling.prompt_logprobs is not None for s in self.states)
+
+
+class Batcher:
+    """The running batch and the prefill in progress; driven by :meth:`step` on one thread."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        sampler: Sampler,
+        scheduler: Scheduler,
+        emit: Callable[[RequestState], None],
+        count: Callable[[str, int], None],
+        prompt_logprobs: Callable[[RequestState, torch.Tensor], None] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.sampler = sampler
+        self.scheduler = scheduler
+        self.emit = emit
+        self.count = count
+        self.prompt_logprobs = prompt_logprobs
+        self.kv: PaddedKVBatch | None = None
+        self.sequences: list[Sequence] = []
+        self.owners: list[RequestState] = []
+        self.job: PrefillJob | None = None
+
+    # ----------------------------------------------------------------- views (read from any thread)
+
+    @property
+    def running_sequences(self) -> int:
+        return len(self.sequences)
+
+    def running_requests(self) -> int:
+        return len({id(s) for s in self.owners})
+
+    def prefilling_requests(self) -> int:
+        job = self.job
+        return 0 if job is None else len(job.states)
+
+    @property
+    def idle(self) -> bool:
+        return not self.sequences and self.job is None
+
+    # ----------------------------------------------------------------- the step
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """Run one prefill chunk and/or one decode step; False when there was nothing to do."""
+        self._reap_aborted()
+        if self.job is None:
+            width = self.kv.width if self.kv is not None and self.sequences else 0
+            group = self.scheduler.admit(len(self.sequences), width)
+            if group:
+                self.job = PrefillJob(group, self.runner.new_batch(len(group)))
+        worked = False
+        if self.job is not None:
+            self._prefill_chunk(self.job)
+            worked = True
+        if self.sequences:
+            self._decode()
+            worked = True
+        return worked
+
+    def abort_all(self) -> None:
+        """Finish every running and prefilling request with ``"abort"`` (shutdown)."""
+        for state in self._states():
+            state.abort_requested = True
+        self._reap_aborted()
+
+    def _states(self) -> list[RequestState]:
+        seen: dict[int, RequestState] = {id(s): s for s in self.owners}
+        if self.job is not None:
+            seen.update({id(s): s for s in self.job.states})
+        return list(seen.values())
+
+    def _reap_aborted(self) -> None:
+        aborted = [s for s in self._states() if s.abort_requested and not s.closed]
+        if not aborted:
+            return
+        for state in aborted:
+            state.abort()
+            self.emit(state)
+        job = self.job
+        if job is not None and all(s.abort_requested for s in job.states):
+            self.job = None
+        self._keep([row for row, seq in enumerate(self.sequences) if not seq.finished])
+
+    def _keep(self, keep: list[int]) -> None:
+        if len(keep) == len(self.sequences):
+            return
+        self.sequences = [self.sequences[row] for row in keep]
+        self.owners = [self.owners[row] for row in keep]
+        assert self.kv is not None
+        self.kv.select(keep)
+        if not keep:
+            self.kv = None
+            if self.job is None and len(self.scheduler) == 0:
+                _release_memory()
+
+    def _prefill_chunk(self, job: PrefillJob) -> None:
+        chunk = max(self.scheduler.prefill_chunk_tokens // len(job.states), 1)
+        end = min(job.done + chunk, job.length)
+        tokens = [s.request.prompt_token_ids[job.done : end] for s in job.states]
+        logits = self.runner.forward(job.kv, tokens, all_logits=job.wants_prompt_logits)
+        self.count("prefill_forwards", 1)
+        self.count("prompt_tokens", len(job.states) * (end - job.done))
+        job.done = end
+        if job.wants_prompt_logits:
+            job.prompt_logits.append(logits)
+            logits = logits[:, -1, :]
+        if job.done < job.length:
+            return
+        self.job = None
+        self._start_children(job, logits)
+
+    def _start_children(self, job: PrefillJob, logits: torch.Tensor) -> None:
+        """Sample each child's first token from its prompt's logits, then merge the survivors."""
+        fan: list[int] = []
+        sequences: list[Sequence] = []
+        owners: list[RequestState] = []
+        for i, state in enumerate(job.states):
+            if state.abort_requested:
+                continue
+            if job.prompt_logits and self.prompt_logprobs and state.request.sampling.prompt_logprobs is not None:
+                self.prompt_logprobs(state, torch.cat([c[i] for c in job.prompt_logits], dim=0))
+            fan.extend([i] * len(state.sequences))
+            sequences.extend(state.sequences)
+            owners.extend([state] * len(state.sequences))
+        if not fan:
+            return
+        index = torch.tensor(fan, dtype=torch.long, device=logits.device)
+        sampled = self.sampler.sample(logits.index_select(0, index), batch_rows(sequences, owners))
+        self._append(sequences, owners, sampled)
+        job.kv.select(fan)  # fork: each child gets a copy of its prompt's cache
+        keep = [row for row, seq in enumerate(sequences) if not seq.finished]
+        if not keep:
+            return
+        job.kv.select(keep)
+        if self.kv is None or not self.sequences:
+            self.kv = job.kv
+        else:
+            self.kv.merge(job.kv)
+        self.sequences.extend(sequences[row] for row in keep)
+        self.owners.extend(owners[row] for row in keep)
+
+    def _decode(self) -> None:
+        assert self.kv is not None
+        logits = self.runner.decode(self.kv, [seq.token_ids[-1] for seq in self.sequences])
+        self.count("decode_forwards", 1)
+        sampled = self.sampler.sample(logits, batch_rows(self.sequences, self.owners))
+        self._append(self.sequences, self.owners, sampled)
+        self._keep([row for row, seq in enumerate(self.sequences) if not seq.finished])
+
+    def _append(self, sequences: list[Sequence], owners: list[RequestState], sampled) -> None:
+        for seq, token_id, logprobs in zip(sequences, sampled.token_ids, sampled.logprobs):
+            seq.append(token_id, logprobs)
+        self.count("generation_tokens", len(sequences))
+        self.count("steps", 1)
+        for state in dict.fromkeys(owners):
+            self.emit(state)
