@@ -42,3 +42,20 @@ def tiny_engine(tiny_model_dir: str):
     assert health.ready, health.message
     yield engine
     engine.shutdown(grace=1.0)
+
+
+#: limits of the live test server: small, so that every valid request (and fuzzing) stays fast
+LIVE_ARGS = ["--max-model-len", "64", "--max-num-seqs", "8", "--served-model-name", "tiny", "--max-queue-len", "32"]
+
+
+@pytest.fixture(scope="session")
+def live_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """``gyrfalcon serve`` on the tiny model under gunicorn (a subprocess), torn down at the end."""
+    from tests.live_server import start_server, stop_server
+
+    log = tmp_path_factory.mktemp("live") / "server.log"
+    server = start_server(["--model", tiny_model_dir, *LIVE_ARGS], str(log))
+    try:
+        yield server
+    finally:
+        stop_server(server)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from urllib.parse import quote
 
 import falcon
 import orjson
@@ -75,7 +76,8 @@ class InferenceResource:
             start_stream(resp, stream_chunks(engine, serving, streams))
         else:
             _json(resp, complete(engine, serving, streams))
-        resp.set_header("X-Request-Id", serving.response_id)
+        # ids come from clients: percent-encode whatever a header cannot carry
+        resp.set_header("X-Request-Id", quote(serving.response_id, safe="-_.~:/+="))
 
 
 class MetricsResource:

@@ -40,7 +40,7 @@ def events(chunks: Iterator[dict[str, Any]]) -> Iterator[bytes]:
 
 def start_stream(resp: falcon.Response, chunks: Iterator[dict[str, Any]]) -> None:
     resp.status = falcon.HTTP_200
-    resp.content_type = "text/event-stream"
+    resp.content_type = "text/event-stream; charset=utf-8"
     resp.set_header("Cache-Control", "no-cache")
     resp.set_header("X-Accel-Buffering", "no")
     resp.stream = events(chunks)

@@ -1,0 +1,124 @@
+"""Against a real gunicorn server: the n > 1 contract on every endpoint, errors, disconnects, fuzzing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import requests
+
+from tests.helpers import chat_delta_text, sse_events, stream_by_choice
+
+pytestmark = pytest.mark.live
+
+MSG = [{"role": "user", "content": "hello"}]
+SAMPLED = {"temperature": 0.9, "ignore_eos": True}
+
+ENDPOINTS = {
+    "completions": ("/v1/completions", {"prompt": "the quick"}, lambda c: c.get("text", "")),
+    "chat": ("/v1/chat/completions", {"messages": MSG}, chat_delta_text),
+    "generate": ("/inference/v1/generate", {"token_ids": [5, 6, 7]}, None),
+}
+
+
+def body_for(name: str, n: int, max_tokens: int, stream: bool, seed: int) -> dict:
+    path, base, _ = ENDPOINTS[name]
+    params = {"n": n, "max_tokens": max_tokens, "seed": seed, **SAMPLED}
+    body = dict(base)
+    if name == "generate":
+        body["sampling_params"] = params
+    else:
+        body.update(params)
+    if stream:
+        body["stream"] = True
+    return body
+
+
+@pytest.mark.parametrize("name", list(ENDPOINTS))
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_n_choices_never_dropped(live_server, name, n):
+    """Regression for the incumbents' bug: every one of the n choices, streaming or not, many times."""
+    path, _, text_of = ENDPOINTS[name]
+    for rep in range(5):
+        final = requests.post(live_server.url + path, json=body_for(name, n, 6, False, rep), timeout=60)
+        assert final.status_code == 200, final.text
+        choices = final.json()["choices"]
+        assert [c["index"] for c in choices] == list(range(n))
+        assert all(c["finish_reason"] == "length" for c in choices)
+        streamed = requests.post(live_server.url + path, json=body_for(name, n, 6, True, rep), timeout=60)
+        assert streamed.status_code == 200
+        joined = stream_by_choice(sse_events(streamed.text), text_of or (lambda c: ""))
+        assert sorted(joined) == list(range(n))
+        for choice in choices:
+            got = joined[choice["index"]]
+            assert got["finishes"] == ["length"] and got["after_finish"] == 0
+            if name == "generate":
+                assert got["token_ids"] == choice["token_ids"]
+            else:
+                expected = choice.get("text", choice.get("message", {}).get("content"))
+                assert got["text"] == expected
+
+
+def test_batch_chat_live(live_server):
+    convs = [MSG, [{"role": "user", "content": "bye"}]]
+    r = requests.post(live_server.url + "/v1/chat/completions/batch", json={"messages": convs, "max_tokens": 3, **SAMPLED}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+
+
+def test_concurrent_requests_all_complete(live_server):
+    results: list[int] = []
+
+    def one(i: int) -> None:
+        r = requests.post(live_server.url + "/v1/completions", json={"prompt": f"p{i}", "max_tokens": 8, "n": 2, "seed": i, **SAMPLED}, timeout=120)
+        results.append(len(r.json()["choices"]) if r.status_code == 200 else -r.status_code)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [2] * 12
+
+
+def test_errors_live(live_server):
+    r = requests.post(live_server.url + "/v1/completions", json={"prompt": "x", "n": 2, "temperature": 0}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    r = requests.post(live_server.url + "/v1/completions", data=b"{", headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400
+    r = requests.get(live_server.url + "/v1/nothing", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    r = requests.post(live_server.url + "/v1/completions", json={"prompt": "x", "model": "other"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_disconnect_mid_stream_leaves_server_healthy(live_server):
+    body = {"prompt": "abc", "max_tokens": 60, "n": 4, "stream": True, **SAMPLED}
+    with requests.post(live_server.url + "/v1/completions", json=body, stream=True, timeout=60) as r:
+        next(r.iter_lines())  # read one event, then hang up
+    r = requests.post(live_server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+
+
+def test_request_id_header_wins(live_server):
+    r = requests.post(
+        live_server.url + "/inference/v1/generate",
+        json={"token_ids": [5], "sampling_params": {"max_tokens": 1}, "request_id": "body"},
+        headers={"X-Request-Id": "header"}, timeout=30,
+    )
+    assert r.json()["request_id"] == "generate-tokens-header"
+
+
+def test_schemathesis_cli_against_the_live_spec(live_server, tmp_path):
+    """Fuzz the running server from outside, with its own served spec, all checks, both modes."""
+    env = dict(os.environ, SCHEMATHESIS_HOOKS="gyrfalcon.contract")
+    cmd = [
+        sys.executable, "-m", "schemathesis.cli", "run", live_server.url + "/openapi.json",
+        "--checks", "all", "--mode", "all", "--max-examples", "15", "--seed", "1",
+        "--generation-database", "none", "--output-sanitize", "false", "--workers", "2",
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]

@@ -1,0 +1,71 @@
+"""A gyrfalcon server under gunicorn in a subprocess, started exactly as a user would start it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    process: subprocess.Popen
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-5000:]
+
+
+def start_server(args: list[str], log_path: str, timeout: float = 180.0) -> LiveServer:
+    """Run ``gyrfalcon serve ARGS --port <free>`` and wait until ``/health`` answers 200.
+
+    Read time-outs and refused connections while gunicorn boots are expected; the server is
+    killed if it exits or is not healthy within ``timeout`` seconds.
+    """
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    log = open(log_path, "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gyrfalcon.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    server = LiveServer(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            if requests.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
+        except requests.RequestException:
+            pass
+        time.sleep(0.3)
+    stop_server(server)
+    raise RuntimeError(f"server not healthy after {timeout} s:\n{server.log()}")
+
+
+def stop_server(server: LiveServer) -> None:
+    """SIGTERM the whole process group (gunicorn master and workers), then SIGKILL if needed."""
+    try:
+        os.killpg(server.process.pid, signal.SIGTERM)
+        server.process.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(server.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        server.process.wait(timeout=10)
