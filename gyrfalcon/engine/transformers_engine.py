@@ -194,6 +194,8 @@ class TransformersEngine(Engine):
         self.scheduler.wake()
         if self._thread.is_alive():
             self._thread.join(timeout=max(grace, 1.0) + 5.0)
+        elif self.batcher is not None:  # stepped by hand (tests): finish what it holds
+            self.batcher.abort_all()
         for state in self.scheduler.drain():  # the loop never ran (load failure or not started)
             state.abort()
             self._emit(state)
@@ -248,7 +250,12 @@ class TransformersEngine(Engine):
         with self._lock:
             self._counters[name] += value
 
-    def _main(self) -> None:
+    def prepare(self) -> bool:
+        """Load and warm up the model and build the batcher on the calling thread; False on failure.
+
+        The background thread calls this before its loop; tests that drive ``batcher.step()`` by
+        hand call it on an engine built with ``start=False`` (and never start it).
+        """
         try:
             self._load()
         except Exception as exc:  # noqa: BLE001 - reported through health and in-band errors
@@ -258,11 +265,17 @@ class TransformersEngine(Engine):
                 self._accepting = False
             for state in self.scheduler.drain():
                 self._fail(state, f"model failed to load: {exc}")
-            return
+            return False
         assert self.runner is not None
         self.batcher = Batcher(self.runner, self.sampler, self.scheduler, self._emit, self._count,
                                self._prompt_logprobs)  # fmt: skip
         self._health = EngineHealth(ready=True, message="")
+        return True
+
+    def _main(self) -> None:
+        if not self.prepare():
+            return
+        assert self.batcher is not None
         while not self._stop.is_set():
             try:
                 if not self.batcher.step():

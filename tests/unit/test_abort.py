@@ -1,0 +1,99 @@
+"""Abort: a closed stream (streaming or not) frees its sequences within a step; the rest go on unchanged."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from gyrfalcon.engine.types import OutputKind
+from tests.unit.test_batching import PROMPTS, alone, finals, request, run, stepped  # noqa: F401 - fixture
+
+
+def long_requests():
+    return [
+        request(PROMPTS[0], temperature=0.0, max_tokens=40, ignore_eos=True),
+        request(PROMPTS[1], n=3, temperature=1.0, seed=4, max_tokens=40, ignore_eos=True),
+        request(PROMPTS[2], temperature=0.9, seed=5, max_tokens=40, ignore_eos=True, kind=OutputKind.DELTA),
+    ]
+
+
+def test_closing_a_non_streaming_request_shrinks_the_batch_at_the_next_step(stepped):
+    engine = stepped()
+    expected = alone(engine, long_requests())
+    keep_a, victim, keep_c = (engine.submit(r) for r in long_requests())
+    for _ in range(6):
+        engine.batcher.step()
+    assert engine.batcher.running_sequences == 5
+    victim.close()  # what the serving thread does when it sees the client is gone
+    engine.batcher.step()
+    assert engine.batcher.running_sequences == 2
+    assert victim.request_id not in engine._live and engine.stats()["requests_aborted"] == 1
+    run(engine, [])
+    got = finals([keep_a])
+    assert got == [expected[0]]
+    tokens = [t for item in keep_c for c in item.outputs for t in c.token_ids]
+    assert [tokens] == expected[2]
+
+
+def test_abort_reports_abort_and_partial_output(stepped):
+    engine = stepped()
+    stream = engine.submit(long_requests()[1])
+    for _ in range(4):
+        engine.batcher.step()
+    engine.abort(stream.request_id)
+    engine.batcher.step()
+    (last,) = list(stream)
+    assert last.finished and [c.finish_reason for c in last.outputs] == ["abort"] * 3
+    assert all(len(c.token_ids) == 5 for c in last.outputs)  # the first step prefills and decodes
+    assert engine.batcher.idle
+
+
+def test_abort_during_a_chunked_prefill_drops_the_prefill(stepped):
+    engine = stepped()
+    engine.scheduler.prefill_chunk_tokens = 4
+    stream = engine.submit(request(PROMPTS[4], temperature=0.0, max_tokens=5))
+    engine.batcher.step()
+    assert engine.batcher.job is not None
+    stream.close()
+    engine.batcher.step()
+    assert engine.batcher.job is None and engine.batcher.idle and not engine._live
+
+
+def test_abort_of_a_waiting_request_answers_at_once(stepped):
+    engine = stepped()
+    stream = engine.submit(request(PROMPTS[0], max_tokens=5))
+    engine.abort(stream.request_id)
+    (last,) = list(stream)
+    assert last.outputs[0].finish_reason == "abort" and len(engine.scheduler) == 0
+
+
+def test_close_from_another_thread_frees_a_running_request(tiny_model_dir):
+    from gyrfalcon.plugins.engines import create_transformers_engine
+    from tests.conftest import tiny_settings
+
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir, max_model_len=256))
+    try:
+        assert engine.wait_ready(60).ready
+        slow = engine.runner.forward
+
+        def forward(*args, **kwargs):  # slow the steps down so the request is surely running
+            time.sleep(0.005)
+            return slow(*args, **kwargs)
+
+        engine.runner.forward = forward
+        other = engine.submit(request(PROMPTS[3], temperature=0.0, max_tokens=30, ignore_eos=True))
+        victim = engine.submit(request(PROMPTS[1], n=2, temperature=1.0, max_tokens=200, ignore_eos=True))
+        deadline = time.monotonic() + 10
+        while engine.stats()["running_sequences"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        steps = engine.stats()["decode_forwards"]
+        threading.Thread(target=victim.close).start()  # the serving thread noticing the client left
+        while victim.request_id in engine._live:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        assert engine.stats()["decode_forwards"] - steps <= 3
+        (done,) = list(other)
+        assert done.outputs[0].finish_reason == "length" and len(done.outputs[0].token_ids) == 30
+    finally:
+        engine.shutdown(0)

@@ -1,0 +1,151 @@
+"""Continuous batching on the tiny model: batched results equal alone results, one prefill for n > 1,
+chunked prefills that let running streams move, limits respected.
+
+Most tests step the batcher by hand (an engine built with ``start=False`` and ``prepare()``d), so
+which requests share a step is deterministic.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gyrfalcon.engine.transformers_engine import TransformersEngine
+from gyrfalcon.engine.types import EngineRequest, OutputKind, SamplingParams
+from tests.conftest import tiny_settings
+
+_ids = iter(range(10**9))
+_rng = random.Random(7)
+PROMPTS = [[1] + [_rng.randrange(3, 512) for _ in range(length - 1)] for length in (5, 9, 17, 9, 30, 3)]
+
+
+def request(prompt, kind=OutputKind.FINAL_ONLY, **params) -> EngineRequest:
+    return EngineRequest(f"batch-{next(_ids)}", list(prompt), SamplingParams(**params), kind)
+
+
+@pytest.fixture
+def stepped(tiny_model_dir):
+    engines = []
+
+    def make(**overrides) -> TransformersEngine:
+        engine = TransformersEngine(tiny_settings(tiny_model_dir, **overrides), start=False)
+        assert engine.prepare()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown(0)
+
+
+def run(engine, streams, submit_later=(), every=3, limit=5000):
+    """Step until idle, submitting ``submit_later`` one by one every ``every`` steps; the max batch seen."""
+    pending = list(submit_later)
+    widest = steps = 0
+    while True:
+        if pending and steps % every == 0:
+            streams.append(engine.submit(pending.pop(0)))
+        worked = engine.batcher.step()
+        widest = max(widest, engine.batcher.running_sequences)
+        steps += 1
+        assert steps < limit
+        if not worked and not pending:
+            return widest
+
+
+def finals(streams):
+    out = []
+    for stream in streams:
+        items = list(stream)
+        assert len(items) == 1 and items[0].finished and items[0].error is None
+        out.append([c.token_ids for c in items[0].outputs])
+    return out
+
+
+def alone(engine, requests):
+    results = []
+    for req in requests:
+        streams = [engine.submit(req)]
+        run(engine, streams)
+        results.extend(finals(streams))
+    return results
+
+
+SAMPLING = [
+    dict(temperature=0.0),
+    dict(temperature=0.8, seed=11),
+    dict(temperature=1.0, top_k=20, seed=12),
+    dict(temperature=0.7, top_p=0.9, seed=13),
+    dict(temperature=1.2, min_p=0.05, seed=14, n=3),
+    dict(temperature=0.0),
+]
+
+
+def make_requests(max_tokens=(12, 20, 7, 25, 16, 9)):
+    return [request(p, max_tokens=m, ignore_eos=True, **s) for p, m, s in zip(PROMPTS, max_tokens, SAMPLING)]
+
+
+def test_greedy_and_seeded_results_are_the_same_alone_and_batched(stepped):
+    engine = stepped()
+    reference = alone(engine, make_requests())
+    # everything submitted at once: equal-length prompts share a prefill, the rest merge in later
+    streams = [engine.submit(r) for r in make_requests()]
+    assert run(engine, streams) >= 6
+    assert finals(streams) == reference
+    # newcomers merged into a running batch every few steps, as traffic arrives
+    streams = []
+    assert run(engine, streams, submit_later=make_requests(), every=4) >= 4
+    assert finals(streams) == reference
+
+
+def test_threaded_engine_concurrent_requests_match_alone(tiny_engine):
+    requests = make_requests()
+    reference = [[c.token_ids for c in list(tiny_engine.submit(r))[-1].outputs] for r in requests]
+    streams = [tiny_engine.submit(r) for r in make_requests()]
+    assert finals(streams) == reference
+
+
+def test_n_choices_share_one_prefill(stepped):
+    engine = stepped()
+    before = engine.stats()["prefill_forwards"]
+    streams = [engine.submit(request(PROMPTS[4], n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True))]
+    run(engine, streams)
+    (choices,) = finals(streams)
+    assert len(choices) == 4 and all(len(c) == 6 for c in choices)
+    stats = engine.stats()
+    assert stats["prefill_forwards"] - before == 1
+    assert stats["prompt_tokens"] == len(PROMPTS[4])
+
+
+def test_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes(stepped):
+    engine = stepped()
+    long_prompt = [1] + [_rng.randrange(3, 512) for _ in range(59)]
+    (expected,) = alone(engine, [request(long_prompt, temperature=0.0, max_tokens=8, ignore_eos=True)])
+    engine.scheduler.prefill_chunk_tokens = 8
+    runner_stream = engine.submit(request(PROMPTS[0], temperature=0.0, max_tokens=60, ignore_eos=True,
+                                          kind=OutputKind.DELTA))  # fmt: skip
+    for _ in range(3):
+        engine.batcher.step()
+    before = engine.stats()["prefill_forwards"]
+    long_stream = engine.submit(request(long_prompt, temperature=0.0, max_tokens=8, ignore_eos=True))
+    running = engine.batcher.sequences[0]
+    progress = []
+    while engine.batcher.job is not None or engine.stats()["prefill_forwards"] == before:
+        tokens = len(running.token_ids)
+        engine.batcher.step()
+        progress.append(len(running.token_ids) - tokens)
+    assert engine.stats()["prefill_forwards"] - before == 8  # ceil(60 / 8) chunks
+    assert progress == [1] * 8  # the running stream got a token at every chunk
+    streams = [long_stream]
+    run(engine, streams)
+    assert finals(streams) == [expected]
+    assert sum(len(c.token_ids) for item in runner_stream for c in item.outputs) == 60
+
+
+def test_max_num_seqs_bounds_the_batch(stepped):
+    engine = stepped(max_num_seqs=3)
+    streams = [engine.submit(request(PROMPTS[i % 3], temperature=0.0, max_tokens=5 + i, ignore_eos=True))
+               for i in range(7)]  # fmt: skip
+    assert run(engine, streams) == 3
+    assert all(len(c[0]) == 5 + i for i, c in enumerate(finals(streams)))
