@@ -77,12 +77,20 @@ def gyrfalcon_add_routes(app: falcon.App, engine: Engine, settings: Settings) ->
 
 @hookspec
 def gyrfalcon_startup(settings: Settings) -> None:
-    """Called once per worker process after the app is built, before it serves."""
+    """Called once per worker process after the app and its engine are built, before it serves.
+
+    Open what your plugin needs for the worker's lifetime here (not at import: the gunicorn master
+    imports plugins before forking). Exceptions abort the worker's start.
+    """
 
 
 @hookspec
 def gyrfalcon_shutdown() -> None:
-    """Called once per worker process when it stops serving."""
+    """Called once per worker process when it stops serving, before the engine shuts down.
+
+    Release what ``gyrfalcon_startup`` opened; must not block for long (the worker has a graceful
+    timeout of a few seconds).
+    """
 
 
 # ---------------------------------------------------------------- engine hooks

@@ -1,0 +1,73 @@
+"""The official ``openai`` package against the live server: what users actually run."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.live
+
+
+@pytest.fixture(scope="module")
+def client(live_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_chat_n_choices(client):
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=5, seed=3, temperature=0.8,
+        extra_body={"ignore_eos": True, "top_k": 20},
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" and c.message.role == "assistant" for c in r.choices)
+    assert r.usage.completion_tokens == 15
+
+
+def test_chat_stream_n_choices(client):
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=4, seed=5, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    texts = {0: "", 1: ""}
+    finishes: dict[int, list[str]] = {0: [], 1: []}
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index].append(choice.finish_reason)
+    assert finishes == {0: ["length"], 1: ["length"]}
+    assert usage is not None and usage.completion_tokens == 8
+    final = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=4, seed=5, extra_body={"ignore_eos": True},
+    )
+    assert [texts[c.index] for c in final.choices] == [c.message.content for c in final.choices]
+
+
+def test_completions_and_stream(client):
+    r = client.completions.create(model="tiny", prompt=["a b", "c d"], n=2, max_tokens=3, seed=1, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    seen = set()
+    for chunk in client.completions.create(model="tiny", prompt="a b", n=2, max_tokens=3, seed=1, stream=True, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            if c.finish_reason:
+                seen.add((c.index, c.finish_reason))
+    assert seen == {(0, "length"), (1, "length")}
+
+
+def test_bad_request_names_param(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2, temperature=0)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], extra_body={"tools": []})
+    assert info.value.body["param"] == "tools"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
