@@ -67,18 +67,30 @@ class LogprobGatherer:
     token of each row, and the rows; it returns, per row, either None (nothing from this gatherer)
     or a pair ``(token_ids, logprobs)`` of equal-length lists to add to that position's report.
     The engine merges the pairs of every gatherer in order, without duplicates.
+
+    ``positions`` says where the gatherer runs: ``"generated"`` (every decode step, on the rows of
+    the batch) or ``"prompt"`` (once per request after its prefill, one row per prompt position
+    ``1..L-1``: ``logprobs[p]`` is the distribution that predicted prompt token ``p + 1``, which
+    is passed as ``sampled[p]``; every row carries the request's parameters).
     """
 
     name: str = ""
     fields: frozenset[str] = frozenset()
+    positions: str = "generated"
 
     def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
         """Raise :class:`gyrfalcon.errors.RequestError` (with ``param``) for values it cannot honour."""
 
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
+        """True when this row (request) needs the gatherer."""
         raise NotImplementedError
 
     def gather(
         self, logprobs: torch.Tensor, sampled: torch.Tensor, rows: BatchRows, selected: list[int]
     ) -> list[tuple[list[int], list[float]] | None]:
+        """Per row of the batch (``len(rows)`` items): ``(token_ids, logprobs)`` or None.
+
+        Only rows in ``selected`` may get a pair; an empty pair still asks for the position's
+        report (the sampled token and its logprob). Vectorise across ``selected``.
+        """
         raise NotImplementedError

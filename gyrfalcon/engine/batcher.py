@@ -194,6 +194,11 @@ class Batcher:
                 continue
             if job.prompt_logits and self.prompt_logprobs and state.request.sampling.prompt_logprobs is not None:
                 self.prompt_logprobs(state, torch.cat([c[i] for c in job.prompt_logits], dim=0))
+            if state.request.sampling.max_tokens == 0:  # prompt logprobs only: nothing to generate
+                for seq in state.sequences:
+                    seq.finish("length")
+                self.emit(state)
+                continue
             fan.extend([i] * len(state.sequences))
             sequences.extend(state.sequences)
             owners.extend([state] * len(state.sequences))

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from gyrfalcon.engine.types import LOGPROB_FLOOR, TokenLogprobs
+from gyrfalcon.engine.logprob_reports import merge_gathered
+from gyrfalcon.engine.prompt_logprobs import compute_prompt_logprobs
+from gyrfalcon.engine.types import EngineRequest, TokenLogprobs
 from gyrfalcon.policies import BatchRows, LogitsProcessor, LogprobGatherer
 
 
@@ -42,7 +44,9 @@ class Sampler:
         default_generator: torch.Generator,
     ) -> None:
         self.processors = sorted(processors, key=lambda p: p.order)
-        self.gatherers = list(gatherers)
+        # logprob path: generated-position gatherers run each step, prompt-position ones after a prefill
+        self.gatherers = [g for g in gatherers if getattr(g, "positions", "generated") == "generated"]
+        self.prompt_gatherers = [g for g in gatherers if getattr(g, "positions", "generated") == "prompt"]
         self.eos_token_ids = list(eos_token_ids)
         self.default_generator = default_generator
 
@@ -87,30 +91,16 @@ class Sampler:
 
         ``raw_logprobs`` is the log-softmax of the step's unprocessed logits; ``selected[g]`` lists
         the rows gatherer ``g`` wants. A row's report holds the sampled token and its logprob, then
-        every gatherer's ``(ids, logprobs)`` pairs in gatherer order without duplicate ids.
+        every gatherer's ``(ids, logprobs)`` pairs in gatherer order without duplicate ids (see
+        :func:`gyrfalcon.engine.logprob_reports.merge_gathered`); values are finite.
         """
-        reports: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is None:
-            return reports
-        sampled_list = sampled.tolist()
-        for g, gatherer in enumerate(self.gatherers):
-            if not selected[g]:
-                continue
-            pairs = gatherer.gather(raw_logprobs, sampled, rows, selected[g])
-            for i, pair in enumerate(pairs):
-                if pair is None:
-                    continue
-                report = reports[i]
-                if report is None:
-                    lp = max(float(raw_logprobs[i, sampled_list[i]]), LOGPROB_FLOOR)
-                    report = reports[i] = TokenLogprobs([sampled_list[i]], [lp], [[]], [[]])
-                seen = set(report.top_token_ids[0])
-                for token_id, value in zip(*pair):
-                    if token_id not in seen:
-                        seen.add(token_id)
-                        report.top_token_ids[0].append(int(token_id))
-                        report.top_logprobs[0].append(max(float(value), LOGPROB_FLOOR))
-        return reports
+            return [None] * len(rows)
+        return merge_gathered(self.gatherers, raw_logprobs, sampled, rows, selected)
+
+    def gather_prompt_logprobs(self, logits: torch.Tensor, request: EngineRequest) -> TokenLogprobs:
+        """Prompt logprobs from the prefill's ``[L, V]`` logits (row t predicts prompt token t+1)."""
+        return compute_prompt_logprobs(logits, request, self.prompt_gatherers)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: BatchRows) -> SamplerOutput:

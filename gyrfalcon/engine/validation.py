@@ -49,14 +49,15 @@ def validate_request(
         raise RequestError(f"prompt token ids must be in [0, {info.vocab_size})", "prompt")
     if not 1 <= params.n <= info.max_num_seqs:
         raise RequestError(f"n must be between 1 and {info.max_num_seqs}", "n")
-    if len(prompt) >= info.max_model_len:
+    prompt_only = params.max_tokens == 0 and params.prompt_logprobs is not None  # logprob path: prefill only
+    if len(prompt) > info.max_model_len or (len(prompt) == info.max_model_len and not prompt_only):
         raise RequestError(
             f"this model's maximum context length is {info.max_model_len} tokens; the prompt has "
             f"{len(prompt)} tokens and leaves no room for a generated one",
             "prompt",
         )
-    if params.max_tokens < 1:
-        raise RequestError("max_tokens must be at least 1", "max_tokens")
+    if params.max_tokens < 1 and not prompt_only:
+        raise RequestError("max_tokens must be at least 1 (0 only with prompt_logprobs)", "max_tokens")
     if len(prompt) + params.max_tokens > info.max_model_len:
         raise RequestError(
             f"this model's maximum context length is {info.max_model_len} tokens; the prompt has "

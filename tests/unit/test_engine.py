@@ -35,6 +35,7 @@ def test_info_and_capabilities(tiny_engine):
         "n", "max_tokens", "min_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
         "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
         "temperature", "top_k", "top_p", "min_p",
+        "logprobs", "prompt_logprobs", "logprob_token_ids",  # gyrfalcon.plugins.logprobs
     }  # fmt: skip
     assert tiny_engine.health().ready
 
@@ -139,7 +140,7 @@ def test_length_at_max_tokens_and_at_context_end(tiny_engine):
         (PROMPT, {"n": 9}, "n"),
         (PROMPT, {"n": 0}, "n"),
         (PROMPT, {"min_tokens": 17}, "min_tokens"),
-        (PROMPT, {"logprobs": 2}, "logprobs"),
+        (PROMPT, {"logprobs": 21}, "logprobs"),  # above max_logprobs (20)
         (PROMPT, {"presence_penalty": 0.5}, "presence_penalty"),
         (PROMPT, {"logit_bias": {3: 1.0}}, "logit_bias"),
         (PROMPT, {"top_p": 0.0}, "top_p"),

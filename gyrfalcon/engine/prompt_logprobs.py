@@ -1,0 +1,55 @@
+"""Prompt log-probabilities from the logits of the prefill that already ran (no second forward).
+
+The prefill of a prompt of ``L`` tokens yields ``[L, V]`` logits when prompt logprobs are asked for:
+row ``t`` is the distribution that predicted prompt token ``t + 1``. Prompt position 0 has no
+logprob (nothing predicted it) and is reported as ``None``; positions ``1..L-1`` go through the
+engine's prompt-position gatherers (``LogprobGatherer.positions == "prompt"``) as one batch of
+``L - 1`` rows, each carrying the request's parameters, so the same vectorised gather and the same
+merge rules as generated positions apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from gyrfalcon.engine.logprob_reports import finite, merge_gathered
+from gyrfalcon.engine.types import EngineRequest, TokenLogprobs
+from gyrfalcon.policies import BatchRows, LogprobGatherer
+
+
+@torch.inference_mode()
+def compute_prompt_logprobs(
+    logits: torch.Tensor, request: EngineRequest, gatherers: Sequence[LogprobGatherer]
+) -> TokenLogprobs:
+    """The prompt's :class:`TokenLogprobs`: ``L`` positions, the first with ``None``.
+
+    ``logits``: ``[L, V]`` (or ``[L', V]`` with ``L' >= L - 1``; only rows ``0..L-2`` are read).
+    ``gatherers``: the prompt-position gatherers; a position no gatherer reports still carries its
+    own token and logprob, with no alternatives.
+    """
+    prompt = list(request.prompt_token_ids)
+    result = TokenLogprobs([prompt[0]], [None], [[]], [[]])
+    positions = len(prompt) - 1
+    if positions <= 0:
+        return result
+    raw = logits[:positions].float().log_softmax(dim=-1)
+    tokens = torch.tensor(prompt[1:], dtype=torch.long, device=raw.device)
+    rows = BatchRows(
+        params=[request.sampling] * positions,
+        prompt_token_ids=[prompt] * positions,
+        output_token_ids=[[] for _ in range(positions)],
+        extensions=[request.extensions] * positions,
+    )
+    everyone = list(range(positions))
+    selected = [everyone if g.wants(request.sampling, request.extensions) else [] for g in gatherers]
+    reports = merge_gathered(gatherers, raw, tokens, rows, selected)
+    own: list[float] | None = None
+    for p, report in enumerate(reports):
+        if report is None:  # no gatherer reported this position: its own token only
+            if own is None:
+                own = raw.gather(1, tokens.view(-1, 1)).view(-1).tolist()
+            report = TokenLogprobs([prompt[p + 1]], [finite(own[p])], [[]], [[]])
+        result.extend(report)
+    return result

@@ -1,0 +1,158 @@
+"""Built-in logprob gatherers: natural top-k, explicit ``logprob_token_ids``, prompt top-k.
+
+All three read the raw log-softmax of the very logits the step sampled from (before any
+processor), and each vectorises across the rows that want it — one ``topk`` or one ``gather`` per
+step for the whole batch. The engine merges their pairs behind the sampled token
+(:func:`gyrfalcon.engine.logprob_reports.merge_gathered`), so a position's report is:
+
+- ``logprobs: k`` alone: the sampled token, then the ``k`` most likely tokens;
+- with ``logprob_token_ids``: the sampled token, then exactly the requested ids — the ids
+  supersede the top-k count (no displacement, no duplicates);
+- ``prompt_logprobs: k``: at every prompt position after the first, the prompt token, then the
+  ``k`` most likely tokens.
+
+A count of ``-1`` means the whole vocabulary, accepted only when the server has no logprob cap
+(``EngineInfo.max_logprobs < 0``, vLLM's convention); the default server caps at 20, and the served
+spec states ``minimum: 0`` accordingly. The module imports torch only inside ``gather``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gyrfalcon.engine.types import EngineInfo, SamplingParams
+from gyrfalcon.errors import RequestError
+from gyrfalcon.hookspecs import hookimpl
+from gyrfalcon.policies import BatchRows, LogprobGatherer
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+#: most explicit ids per request (DESIGN §3 rule 2)
+MAX_LOGPROB_TOKEN_IDS = 128
+
+Pair = tuple[list[int], list[float]]
+
+
+def check_count(value: int, param: str, info: EngineInfo) -> None:
+    """A logprob count: ``0..max_logprobs``, or ``-1`` (whole vocabulary) on an uncapped server."""
+    if value == -1:
+        if info.max_logprobs < 0:
+            return
+        raise RequestError(f"{param} = -1 (the whole vocabulary) is not allowed on this server", param)
+    if value < 0:
+        raise RequestError(f"{param} must be >= 0", param)
+    if 0 <= info.max_logprobs < value:
+        raise RequestError(f"{param} must be at most {info.max_logprobs} on this server", param)
+
+
+def top_k_pairs(logprobs: torch.Tensor, rows: list[int], counts: list[int], size: int) -> list[Pair | None]:
+    """``size`` slots; slot ``rows[j]`` gets the ``counts[j]`` most likely ids of that row (one topk)."""
+    import torch
+
+    out: list[Pair | None] = [None] * size
+    vocab = logprobs.shape[-1]
+    counts = [vocab if c < 0 else min(c, vocab) for c in counts]
+    widest = max(counts, default=0)
+    if widest == 0:
+        for i in rows:
+            out[i] = ([], [])
+        return out
+    index = torch.tensor(rows, dtype=torch.long, device=logprobs.device)
+    top = logprobs.index_select(0, index).topk(widest, dim=-1)
+    ids, values = top.indices.tolist(), top.values.tolist()
+    for j, (i, k) in enumerate(zip(rows, counts)):
+        out[i] = (ids[j][:k], values[j][:k])
+    return out
+
+
+class TopLogprobsGatherer(LogprobGatherer):
+    """The ``logprobs`` most likely tokens at each generated position (any count, even 0).
+
+    Every row with ``logprobs`` set gets a report (the sampled token at least); rows that also
+    name ``logprob_token_ids`` get no top-k: the explicit ids supersede the count.
+    """
+
+    name = "top_logprobs"
+    fields = frozenset({"logprobs"})
+
+    def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
+        if params.logprobs is not None:
+            check_count(params.logprobs, "logprobs", info)
+
+    def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
+        return params.logprobs is not None
+
+    def gather(self, logprobs: torch.Tensor, sampled: torch.Tensor, rows: BatchRows, selected: list[int]) -> list[Pair | None]:
+        ranked = [i for i in selected if not rows.params[i].logprob_token_ids]
+        out = top_k_pairs(logprobs, ranked, [rows.params[i].logprobs or 0 for i in ranked], len(rows))
+        for i in selected:
+            if out[i] is None:
+                out[i] = ([], [])
+        return out
+
+
+class TokenIdsLogprobGatherer(LogprobGatherer):
+    """The sampled token plus exactly every id of ``logprob_token_ids``, at each generated position."""
+
+    name = "logprob_token_ids"
+    fields = frozenset({"logprob_token_ids"})
+
+    def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
+        ids = params.logprob_token_ids
+        if ids is None:
+            return
+        param = "logprob_token_ids"
+        if not ids:
+            raise RequestError("logprob_token_ids must not be an empty list", param)
+        if params.logprobs is None:
+            raise RequestError("logprob_token_ids requires logprobs", param)
+        if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise RequestError(f"logprob_token_ids holds at most {MAX_LOGPROB_TOKEN_IDS} ids", param)
+        if len(set(ids)) != len(ids):
+            raise RequestError("logprob_token_ids must not repeat a token id", param)
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < info.vocab_size]
+        if bad:
+            raise RequestError(f"logprob_token_ids: token id {bad[0]} is outside the vocabulary (size {info.vocab_size})", param)
+
+    def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
+        return bool(params.logprob_token_ids)
+
+    def gather(self, logprobs: torch.Tensor, sampled: torch.Tensor, rows: BatchRows, selected: list[int]) -> list[Pair | None]:
+        import torch
+
+        out: list[Pair | None] = [None] * len(rows)
+        sampled_ids = sampled.tolist()
+        wanted = [[sampled_ids[i], *rows.params[i].logprob_token_ids] for i in selected]
+        width = max(len(w) for w in wanted)
+        padded = [w + [w[0]] * (width - len(w)) for w in wanted]
+        index = torch.tensor(selected, dtype=torch.long, device=logprobs.device)
+        columns = torch.tensor(padded, dtype=torch.long, device=logprobs.device)
+        values = logprobs.index_select(0, index).gather(1, columns).tolist()
+        for j, i in enumerate(selected):
+            out[i] = (wanted[j], values[j][: len(wanted[j])])
+        return out
+
+
+class PromptLogprobsGatherer(LogprobGatherer):
+    """The ``prompt_logprobs`` most likely tokens at every prompt position (after the first)."""
+
+    name = "prompt_logprobs"
+    fields = frozenset({"prompt_logprobs"})
+    positions = "prompt"
+
+    def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
+        if params.prompt_logprobs is not None:
+            check_count(params.prompt_logprobs, "prompt_logprobs", info)
+
+    def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
+        return params.prompt_logprobs is not None
+
+    def gather(self, logprobs: torch.Tensor, sampled: torch.Tensor, rows: BatchRows, selected: list[int]) -> list[Pair | None]:
+        return top_k_pairs(logprobs, selected, [rows.params[i].prompt_logprobs or 0 for i in selected], len(rows))
+
+
+@hookimpl
+def gyrfalcon_logprob_gatherers(info: EngineInfo) -> list[LogprobGatherer]:
+    """The built-in gatherers, in merge order: top-k, explicit ids, prompt top-k."""
+    return [TopLogprobsGatherer(), TokenIdsLogprobGatherer(), PromptLogprobsGatherer()]
