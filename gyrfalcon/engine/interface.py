@@ -127,6 +127,12 @@ class Engine(abc.ABC):
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """The text of each token on its own (for logprob entries)."""
 
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
+        """The raw bytes of each token (chat logprob ``bytes``); a byte-level token may be part of
+        a character. Default: the UTF-8 of :meth:`token_strings`; engines with a tokenizer override
+        it with the tokenizer's byte mapping."""
+        return [text.encode("utf-8") for text in self.token_strings(token_ids)]
+
     @abc.abstractmethod
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render plain ``{role, content, name?}`` messages with the model's chat template."""

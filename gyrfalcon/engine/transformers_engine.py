@@ -64,6 +64,7 @@ class TransformersEngine(Engine):
         self.config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         self.tokenizer = load_tokenizer(self.model_path)
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
+        self._token_bytes = None  # gyrfalcon.engine.token_bytes.TokenBytes, built on first use
         self.eos_token_ids = self._eos_ids(GenerationConfig)
 
         model_max = int(getattr(self.config, "max_position_embeddings", 0) or settings.max_model_len or 2048)
@@ -211,6 +212,13 @@ class TransformersEngine(Engine):
     def token_strings(self, token_ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
                 for t in token_ids]  # fmt: skip
+
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
+        if self._token_bytes is None:  # logprob path: the tokenizer's own byte mapping
+            from gyrfalcon.engine.token_bytes import TokenBytes
+
+            self._token_bytes = TokenBytes(self.tokenizer)
+        return self._token_bytes(token_ids)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
