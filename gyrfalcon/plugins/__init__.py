@@ -14,6 +14,7 @@ from gyrfalcon import hookspecs
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "gyrfalcon.plugins.engines",
     "gyrfalcon.plugins.sampling",
+    "gyrfalcon.plugins.penalties",
     "gyrfalcon.plugins.logprobs",
 )
 

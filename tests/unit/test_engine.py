@@ -35,6 +35,8 @@ def test_info_and_capabilities(tiny_engine):
         "n", "max_tokens", "min_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
         "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
         "temperature", "top_k", "top_p", "min_p",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
+        "bad_words",  # gyrfalcon.plugins.penalties
         "logprobs", "prompt_logprobs", "logprob_token_ids",  # gyrfalcon.plugins.logprobs
     }  # fmt: skip
     assert tiny_engine.health().ready
@@ -141,8 +143,10 @@ def test_length_at_max_tokens_and_at_context_end(tiny_engine):
         (PROMPT, {"n": 0}, "n"),
         (PROMPT, {"min_tokens": 17}, "min_tokens"),
         (PROMPT, {"logprobs": 21}, "logprobs"),  # above max_logprobs (20)
-        (PROMPT, {"presence_penalty": 0.5}, "presence_penalty"),
-        (PROMPT, {"logit_bias": {3: 1.0}}, "logit_bias"),
+        (PROMPT, {"presence_penalty": 2.5}, "presence_penalty"),
+        (PROMPT, {"logit_bias": {512: 1.0}}, "logit_bias"),
+        (PROMPT, {"allowed_token_ids": []}, "allowed_token_ids"),
+        (PROMPT, {"bad_words": [" "]}, "bad_words.0"),
         (PROMPT, {"top_p": 0.0}, "top_p"),
         (PROMPT, {"top_k": -5}, "top_k"),
         (PROMPT, {"stop": [""]}, "stop"),

@@ -1,0 +1,152 @@
+"""Penalty, bias, allow-list and bad-words processors: batch results equal a per-row reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gyrfalcon.engine.types import EngineInfo, SamplingParams
+from gyrfalcon.errors import RequestError
+from gyrfalcon.plugins import penalties as P
+from gyrfalcon.policies import BatchRows
+
+V = 40
+INFO = EngineInfo("tiny", V, 128, [2], 20, 8, frozenset())
+
+
+def rows_of(*specs) -> BatchRows:
+    """specs: (params, prompt ids, output ids)."""
+    return BatchRows(params=[s[0] for s in specs], prompt_token_ids=[s[1] for s in specs],
+                     output_token_ids=[s[2] for s in specs], extensions=[{} for _ in specs])  # fmt: skip
+
+
+def apply(processor, logits, rows):
+    selected = [i for i in range(len(rows)) if processor.wants(rows.params[i], {})]
+    return processor(logits.clone(), rows, selected), selected
+
+
+def reference_penalties(logits, params, prompt, output):
+    """vLLM's order: repetition (prompt + output), then frequency and presence (output only)."""
+    out = logits.clone()
+    seen = set(prompt) | set(output)
+    for t in range(V):
+        if t in seen and params.repetition_penalty != 1.0:
+            out[t] = out[t] / params.repetition_penalty if out[t] > 0 else out[t] * params.repetition_penalty
+        count = output.count(t)
+        out[t] -= params.frequency_penalty * count
+        if count:
+            out[t] -= params.presence_penalty
+    return out
+
+
+SPECS = [
+    (SamplingParams(repetition_penalty=1.3), [1, 5, 5, 9], [3, 3, 7]),
+    (SamplingParams(), [4, 4], [4]),  # nothing asked: untouched
+    (SamplingParams(frequency_penalty=0.5, presence_penalty=-0.7), [8], [8, 2, 2, 2, 11]),
+    (SamplingParams(repetition_penalty=0.8, frequency_penalty=-1.1, presence_penalty=1.5), [0, 39], [39, 39, 6]),
+    (SamplingParams(presence_penalty=2.0), [12, 13], []),
+]
+
+
+def test_penalties_match_the_per_row_reference():
+    torch.manual_seed(0)
+    logits = torch.randn(len(SPECS), V) * 3
+    rows = rows_of(*SPECS)
+    out = logits.clone()
+    for processor in sorted([P.RepetitionPenaltyProcessor(), P.FrequencyPenaltyProcessor(), P.PresencePenaltyProcessor()],
+                            key=lambda p: p.order):  # fmt: skip
+        out, _ = apply(processor, out, rows)
+    for i, (params, prompt, output) in enumerate(SPECS):
+        torch.testing.assert_close(out[i], reference_penalties(logits[i], params, prompt, output), atol=1e-6, rtol=0)
+
+
+def test_logit_bias_and_allowed_token_ids():
+    torch.manual_seed(1)
+    logits = torch.randn(3, V)
+    rows = rows_of(
+        (SamplingParams(logit_bias={3: 5.0, 7: -250.0}, allowed_token_ids=[3, 7, 9]), [1], []),
+        (SamplingParams(), [1], []),
+        (SamplingParams(logit_bias={0: 0.25}), [1], []),
+    )
+    biased, selected = apply(P.LogitBiasProcessor(), logits, rows)
+    assert selected == [0, 2]
+    expected = logits.clone()
+    expected[0, 3] += 5.0
+    expected[0, 7] -= 100.0  # clamped
+    expected[2, 0] += 0.25
+    torch.testing.assert_close(biased, expected)
+    allowed, selected = apply(P.AllowedTokenIdsProcessor(), logits, rows)
+    assert selected == [0]
+    assert [t for t in range(V) if math.isfinite(allowed[0, t])] == [3, 7, 9]
+    torch.testing.assert_close(allowed[1:], logits[1:])
+
+
+class FakeTokenizer:
+    """Words are split into letters; a leading space makes its own token (id 30) glued to the letter."""
+
+    def encode(self, text, add_special_tokens=False):
+        ids = []
+        for i, ch in enumerate(text):
+            if ch == " ":
+                continue
+            spaced = i > 0 and text[i - 1] == " "
+            ids.append(ord(ch) - ord("a") + (14 if spaced and i == 1 else 1))
+        return ids
+
+
+def test_bad_words_follow_vllm():
+    processor = P.BadWordsProcessor("unused", tokenizer=FakeTokenizer())
+    # "ab" → (1, 2) and " ab" → (14, 2); "c" → (3,) and " c" → (16,)
+    assert processor.token_sequences(("ab", " c")) == ((1, 2), (14, 2), (3,), (16,))
+    torch.manual_seed(2)
+    logits = torch.randn(3, V)
+    rows = rows_of(
+        (SamplingParams(bad_words=["ab", " c"]), [1], [5, 1]),  # generated ends with "a": ban "b"
+        (SamplingParams(bad_words=["ab"]), [1], [1, 5]),  # does not end with a prefix
+        (SamplingParams(), [1], [1]),
+    )
+    out, _ = apply(processor, logits, rows)
+    banned = {(i, t) for i in range(3) for t in range(V) if not math.isfinite(out[i, t])}
+    assert banned == {(0, 2), (0, 3), (0, 16)}
+    torch.testing.assert_close(out[1:], logits[1:])
+
+
+@pytest.mark.parametrize(
+    ("processor", "params", "param"),
+    [
+        (P.PresencePenaltyProcessor(), SamplingParams(presence_penalty=2.5), "presence_penalty"),
+        (P.FrequencyPenaltyProcessor(), SamplingParams(frequency_penalty=math.nan), "frequency_penalty"),
+        (P.RepetitionPenaltyProcessor(), SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+        (P.RepetitionPenaltyProcessor(), SamplingParams(repetition_penalty=2.01), "repetition_penalty"),
+        (P.LogitBiasProcessor(), SamplingParams(logit_bias={V: 1.0}), "logit_bias"),
+        (P.LogitBiasProcessor(), SamplingParams(logit_bias={1: math.inf}), "logit_bias"),
+        (P.AllowedTokenIdsProcessor(), SamplingParams(allowed_token_ids=[]), "allowed_token_ids"),
+        (P.AllowedTokenIdsProcessor(), SamplingParams(allowed_token_ids=[1, -1]), "allowed_token_ids"),
+        (P.BadWordsProcessor("unused", FakeTokenizer()), SamplingParams(bad_words=["ok", " "]), "bad_words.1"),
+    ],
+)
+def test_validation_names_the_param(processor, params, param):
+    with pytest.raises(RequestError) as err:
+        processor.validate(params, {}, INFO)
+    assert (err.value.status, err.value.param) == (400, param)
+
+
+def test_engine_honours_the_fields(tiny_engine):
+    from tests.unit.test_engine import PROMPT, final
+
+    info = tiny_engine.info()
+    assert {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
+            "bad_words"} <= info.capabilities  # fmt: skip
+    greedy = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert final(tiny_engine, logit_bias={77: 100.0}, **greedy).outputs[0].token_ids == [77] * 8
+    out = final(tiny_engine, allowed_token_ids=[40, 41, 42], n=2, temperature=1.0, max_tokens=8, seed=1)
+    assert all(set(c.token_ids) <= {40, 41, 42} for c in out.outputs)
+    plain = final(tiny_engine, **greedy).outputs[0].token_ids
+    repeated = final(tiny_engine, frequency_penalty=2.0, repetition_penalty=2.0, **greedy).outputs[0].token_ids
+    assert len(set(repeated)) >= len(set(plain))
+    # a single-token word is banned everywhere
+    token = next(t for t in plain if tiny_engine.tokenize(tiny_engine.detokenize([t]).lstrip()) == [t])
+    banned = final(tiny_engine, bad_words=[tiny_engine.detokenize([token])], **greedy).outputs[0]
+    assert token not in banned.token_ids and banned.token_ids[: plain.index(token)] == plain[: plain.index(token)]
