@@ -49,6 +49,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     from gyrfalcon.models.default import resolve_model
 
+    settings.served_model_name = settings.served_names()  # named after what the user gave, not the cache
     # Convert a GGUF (or the embedded default) before gunicorn forks: never in two workers at once.
     settings.model = resolve_model(settings.model, settings.cache_dir)
     env = dict(os.environ)

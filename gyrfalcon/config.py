@@ -52,6 +52,16 @@ class Settings:
         if self.model is not None and not os.path.exists(self.model):
             raise ValueError(f"--model {self.model!r}: no such file or folder")
 
+    def served_names(self) -> list[str]:
+        """Model names clients may ask for: ``--served-model-name``, else the model's own name."""
+        if self.served_model_name:
+            return list(self.served_model_name)
+        if self.model is None:
+            from gyrfalcon.models.default import DEFAULT_NAME
+
+            return [DEFAULT_NAME]
+        return [os.path.basename(os.path.normpath(self.model)).removesuffix(".gguf")]
+
     def to_env(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any
@@ -19,14 +18,6 @@ from gyrfalcon.plugins import merged_dict
 from gyrfalcon.protocol.translate import Translator
 
 
-def default_served_name(settings: Settings) -> str:
-    if settings.served_model_name:
-        return settings.served_model_name[0]
-    if settings.model is None:
-        return "SmolLM2-135M-Instruct"
-    return os.path.basename(os.path.normpath(settings.model)).removesuffix(".gguf")
-
-
 class ServerContext:
     """Holds the engine and builds, once the model is ready, the translator and the served spec."""
 
@@ -35,7 +26,7 @@ class ServerContext:
         self.settings = settings
         self.pm = pm
         self.started = int(time.time())
-        self.served_model_names = list(settings.served_model_name) or [default_served_name(settings)]
+        self.served_model_names = settings.served_names()
         self.extension_schemas: dict[str, dict[str, Any]] = merged_dict(
             pm.hook.gyrfalcon_request_extensions(), "request extension"
         )

