@@ -48,6 +48,16 @@ def serve(args: argparse.Namespace) -> int:
         print(f"gyrfalcon: --port must be in 1..65535, got {args.port}", file=sys.stderr)
         return 2
     from gyrfalcon.models.default import resolve_model
+    from gyrfalcon.plugins import merged_dict, plugin_manager
+
+    try:
+        engines = merged_dict(plugin_manager(settings.plugins_allow, settings.plugins_block).hook.gyrfalcon_engines(), "engine")
+    except Exception as exc:  # a broken plugin must not start a half-working server
+        print(f"gyrfalcon: plugins: {exc}", file=sys.stderr)
+        return 2
+    if settings.engine not in engines:
+        print(f"gyrfalcon: --engine {settings.engine!r} is not installed; available: {', '.join(sorted(engines))}", file=sys.stderr)
+        return 2
 
     settings.served_model_name = settings.served_names()  # named after what the user gave, not the cache
     # Convert a GGUF (or the embedded default) before gunicorn forks: never in two workers at once.
