@@ -30,5 +30,8 @@ class ServingRequest:
     return_tokens_as_token_ids: bool = False
     #: chat: logprobs asked (bool); completions/generate: the top-k count or None
     logprobs: Any = None
-    #: completions with echo and max_tokens 0: answer from the prompt alone, no generation
+    #: completions with echo and max_tokens 0 and no logprobs: answered from the prompt alone, without
+    #: the engine (with logprobs, a prefill-only engine request computes the prompt's logprobs)
     prompt_only: bool = False
+    #: the wire ``prompt_logprobs`` count (None: not asked); the engine may gather more for echo
+    prompt_logprobs: int | None = None

@@ -122,6 +122,7 @@ class Translator:
                 self._validate_hook(endpoint=endpoint, request=request, info=self.info)
         stream_options = fields.get("stream_options") or {}
         echo = bool(fields.get("echo", False))
+        prompt_only = endpoint == "completions" and echo and requests[0].sampling.max_tokens == 0
         return ServingRequest(
             endpoint=endpoint,
             model=model,
@@ -135,7 +136,8 @@ class Translator:
             return_token_ids=bool(fields.get("return_token_ids", False)),
             return_tokens_as_token_ids=bool(fields.get("return_tokens_as_token_ids", False)),
             logprobs=fields.get("logprobs"),
-            prompt_only=endpoint == "completions" and echo and requests[0].sampling.max_tokens == 0,
+            prompt_only=prompt_only and requests[0].sampling.prompt_logprobs is None,
+            prompt_logprobs=fields.get("prompt_logprobs"),
         )
 
     def _check_extensions(self, extensions: Any) -> dict[str, Any]:
@@ -241,6 +243,10 @@ class Translator:
                 params.logprobs = f.get("top_logprobs", 0)
         elif logprobs is not None:
             params.logprobs = logprobs
+            if f.get("echo") is True:
+                # echo with logprobs reports the prompt positions too: gather them at the prefill
+                # (the wider of the two counts; the formatter shows each its own)
+                params.prompt_logprobs = max(logprobs, params.prompt_logprobs or 0)
         return params
 
     def _with_max_tokens(self, f: RequestFields, sampling: SamplingParams, prompt_len: int, prompt_param: str) -> SamplingParams:

@@ -1,7 +1,9 @@
 """Response shapes of each endpoint, built from engine outputs.
 
 A :class:`Formatter` turns the final outputs of a request's engine streams into one response body,
-and each streamed delta into chunks; choice ``j`` of prompt ``i`` is index ``i * n + j``.
+and each streamed delta into chunks; choice ``j`` of prompt ``i`` is index ``i * n + j``. Logprob
+objects are rendered by :mod:`gyrfalcon.serving.logprob_formats` (which alternatives each endpoint
+lists is documented there).
 """
 
 from __future__ import annotations
@@ -9,8 +11,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gyrfalcon.engine.types import CompletionOutput, RequestOutput
+from gyrfalcon.engine.interface import Engine
+from gyrfalcon.engine.types import CompletionOutput, RequestOutput, TokenLogprobs
 from gyrfalcon.protocol.requests import ServingRequest
+from gyrfalcon.serving.logprob_formats import (
+    Listing,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    generate_logprobs,
+    vllm_prompt_logprobs,
+)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -22,10 +33,27 @@ class Formatter:
 
     object_name = ""
     chunk_object_name = ""
+    #: top-k mode also lists the position's own token (completions, generate; not chat)
+    top_k_includes_own = True
 
-    def __init__(self, request: ServingRequest) -> None:
+    def __init__(self, request: ServingRequest, engine: Engine | None = None) -> None:
         self.request = request
         self.created = int(time.time())
+        self.text = TokenText(engine, request.return_tokens_as_token_ids)
+
+    # logprobs -----------------------------------------------------------------
+    def wants_logprobs(self, prompt_index: int) -> bool:
+        return self.request.requests[prompt_index].sampling.logprobs is not None
+
+    def generated_listing(self, prompt_index: int) -> Listing:
+        """Generated positions: exactly the gathered set with ``logprob_token_ids``, else top-k."""
+        sampling = self.request.requests[prompt_index].sampling
+        if sampling.logprob_token_ids:
+            return Listing(None, include_own=True)
+        return Listing(sampling.logprobs, include_own=self.top_k_includes_own)
+
+    def prompt_listing(self, count: int | None) -> Listing:
+        return Listing(count, include_own=True)
 
     def index(self, prompt_index: int, choice: CompletionOutput) -> int:
         return prompt_index * self.request.n + choice.index
@@ -78,9 +106,10 @@ class Formatter:
 class CompletionFormatter(Formatter):
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(self, request: ServingRequest) -> None:
-        super().__init__(request)
+    def __init__(self, request: ServingRequest, engine: Engine | None = None) -> None:
+        super().__init__(request, engine)
         self._echoed: set[int] = set()
+        self._offsets: dict[int, int] = {}  # per choice index: text_offset of its next token
 
     def _choice(self, index: int, text: str, choice: CompletionOutput) -> dict[str, Any]:
         return {
@@ -91,21 +120,44 @@ class CompletionFormatter(Formatter):
             "stop_reason": choice.stop_reason,
         }
 
+    def _logprobs(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput, echo: bool) -> dict[str, Any] | None:
+        """Echoed prompt positions (when ``echo``), then the choice's generated positions."""
+        if not self.wants_logprobs(prompt_index):
+            return None
+        parts: list[tuple[TokenLogprobs, Listing]] = []
+        if echo and output.prompt_logprobs is not None:
+            parts.append((output.prompt_logprobs, self.prompt_listing(self.request.logprobs)))
+        if choice.logprobs is not None:
+            parts.append((choice.logprobs, self.generated_listing(prompt_index)))
+        index = self.index(prompt_index, choice)
+        body, self._offsets[index] = completion_logprobs(self.text, parts, self._offsets.get(index, 0))
+        return body
+
+    def _prompt_logprobs(self, output: RequestOutput) -> list[dict[str, Any] | None] | None:
+        if self.request.prompt_logprobs is None or output.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.text, output.prompt_logprobs, self.request.prompt_logprobs)
+
     def final_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
         prefix = self.request.prompt_texts[prompt_index] if self.request.echo else ""
         body = self._choice(self.index(prompt_index, choice), prefix + choice.text, choice)
+        body["logprobs"] = self._logprobs(prompt_index, output, choice, self.request.echo)
         if self.request.return_token_ids:
             body["token_ids"] = list(choice.token_ids)
             body["prompt_token_ids"] = list(output.prompt_token_ids)
+        if self.request.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(output)
         return body
 
     def delta_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
         index = self.index(prompt_index, choice)
         text = choice.text
-        if self.request.echo and index not in self._echoed:
+        first = self.request.echo and index not in self._echoed
+        if first:
             self._echoed.add(index)
             text = self.request.prompt_texts[prompt_index] + text
         body = self._choice(index, text, choice)
+        body["logprobs"] = self._logprobs(prompt_index, output, choice, first)
         if self.request.return_token_ids:
             body["token_ids"] = list(choice.token_ids)
         return body
@@ -129,15 +181,36 @@ class CompletionFormatter(Formatter):
 class ChatFormatter(Formatter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+    top_k_includes_own = False
+
+    def _logprobs(self, prompt_index: int, choice: CompletionOutput) -> dict[str, Any] | None:
+        if not self.wants_logprobs(prompt_index):
+            return None
+        logprobs = choice.logprobs if choice.logprobs is not None else TokenLogprobs()
+        return chat_logprobs(self.text, logprobs, self.generated_listing(prompt_index))
+
+    def _prompt_logprobs(self, output: RequestOutput) -> list[dict[str, Any] | None] | None:
+        if self.request.prompt_logprobs is None or output.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.text, output.prompt_logprobs, self.request.prompt_logprobs)
+
+    def final(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        body = super().final(outputs)
+        if self.request.prompt_logprobs is not None and self.request.endpoint == "chat":
+            body["prompt_logprobs"] = self._prompt_logprobs(outputs[0])  # one conversation: vLLM's place
+        return body
 
     def final_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
-        return {
+        body = {
             "index": self.index(prompt_index, choice),
             "message": {"role": "assistant", "content": choice.text},
-            "logprobs": None,
+            "logprobs": self._logprobs(prompt_index, choice),
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
+        if self.request.prompt_logprobs is not None and self.request.endpoint == "chat_batch":
+            body["prompt_logprobs"] = self._prompt_logprobs(output)  # per conversation
+        return body
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         total = len(self.request.requests) * self.request.n
@@ -152,7 +225,7 @@ class ChatFormatter(Formatter):
         return {
             "index": self.index(prompt_index, choice),
             "delta": delta,
-            "logprobs": None,
+            "logprobs": self._logprobs(prompt_index, choice) if choice.token_ids else None,
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
@@ -168,17 +241,23 @@ class GenerateFormatter(Formatter):
         }
 
     def _choice(self, prompt_index: int, choice: CompletionOutput) -> dict[str, Any]:
+        logprobs = None
+        if self.wants_logprobs(prompt_index):
+            lp = choice.logprobs if choice.logprobs is not None else TokenLogprobs()
+            logprobs = generate_logprobs(lp, self.generated_listing(prompt_index))
         return {
             "index": self.index(prompt_index, choice),
             "token_ids": list(choice.token_ids),
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
-            "logprobs": None,
+            "logprobs": logprobs,
         }
 
     def final(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         body = super().final(outputs)
-        body["prompt_logprobs"] = None
+        prompt = outputs[0].prompt_logprobs if outputs else None
+        count = self.request.prompt_logprobs
+        body["prompt_logprobs"] = None if count is None or prompt is None else generate_logprobs(prompt, self.prompt_listing(count))
         return body
 
     def final_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
@@ -188,10 +267,16 @@ class GenerateFormatter(Formatter):
         chunks = super().delta_chunks(prompt_index, output)
         for chunk in chunks:
             chunk["usage"] = None
+            chunk["prompt_logprobs"] = None  # prompt_logprobs are refused when streaming
         return chunks
 
     def delta_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
         return self._choice(prompt_index, choice)
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        body = super().usage_chunk(prompt_tokens, completion_tokens)
+        body["prompt_logprobs"] = None
+        return body
 
 
 FORMATTERS: dict[str, type[Formatter]] = {

@@ -33,7 +33,7 @@ def _raise_in_band(output: RequestOutput) -> None:
 
 def complete(engine: Engine, serving: ServingRequest, streams: list[OutputStream]) -> dict[str, Any]:
     """Wait for every stream's final output and build the response body."""
-    formatter = FORMATTERS[serving.endpoint](serving)
+    formatter = FORMATTERS[serving.endpoint](serving, engine)
     if serving.prompt_only:
         assert isinstance(formatter, CompletionFormatter)
         return formatter.prompt_only()
@@ -59,7 +59,7 @@ def stream_chunks(engine: Engine, serving: ServingRequest, streams: list[OutputS
     Streams are read one after the other (their outputs queue up meanwhile); every choice's last
     chunk carries its ``finish_reason``. Closing the generator aborts whatever is still running.
     """
-    formatter = FORMATTERS[serving.endpoint](serving)
+    formatter = FORMATTERS[serving.endpoint](serving, engine)
     prompt_tokens = completion_tokens = 0
     if serving.prompt_only:
         assert isinstance(formatter, CompletionFormatter)

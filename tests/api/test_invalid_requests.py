@@ -97,7 +97,14 @@ OTHER_CASES = [
     (COMPLETIONS, {"prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 1, "logprob_token_ids": [1]}, 400, "logprob_token_ids"),
     (COMPLETIONS, {"prompt": "x", "logprob_token_ids": [1]}, 400, "logprob_token_ids"),
     (COMPLETIONS, {"prompt": "x", "logprobs": 1, "logprob_token_ids": [1], "use_beam_search": True}, 400, "logprob_token_ids"),
-    (COMPLETIONS, {"prompt": "x", "logprobs": 2}, 400, "logprobs"),  # logprob values: a later issue
+    (COMPLETIONS, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),  # above --max-logprobs (20)
+    (COMPLETIONS, {"prompt": "x", "logprobs": -1}, 400, "logprobs"),  # whole vocabulary: not on this server
+    (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    (COMPLETIONS, {"prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 1, "logprob_token_ids": list(range(129))}, 400, "logprob_token_ids"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 1, "logprob_token_ids": [10**6]}, 400, "logprob_token_ids"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 1, "logprob_token_ids": [512]}, 400, "logprob_token_ids"),  # vocab is 512
+    (COMPLETIONS, {"prompt": "x", "echo": True, "max_tokens": 0, "logprob_token_ids": [1]}, 400, "logprob_token_ids"),
     (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
     (COMPLETIONS, {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     (COMPLETIONS, {"prompt": [10**6]}, 400, "prompt"),
@@ -109,7 +116,16 @@ OTHER_CASES = [
     (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
     (CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"messages": MSG, "logprobs": False, "logprob_token_ids": [3]}, 400, "logprob_token_ids"),
-    (CHAT, {"messages": MSG, "logprobs": True}, 400, "logprobs"),  # logprob values: a later issue
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
+    (CHAT, {"messages": MSG, "logprob_token_ids": [3]}, 400, "logprob_token_ids"),
+    (CHAT, {"messages": MSG, "logprobs": True, "logprob_token_ids": [3], "use_beam_search": True}, 400, "logprob_token_ids"),
+    (CHAT, {"messages": MSG, "logprobs": True, "logprob_token_ids": [3, 3]}, 400, "logprob_token_ids"),
+    (CHAT, {"messages": MSG, "logprobs": True, "logprob_token_ids": [512]}, 400, "logprob_token_ids"),
+    (CHAT, {"messages": MSG, "logprobs": True, "logprob_token_ids": list(range(129))}, 400, "logprob_token_ids"),
+    (BATCH, {"messages": [MSG], "logprob_token_ids": [3]}, 400, "logprob_token_ids"),
+    (BATCH, {"messages": [MSG], "logprobs": True, "logprob_token_ids": []}, 400, "logprob_token_ids"),
+    (BATCH, {"messages": [MSG], "top_logprobs": 1}, 400, "top_logprobs"),
     (CHAT, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     (CHAT, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
     (BATCH, {"messages": [MSG], "n": 2}, 400, "n"),
@@ -119,6 +135,12 @@ OTHER_CASES = [
     (GENERATE, {"token_ids": [-1]}, 400, "token_ids.0"),
     (GENERATE, {"token_ids": [10**6]}, 400, "token_ids"),
     (GENERATE, {"token_ids": [5], "sampling_params": {"max_tokens": 0}}, 400, "sampling_params.max_tokens"),
+    (GENERATE, {"token_ids": [5], "sampling_params": {"logprob_token_ids": [3]}}, 400, "sampling_params.logprob_token_ids"),
+    (GENERATE, {"token_ids": [5], "sampling_params": {"logprobs": 21}}, 400, "sampling_params.logprobs"),
+    (GENERATE, {"token_ids": [5], "sampling_params": {"logprobs": 1, "logprob_token_ids": [512]}}, 400,
+     "sampling_params.logprob_token_ids"),
+    (GENERATE, {"token_ids": [5], "stream": True, "sampling_params": {"prompt_logprobs": 1}}, 400,
+     "sampling_params.prompt_logprobs"),
 ]
 
 
