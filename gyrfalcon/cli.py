@@ -32,6 +32,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", default=None)
 
 
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    from gyrfalcon.bench.run import add_arguments
+
+    add_arguments(sub.add_parser("bench", help="load-test a server and compare with the bare torch loop"))
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     names = {f for f in Settings.__dataclass_fields__}
     return Settings(**{k: v for k, v in vars(args).items() if k in names})
@@ -81,9 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gyrfalcon", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "bench":
+        from gyrfalcon.bench.run import main as bench
+
+        return bench(args)
     parser.error(f"unknown command {args.command}")
     return 2
 
