@@ -97,3 +97,18 @@ def test_close_from_another_thread_frees_a_running_request(tiny_model_dir):
         assert done.outputs[0].finish_reason == "length" and len(done.outputs[0].token_ids) == 30
     finally:
         engine.shutdown(0)
+
+
+def test_follow_closes_the_stream_when_the_client_is_gone(stepped):
+    from gyrfalcon.engine.streams import follow
+
+    engine = stepped()
+    stream = engine.submit(request(PROMPTS[0], temperature=0.0, max_tokens=40, ignore_eos=True))
+    engine.batcher.step()
+    alive = iter([True, False])
+    assert list(follow(stream, lambda: next(alive), poll_s=0.01)) == []  # FINAL_ONLY: nothing before the end
+    engine.batcher.step()
+    assert engine.batcher.idle and not engine._live
+    done = engine.submit(request(PROMPTS[0], max_tokens=3))
+    run(engine, [])
+    assert [o.finished for o in follow(done, lambda: True, poll_s=0.01)] == [True]
