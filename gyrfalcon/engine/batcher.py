@@ -142,18 +142,25 @@ class Batcher:
 
     def abort_all(self) -> None:
         """Finish every running and prefilling request with ``"abort"`` (shutdown)."""
-        for state in self._states():
+        for state in self.states():
             state.abort_requested = True
         self._reap_aborted()
 
-    def _states(self) -> list[RequestState]:
+    def clear(self) -> list[RequestState]:
+        """Forget the batch and the prefill (after a failed step); return the requests they held."""
+        states = self.states()
+        self.kv, self.sequences, self.owners, self.job = None, [], [], None
+        return states
+
+    def states(self) -> list[RequestState]:
+        """Every request in the batch or in the prefill in progress, once each."""
         seen: dict[int, RequestState] = {id(s): s for s in self.owners}
         if self.job is not None:
             seen.update({id(s): s for s in self.job.states})
         return list(seen.values())
 
     def _reap_aborted(self) -> None:
-        aborted = [s for s in self._states() if s.abort_requested and not s.closed]
+        aborted = [s for s in self.states() if s.abort_requested and not s.closed]
         if not aborted:
             return
         for state in aborted:

@@ -305,11 +305,8 @@ class TransformersEngine(Engine):
 
     def _fail_running(self, message: str) -> None:
         """Fail every request in the batch (their KV state is unknown after a failed step)."""
-        batcher = self.batcher
-        assert batcher is not None
-        states = batcher._states()
-        batcher.kv, batcher.sequences, batcher.owners, batcher.job = None, [], [], None
-        for state in states:
+        assert self.batcher is not None
+        for state in self.batcher.clear():
             self._fail(state, message)
 
     def _fail(self, state: RequestState, message: str) -> None:
