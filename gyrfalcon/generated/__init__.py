@@ -74,6 +74,7 @@ from gyrfalcon.generated.openai import (
     HealthResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
     VersionResponse,
 )
 
@@ -110,6 +111,7 @@ __all__ = [
     "HealthResponse",
     "ModelCard",
     "ModelList",
+    "PromptLogprob",
     "ServerSentEvent",
     "StreamOptions",
     "Usage",

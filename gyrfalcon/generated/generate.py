@@ -85,21 +85,21 @@ class GenerateSamplingParams(BaseModel):
     logprobs: Annotated[
         int | MISSING,
         Field(
-            description="Number of top log-probabilities per generated position (at most the server's max_logprobs).",
+            description="Number of top log-probabilities per generated position (at most the server's max_logprobs): top_logprobs lists the k most likely tokens plus the sampled one. logprob_token_ids supersedes this count. Raw log-softmax values, -inf as -9999.0.",
             ge=0,
         ),
     ] = MISSING
     prompt_logprobs: Annotated[
         int | MISSING,
         Field(
-            description="Number of top log-probabilities per prompt position; not with streaming.",
+            description="Number of top log-probabilities per prompt position; not with streaming. The response's prompt_logprobs report, per prompt position (the first without a logprob), the prompt token and the k most likely tokens.",
             ge=0,
         ),
     ] = MISSING
     logprob_token_ids: Annotated[
         list[LogprobTokenId] | MISSING,
         Field(
-            description="Supersedes the top-k count: at each generated position the response lists the sampled token plus exactly these ids. Requires `logprobs`.",
+            description="Supersedes the top-k count (`logprobs`): at each generated position top_logprobs lists exactly the sampled token plus these ids, none displaced, none repeated. Requires `logprobs`. At most 128 distinct ids, each below the vocabulary size.",
             max_length=128,
             min_length=1,
         ),

@@ -153,12 +153,15 @@ class CompletionRequest(BaseModel):
         Field(description="An end-user id; recorded, never used for sampling."),
     ] = MISSING
     echo: Annotated[
-        bool, Field(description="Prepend the prompt (detokenised) to the text.")
+        bool,
+        Field(
+            description="Prepend the prompt (detokenised) to the text. With logprobs, the prompt positions are reported first (the first one with null logprob and null top_logprobs); with max_tokens 0 the response holds the prompt and its logprobs only."
+        ),
     ] = False
     logprobs: Annotated[
         int | None,
         Field(
-            description="Number of top log-probabilities per position (at most the server's max_logprobs); null for none.",
+            description="Number of top log-probabilities per position (at most the server's max_logprobs); null for none. Each top_logprobs entry maps token text to logprob: the k most likely tokens plus the position's own token (up to k + 1 entries; tokens with the same text share a key unless return_tokens_as_token_ids). logprob_token_ids supersedes this count. Values are raw log-softmax of the model (before temperature and other processors), -inf reported as -9999.0.",
             ge=0,
         ),
     ] = None
@@ -180,20 +183,23 @@ class CompletionRequest(BaseModel):
     prompt_logprobs: Annotated[
         int | MISSING,
         Field(
-            description="Number of top log-probabilities per prompt position; not with streaming.",
+            description="Number of top log-probabilities per prompt position; not with streaming. The response's prompt_logprobs report, per prompt position (the first without a logprob), the prompt token and the k most likely tokens.",
             ge=0,
         ),
     ] = MISSING
     logprob_token_ids: Annotated[
         list[LogprobTokenId] | MISSING,
         Field(
-            description="Supersedes the top-k count: at each generated position the response lists the sampled token plus exactly these ids. Requires logprobs; not with beam search.",
+            description="Supersedes the top-k count (logprobs / top_logprobs): at each generated position the response's top_logprobs list exactly the sampled token plus these ids, none displaced, none repeated. Requires logprobs; not with beam search; completions: not with echo and max_tokens 0. At most 128 distinct ids, each below the vocabulary size.",
             max_length=128,
             min_length=1,
         ),
     ] = MISSING
     return_tokens_as_token_ids: Annotated[
-        bool, Field(description='Tokens in logprobs are written as "token_id:N".')
+        bool,
+        Field(
+            description='Every token in logprobs (including in top_logprobs) is written as "token_id:N".'
+        ),
     ] = False
     return_token_ids: Annotated[
         bool,
@@ -298,12 +304,15 @@ class ChatCompletionRequest(BaseModel):
         Field(description="An end-user id; recorded, never used for sampling."),
     ] = MISSING
     logprobs: Annotated[
-        bool, Field(description="Return the log-probability of each generated token.")
+        bool,
+        Field(
+            description="Return the log-probability of each generated token (raw log-softmax of the model, before temperature and other processors; -inf reported as -9999.0)."
+        ),
     ] = False
     top_logprobs: Annotated[
         int | MISSING,
         Field(
-            description="Number of top log-probabilities per position (at most the server's max_logprobs); needs logprobs true.",
+            description="Number of top log-probabilities per position (at most the server's max_logprobs); needs logprobs true. top_logprobs then lists exactly the k most likely tokens; logprob_token_ids supersedes this count.",
             ge=0,
         ),
     ] = MISSING
@@ -325,20 +334,23 @@ class ChatCompletionRequest(BaseModel):
     prompt_logprobs: Annotated[
         int | MISSING,
         Field(
-            description="Number of top log-probabilities per prompt position; not with streaming.",
+            description="Number of top log-probabilities per prompt position; not with streaming. The response's prompt_logprobs report, per prompt position (the first without a logprob), the prompt token and the k most likely tokens.",
             ge=0,
         ),
     ] = MISSING
     logprob_token_ids: Annotated[
         list[LogprobTokenId] | MISSING,
         Field(
-            description="Supersedes the top-k count: at each generated position the response lists the sampled token plus exactly these ids. Requires logprobs; not with beam search.",
+            description="Supersedes the top-k count (logprobs / top_logprobs): at each generated position the response's top_logprobs list exactly the sampled token plus these ids, none displaced, none repeated. Requires logprobs; not with beam search; completions: not with echo and max_tokens 0. At most 128 distinct ids, each below the vocabulary size.",
             max_length=128,
             min_length=1,
         ),
     ] = MISSING
     return_tokens_as_token_ids: Annotated[
-        bool, Field(description='Tokens in logprobs are written as "token_id:N".')
+        bool,
+        Field(
+            description='Every token in logprobs (including in top_logprobs) is written as "token_id:N".'
+        ),
     ] = False
     use_beam_search: bool = False
     add_generation_prompt: bool = True
@@ -419,12 +431,15 @@ class BatchChatCompletionRequest(BaseModel):
         Field(description="An end-user id; recorded, never used for sampling."),
     ] = MISSING
     logprobs: Annotated[
-        bool, Field(description="Return the log-probability of each generated token.")
+        bool,
+        Field(
+            description="Return the log-probability of each generated token (raw log-softmax of the model, before temperature and other processors; -inf reported as -9999.0)."
+        ),
     ] = False
     top_logprobs: Annotated[
         int | MISSING,
         Field(
-            description="Number of top log-probabilities per position (at most the server's max_logprobs); needs logprobs true.",
+            description="Number of top log-probabilities per position (at most the server's max_logprobs); needs logprobs true. top_logprobs then lists exactly the k most likely tokens; logprob_token_ids supersedes this count.",
             ge=0,
         ),
     ] = MISSING
@@ -446,20 +461,23 @@ class BatchChatCompletionRequest(BaseModel):
     prompt_logprobs: Annotated[
         int | MISSING,
         Field(
-            description="Number of top log-probabilities per prompt position; not with streaming.",
+            description="Number of top log-probabilities per prompt position; not with streaming. The response's prompt_logprobs report, per prompt position (the first without a logprob), the prompt token and the k most likely tokens.",
             ge=0,
         ),
     ] = MISSING
     logprob_token_ids: Annotated[
         list[LogprobTokenId] | MISSING,
         Field(
-            description="Supersedes the top-k count: at each generated position the response lists the sampled token plus exactly these ids. Requires logprobs; not with beam search.",
+            description="Supersedes the top-k count (logprobs / top_logprobs): at each generated position the response's top_logprobs list exactly the sampled token plus these ids, none displaced, none repeated. Requires logprobs; not with beam search; completions: not with echo and max_tokens 0. At most 128 distinct ids, each below the vocabulary size.",
             max_length=128,
             min_length=1,
         ),
     ] = MISSING
     return_tokens_as_token_ids: Annotated[
-        bool, Field(description='Tokens in logprobs are written as "token_id:N".')
+        bool,
+        Field(
+            description='Every token in logprobs (including in top_logprobs) is written as "token_id:N".'
+        ),
     ] = False
     use_beam_search: bool = False
     add_generation_prompt: bool = True
@@ -484,37 +502,9 @@ class CompletionLogprobs(BaseModel):
 FinishReason = TypeAliasType("FinishReason", Literal["stop", "length", "abort"] | None)
 
 
-class CompletionChoice(BaseModel):
-    index: Annotated[int, Field(ge=0)]
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
-    stop_reason: Annotated[
-        str | int | None,
-        Field(
-            description="The stop string or stop token id that ended the choice, if any."
-        ),
-    ]
-    token_ids: list[int] | None | MISSING = MISSING
-    prompt_token_ids: list[int] | None | MISSING = MISSING
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: common.Usage
-
-
-class CompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: common.Usage | None
+class PromptLogprob(BaseModel):
+    logprob: float
+    decoded_token: str | None
 
 
 Byte = TypeAliasType("Byte", Annotated[int, Field(ge=0, le=255)])
@@ -527,10 +517,25 @@ class ChatTopLogprob(BaseModel):
 
 
 class ChatLogprobToken(BaseModel):
-    token: str
+    token: Annotated[
+        str,
+        Field(
+            description='The token decoded alone, or "token_id:N" with return_tokens_as_token_ids.'
+        ),
+    ]
     logprob: float
-    bytes: list[Byte] | None
-    top_logprobs: list[ChatTopLogprob]
+    bytes: Annotated[
+        list[Byte] | None,
+        Field(
+            description="The token's raw bytes (a byte-level token may hold part of a UTF-8 character)."
+        ),
+    ]
+    top_logprobs: Annotated[
+        list[ChatTopLogprob],
+        Field(
+            description="The top_logprobs most likely tokens; with logprob_token_ids exactly the sampled token plus the requested ids."
+        ),
+    ]
 
 
 class ChatLogprobs(BaseModel):
@@ -553,6 +558,12 @@ class ChatCompletionChoice(BaseModel):
             description="The stop string or stop token id that ended the choice, if any."
         ),
     ]
+    prompt_logprobs: Annotated[
+        list[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")], PromptLogprob] | None] | None | MISSING,
+        Field(
+            description="Batch chat: this conversation's prompt logprobs (chat puts them on the response)."
+        ),
+    ] = MISSING
 
 
 class ChatCompletionResponse(BaseModel):
@@ -562,6 +573,12 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: common.Usage
+    prompt_logprobs: Annotated[
+        list[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")], PromptLogprob] | None] | None | MISSING,
+        Field(
+            description="Chat: the conversation's prompt logprobs, when prompt_logprobs was asked for."
+        ),
+    ] = MISSING
 
 
 class ChatDelta(BaseModel):
@@ -610,3 +627,42 @@ class HealthResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
+
+
+class CompletionChoice(BaseModel):
+    index: Annotated[int, Field(ge=0)]
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: Annotated[
+        str | int | None,
+        Field(
+            description="The stop string or stop token id that ended the choice, if any."
+        ),
+    ]
+    token_ids: list[int] | None | MISSING = MISSING
+    prompt_token_ids: list[int] | None | MISSING = MISSING
+    prompt_logprobs: Annotated[
+        list[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")], PromptLogprob] | None] | None | MISSING,
+        Field(
+            description="vLLM's prompt_logprobs, when prompt_logprobs was asked for: per prompt position, null for the first, then the prompt token and the k most likely tokens by token id."
+        ),
+    ] = MISSING
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: common.Usage
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: common.Usage | None
