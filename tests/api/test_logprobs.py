@@ -277,3 +277,24 @@ def test_no_logprobs_unless_asked(client):
         out = ok(client.simulate_post(path, json=body))
         assert out["choices"][0]["logprobs"] is None
         assert "prompt_logprobs" not in out["choices"][0]
+
+
+def test_every_choice_has_its_own_logprobs_and_prefill_only_streams(client, forward, tiny_engine):
+    body = ok(client.simulate_post(COMPLETIONS, json={"prompt": [PROMPT, PROMPT[:4]], "n": 3, "max_tokens": 2, "seed": 1,
+                                                      "logprobs": 1, "return_tokens_as_token_ids": True}))  # fmt: skip
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    for choice in body["choices"]:
+        prompt = PROMPT if choice["index"] < 3 else PROMPT[:4]
+        tokens = [token_id(t) for t in choice["logprobs"]["tokens"]]
+        reference = forward(prompt + tokens)
+        for p, value in enumerate(choice["logprobs"]["token_logprobs"]):
+            assert value == pytest.approx(float(reference[len(prompt) - 1 + p, tokens[p]]), abs=TOL)
+    # echo + max_tokens 0 + logprobs, streamed: one chunk per choice with the prompt's logprobs
+    r = client.simulate_post(COMPLETIONS, json={"prompt": PROMPT, "echo": True, "max_tokens": 0, "logprobs": 0,
+                                                "stream": True, "stream_options": {"include_usage": True}})  # fmt: skip
+    events = sse_events(r.text)
+    choices = [c for e in events[:-1] for c in e["choices"]]
+    assert len(choices) == 1 and choices[0]["finish_reason"] == "length"
+    assert choices[0]["text"] == tiny_engine.detokenize(PROMPT)
+    assert len(choices[0]["logprobs"]["tokens"]) == len(PROMPT)
+    assert events[-2]["usage"]["completion_tokens"] == 0
