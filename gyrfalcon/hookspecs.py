@@ -111,6 +111,9 @@ def gyrfalcon_logprob_gatherers(info: EngineInfo) -> list[LogprobGatherer]:
     """Offer logprob gatherers (see :class:`gyrfalcon.policies.LogprobGatherer`).
 
     Called once when the engine starts. Each gatherer picks, from the same batched log-softmax the
-    step sampled from, which token ids to report at each position (top-k, explicit ids, …) and
-    declares the fields it honours.
+    step sampled from (raw: before any processor), which token ids to report at each position
+    (top-k, explicit ids, …) and declares the fields it honours. A gatherer whose ``positions`` is
+    ``"prompt"`` runs once per request on its prefill's logits instead, one row per prompt
+    position (``prompt_logprobs``). The engine merges every gatherer's ids behind the position's
+    own token, without duplicates, and clamps values to -9999.0.
     """
