@@ -18,11 +18,13 @@ from gyrfalcon.api import errors
 from gyrfalcon.api.context import ServerContext
 from gyrfalcon.api.errors import APIError
 from gyrfalcon.api.resources import (
+    DetokenizeResource,
     HealthResource,
     InferenceResource,
     MetricsResource,
     ModelsResource,
     OpenAPIResource,
+    TokenizeResource,
     VersionResource,
 )
 from gyrfalcon.config import Settings
@@ -63,6 +65,8 @@ def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager) -> 
     app.add_route("/v1/completions", InferenceResource(ctx, "completions"))
     app.add_route("/v1/chat/completions", InferenceResource(ctx, "chat"))
     app.add_route("/v1/chat/completions/batch", InferenceResource(ctx, "chat_batch"))
+    app.add_route("/tokenize", TokenizeResource(ctx))
+    app.add_route("/detokenize", DetokenizeResource(ctx))
     pm.hook.gyrfalcon_add_routes(app=app, engine=engine, settings=settings)
     return app
 

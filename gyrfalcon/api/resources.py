@@ -80,6 +80,23 @@ class InferenceResource:
         resp.set_header("X-Request-Id", quote(serving.response_id, safe="-_.~:/+="))
 
 
+class TokenizeResource:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        tokens = self.ctx.translator().tokenize(read_json(req, self.ctx.settings.max_body_bytes))
+        _json(resp, {"count": len(tokens), "max_model_len": self.ctx.engine.info().max_model_len, "tokens": tokens})
+
+
+class DetokenizeResource:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        _json(resp, {"prompt": self.ctx.translator().detokenize(read_json(req, self.ctx.settings.max_body_bytes))})
+
+
 class MetricsResource:
     """Prometheus text exposition of the engine's counters."""
 

@@ -76,6 +76,11 @@ from gyrfalcon.generated.openai import (
     ModelList,
     PromptLogprob,
     VersionResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
 )
 
 __all__ = [
@@ -97,6 +102,8 @@ __all__ = [
     "CompletionRequest",
     "CompletionResponse",
     "CompletionStreamResponse",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
     "ErrorDetail",
     "ErrorResponse",
     "Extensions",
@@ -114,6 +121,9 @@ __all__ = [
     "PromptLogprob",
     "ServerSentEvent",
     "StreamOptions",
+    "TokenizeChatRequest",
+    "TokenizeCompletionRequest",
+    "TokenizeResponse",
     "Usage",
     "VersionResponse",
 ]

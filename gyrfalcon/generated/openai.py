@@ -621,6 +621,76 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TokenizeCompletionRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    model: Annotated[
+        str | MISSING,
+        Field(
+            description="A served model name (GET /v1/models); default the first one."
+        ),
+    ] = MISSING
+    prompt: Annotated[str, Field(description="The text to tokenize.")]
+    add_special_tokens: Annotated[
+        bool,
+        Field(description="Add the tokenizer's special tokens (as completions do)."),
+    ] = True
+
+
+class TokenizeChatRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    model: Annotated[
+        str | MISSING,
+        Field(
+            description="A served model name (GET /v1/models); default the first one."
+        ),
+    ] = MISSING
+    messages: Annotated[list[ChatMessage], Field(max_length=256, min_length=1)]
+    add_generation_prompt: bool = True
+
+
+TokenizeRequest = TypeAliasType(
+    "TokenizeRequest",
+    Annotated[
+        TokenizeCompletionRequest | TokenizeChatRequest,
+        Field(
+            description="A prompt (as completions tokenize it) or chat messages (as chat completions render them)."
+        ),
+    ],
+)
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+Token = TypeAliasType("Token", Annotated[int, Field(ge=0)])
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    model: Annotated[
+        str | MISSING,
+        Field(
+            description="A served model name (GET /v1/models); default the first one."
+        ),
+    ] = MISSING
+    tokens: Annotated[
+        list[Token], Field(description="Token ids, each inside the vocabulary.")
+    ]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class HealthResponse(BaseModel):
     status: Literal["ok"]
 

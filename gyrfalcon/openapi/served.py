@@ -26,7 +26,7 @@ DOCUMENTS = ("common.yaml", "generate.yaml", "openai.yaml")
 _COMPONENT_SECTIONS = ("schemas", "responses", "headers", "parameters", "requestBodies", "securitySchemes")
 
 #: Request fields holding token ids: every integer inside gets ``maximum: vocab_size - 1``.
-TOKEN_ID_FIELDS = frozenset({"token_ids", "prompt", "stop_token_ids", "allowed_token_ids", "logprob_token_ids"})
+TOKEN_ID_FIELDS = frozenset({"token_ids", "prompt", "tokens", "stop_token_ids", "allowed_token_ids", "logprob_token_ids"})
 #: Integer request fields counting log-probabilities: ``maximum: max_logprobs``.
 LOGPROB_COUNT_FIELDS = frozenset({"logprobs", "top_logprobs", "prompt_logprobs"})
 #: Request fields holding a prompt as token ids: every id array gets ``maxItems: max_model_len``.

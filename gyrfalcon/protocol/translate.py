@@ -190,15 +190,37 @@ class Translator:
         conversations = [f.get("messages")] if f.endpoint == "chat" else f.get("messages")
         self._check_prompt_count("messages", len(conversations))
         add_generation_prompt = f.get("add_generation_prompt", True)
-        prompts = []
-        for i, messages in enumerate(conversations):
-            param = "messages" if f.endpoint == "chat" else f"messages.{i}"
-            try:
-                text = self.engine.apply_chat_template([_plain_message(m) for m in messages], add_generation_prompt)
-            except Exception as exc:  # a template raising on these messages is the client's 400
-                raise RequestError(f"The chat template cannot render these messages: {exc}", param) from None
-            prompts.append(self.engine.tokenize(text, add_special_tokens=False))
+        prompts = [
+            self._render_chat(messages, add_generation_prompt, "messages" if f.endpoint == "chat" else f"messages.{i}")
+            for i, messages in enumerate(conversations)
+        ]
         return prompts, [], "messages"
+
+    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, param: str) -> list[int]:
+        """Token ids of wire chat messages rendered with the model's template (its special tokens once)."""
+        try:
+            text = self.engine.apply_chat_template([_plain_message(m) for m in messages], add_generation_prompt)
+        except Exception as exc:  # a template raising on these messages is the client's 400
+            raise RequestError(f"The chat template cannot render these messages: {exc}", param) from None
+        return self.engine.tokenize(text, add_special_tokens=False)
+
+    # ------------------------------------------------------------------ tokenize / detokenize
+    def tokenize(self, body: Any) -> list[int]:
+        """``POST /tokenize``: a prompt (as completions tokenize it) or messages (as chat renders them)."""
+        chat = isinstance(body, dict) and "messages" in body
+        model = generated.TokenizeChatRequest if chat else generated.TokenizeCompletionRequest
+        sent = validate(model, body).model_dump(mode="python", by_alias=True, exclude_unset=True)
+        self._model_name(sent.get("model"))
+        if chat:
+            return self._render_chat(sent["messages"], sent.get("add_generation_prompt", True), "messages")
+        return self.engine.tokenize(sent["prompt"], add_special_tokens=sent.get("add_special_tokens", True))
+
+    def detokenize(self, body: Any) -> str:
+        """``POST /detokenize``: the text of token ids inside the vocabulary."""
+        sent = validate(generated.DetokenizeRequest, body).model_dump(mode="python", by_alias=True, exclude_unset=True)
+        self._model_name(sent.get("model"))
+        self._check_vocab("tokens", sent["tokens"])
+        return self.engine.detokenize(sent["tokens"])
 
     def _completion_prompts(self, prompt: Any) -> tuple[list[list[int]], list[str], str]:
         if isinstance(prompt, str):

@@ -186,3 +186,19 @@ def test_openapi_json_is_the_served_spec(client):
     spec = client.simulate_get("/openapi.json").json
     assert spec["openapi"].startswith("3.1")
     assert "/v1/chat/completions" in spec["paths"]
+
+
+def test_tokenize_and_detokenize(client, tiny_engine):
+    r = client.simulate_post("/tokenize", json={"prompt": "hello there"})
+    assert r.status_code == 200, r.text
+    assert r.json["tokens"] == tiny_engine.tokenize("hello there") and r.json["count"] == len(r.json["tokens"])
+    assert r.json["max_model_len"] == tiny_engine.info().max_model_len
+    back = client.simulate_post("/detokenize", json={"tokens": r.json["tokens"]})
+    assert back.json == {"prompt": "hello there"}
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = client.simulate_post("/tokenize", json={"messages": msgs, "model": "tiny"}).json
+    completion = post(client, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1}).json
+    assert chat["count"] == completion["usage"]["prompt_tokens"]  # what chat completions count
+    assert client.simulate_post("/detokenize", json={"tokens": [10**6]}).json["error"]["param"] == "tokens"
+    assert client.simulate_post("/tokenize", json={"prompt": "x", "model": "nope"}).status_code == 404
+    assert client.simulate_post("/tokenize", json={}).json["error"]["param"] == "prompt"
