@@ -1,0 +1,23 @@
+"""With --api-key, every route but the public ones needs `Authorization: Bearer <key>` (401 otherwise)."""
+
+from __future__ import annotations
+
+import falcon.testing
+
+from gyrfalcon.api.app import create_app
+from gyrfalcon.config import Settings
+from gyrfalcon.plugins import plugin_manager
+
+
+def test_api_key_required(tiny_engine, tiny_model_dir):
+    app = create_app(tiny_engine, Settings(model=tiny_model_dir, api_keys=["s3cret"]), plugin_manager())
+    client = falcon.testing.TestClient(app)
+    body = {"prompt": "x", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "s3cret"}):
+        r = client.simulate_post("/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json["error"]["code"] == 401, headers
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert client.simulate_post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert client.simulate_get("/v1/models").status_code == 401
+    for public in ("/health", "/version", "/openapi.json", "/metrics"):
+        assert client.simulate_get(public).status_code == 200, public
