@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 import time
+from collections.abc import Callable
 from urllib.parse import quote
 
 import falcon
@@ -75,7 +77,7 @@ class InferenceResource:
         if serving.stream:
             start_stream(resp, stream_chunks(engine, serving, streams))
         else:
-            _json(resp, complete(engine, serving, streams))
+            _json(resp, complete(engine, serving, streams, client_alive(req)))
         # ids come from clients: percent-encode whatever a header cannot carry
         resp.set_header("X-Request-Id", quote(serving.response_id, safe="-_.~:/+="))
 
@@ -95,6 +97,28 @@ class DetokenizeResource:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         _json(resp, {"prompt": self.ctx.translator().detokenize(read_json(req, self.ctx.settings.max_body_bytes))})
+
+
+def client_alive(req: falcon.Request) -> Callable[[], bool] | None:
+    """A non-blocking check that the client of ``req`` is still connected (None if unknowable).
+
+    gunicorn exposes the client socket; a peek that reads end-of-file means the client hung up.
+    """
+    sock = req.env.get("gunicorn.socket")
+    if sock is None:
+        return None
+
+    def alive() -> bool:
+        try:
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True  # connected, nothing to read
+        except ValueError:
+            return True  # a TLS socket takes no recv flags: cannot tell, keep going
+        except OSError:
+            return False
+
+    return alive
 
 
 class MetricsResource:

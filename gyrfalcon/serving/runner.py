@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from gyrfalcon.engine.interface import Engine, OutputStream
+from gyrfalcon.engine.streams import follow
 from gyrfalcon.engine.types import RequestOutput
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.requests import ServingRequest
@@ -31,8 +32,23 @@ def _raise_in_band(output: RequestOutput) -> None:
         raise RequestError(error.message, error.param, status=error.status, type=error.type)
 
 
-def complete(engine: Engine, serving: ServingRequest, streams: list[OutputStream]) -> dict[str, Any]:
-    """Wait for every stream's final output and build the response body."""
+#: status logged for a request whose client went away before its answer (nginx's convention)
+CLIENT_CLOSED = 499
+
+
+def complete(
+    engine: Engine,
+    serving: ServingRequest,
+    streams: list[OutputStream],
+    client_alive: Callable[[], bool] | None = None,
+    poll_s: float = 0.25,
+) -> dict[str, Any]:
+    """Wait for every stream's final output and build the response body.
+
+    ``client_alive`` (a cheap, non-blocking check of the client's connection) is asked whenever no
+    output came for a moment; once the client is gone every stream is closed, which aborts the
+    request's sequences in the engine within a step.
+    """
     formatter = FORMATTERS[serving.endpoint](serving, engine)
     if serving.prompt_only:
         assert isinstance(formatter, CompletionFormatter)
@@ -41,10 +57,12 @@ def complete(engine: Engine, serving: ServingRequest, streams: list[OutputStream
     try:
         for stream in streams:
             last = None
-            for output in stream:
+            for output in stream if client_alive is None else follow(stream, client_alive, poll_s):
                 _raise_in_band(output)
                 last = output
             if last is None or not last.finished:
+                if client_alive is not None and not client_alive():
+                    raise RequestError("The client closed the connection", None, status=CLIENT_CLOSED, type="client_closed")
                 raise RequestError("The engine ended the request without a final output", None, status=500, type="engine_error")
             finals.append(last)
     finally:
