@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -229,6 +230,7 @@ def main(args: argparse.Namespace) -> int:
         print("gyrfalcon bench: give --url or --launch", file=sys.stderr)
         return 2
     model_path = resolve_model(args.model, None)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops a launched server
     proc = None
     url = args.url
     if args.launch:
@@ -247,8 +249,11 @@ def main(args: argparse.Namespace) -> int:
             bodies = [_completion(name, prompts[i % len(prompts)], args.output_tokens) for i in range(args.requests)]
             load = run_load(client, bodies, c)
             loads.append(load)
-            print(f"bench: c={c}: {load.output_tokens_per_s:.1f} tok/s, {load.errors} errors", file=sys.stderr, flush=True)
+            print(f"bench: c={c}: {load.output_tokens_per_s:.1f} tok/s, TTFT p50 {load.ttft(50) * 1000:.0f} ms, "
+                  f"TPOT p50 {load.tpot(50) * 1000:.1f} ms, {load.errors} errors", file=sys.stderr, flush=True)  # fmt: skip
         n_cmp = n_comparison(client, name, prompts[0], args.n, args.output_tokens) if args.n > 1 else None
+        if n_cmp:
+            print(f"bench: {n_cmp}", file=sys.stderr, flush=True)
         memory = None
         if args.mixed:
             run_mixed(client, mixed_bodies(name, 50, vocab, args.seed + 1), 8)  # warm-up
@@ -257,6 +262,7 @@ def main(args: argparse.Namespace) -> int:
             _, after = worker_rss(client)
             memory = {"pid": pid, "requests": args.mixed, "rss_before": before, "rss_after": after, "errors": errors,
                       "growth": (after - before) / before if before and after else float("nan")}  # fmt: skip
+            print(f"bench: memory {memory}", file=sys.stderr, flush=True)
         ceilings = {}
         if not args.no_ceiling:
             from gyrfalcon.bench.ceiling import bare_loop, load as load_model
