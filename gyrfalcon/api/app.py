@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import hmac
+import logging
 
 import falcon
 import pluggy
@@ -82,6 +83,7 @@ def build_engine(settings: Settings, pm: pluggy.PluginManager) -> Engine:
 def wsgi_app() -> falcon.App:
     """gunicorn entry point: settings from the environment, engine built in this worker."""
     settings = Settings.from_env()
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s")
     pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
     engine = build_engine(settings, pm)
     app = create_app(engine, settings, pm)

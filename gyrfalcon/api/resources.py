@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Callable
@@ -16,6 +17,9 @@ from gyrfalcon.api.context import ServerContext
 from gyrfalcon.api.errors import APIError
 from gyrfalcon.api.sse import start_stream
 from gyrfalcon.serving.runner import complete, stream_chunks, submit_all
+
+
+access_log = logging.getLogger("gyrfalcon.access")
 
 
 def _json(resp: falcon.Response, body: object, status: int = 200) -> None:
@@ -72,6 +76,8 @@ class InferenceResource:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.ctx.settings.max_body_bytes)
         serving = self.ctx.translator().translate(self.endpoint, body, req.get_header("X-Request-Id"))
+        access_log.info("%s %s user=%r prompts=%d n=%d stream=%s", self.endpoint, serving.response_id, serving.user,
+                        len(serving.requests), serving.n, serving.stream)
         engine = self.ctx.engine
         streams = [] if serving.prompt_only else submit_all(engine, serving)
         if serving.stream:

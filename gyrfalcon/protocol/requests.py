@@ -35,3 +35,5 @@ class ServingRequest:
     prompt_only: bool = False
     #: the wire ``prompt_logprobs`` count (None: not asked); the engine may gather more for echo
     prompt_logprobs: int | None = None
+    #: the client's end-user id (OpenAI's ``user``): recorded in the access log, never used for sampling
+    user: str | None = None

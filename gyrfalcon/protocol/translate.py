@@ -136,6 +136,7 @@ class Translator:
             return_token_ids=bool(fields.get("return_token_ids", False)),
             return_tokens_as_token_ids=bool(fields.get("return_tokens_as_token_ids", False)),
             logprobs=fields.get("logprobs"),
+            user=fields.get("user"),
             prompt_only=prompt_only and requests[0].sampling.prompt_logprobs is None,
             prompt_logprobs=fields.get("prompt_logprobs"),
         )

@@ -202,3 +202,10 @@ def test_tokenize_and_detokenize(client, tiny_engine):
     assert client.simulate_post("/detokenize", json={"tokens": [10**6]}).json["error"]["param"] == "tokens"
     assert client.simulate_post("/tokenize", json={"prompt": "x", "model": "nope"}).status_code == 404
     assert client.simulate_post("/tokenize", json={}).json["error"]["param"] == "prompt"
+
+
+def test_user_is_recorded_in_the_access_log(client, caplog):
+    with caplog.at_level("INFO", logger="gyrfalcon.access"):
+        r = post(client, "/v1/completions", {"prompt": "x", "max_tokens": 1, "user": "user-42"})
+    assert r.status_code == 200
+    assert any("user='user-42'" in rec.getMessage() for rec in caplog.records)
