@@ -205,7 +205,9 @@ class Batcher:
         sequences: list[Sequence] = []
         owners: list[RequestState] = []
         for i, state in enumerate(job.states):
-            if state.abort_requested:
+            if state.abort_requested:  # aborted during its last prefill chunk: it is in no list any more
+                state.abort()
+                self.emit(state)
                 continue
             if job.prompt_logits and self.prompt_logprobs and state.request.sampling.prompt_logprobs is not None:
                 self.prompt_logprobs(state, torch.cat([c[i] for c in job.prompt_logits], dim=0))

@@ -112,3 +112,20 @@ def test_follow_closes_the_stream_when_the_client_is_gone(stepped):
     done = engine.submit(request(PROMPTS[0], max_tokens=3))
     run(engine, [])
     assert [o.finished for o in follow(done, lambda: True, poll_s=0.01)] == [True]
+
+
+def test_abort_during_the_last_prefill_forward_still_ends_the_request(stepped):
+    engine = stepped()
+    stream = engine.submit(request(PROMPTS[0], n=2, temperature=1.0, max_tokens=5))
+    forward = engine.runner.forward
+
+    def abort_meanwhile(*args, **kwargs):  # the client leaves while the prompt is being prefilled
+        engine.abort(stream.request_id)
+        return forward(*args, **kwargs)
+
+    engine.runner.forward = abort_meanwhile
+    engine.batcher.step()
+    last = stream.get(timeout=5)  # without the fix the request leaked and this timed out
+    assert last.finished and [c.finish_reason for c in last.outputs] == ["abort", "abort"]
+    assert stream.get(timeout=5) is None
+    assert not engine._live and engine.batcher.idle and engine.stats()["requests_aborted"] == 1
