@@ -46,12 +46,13 @@ class OutputStream:
     def __iter__(self) -> Iterator[RequestOutput]:
         return self
 
+    def _take(self, timeout: float | None) -> Any:
+        """The next queued item (an output or the end marker); ``queue.Empty`` after ``timeout``."""
+        return self._queue.get(timeout=timeout)
+
     def __next__(self) -> RequestOutput:
-        if self._closed:
-            raise StopIteration
-        item = self._queue.get()
-        if item is self._END:
-            self._closed = True
+        item = self.get()
+        if item is None:
             raise StopIteration
         return item
 
@@ -59,7 +60,7 @@ class OutputStream:
         """The next output, None at the end; raises ``queue.Empty`` after ``timeout`` seconds."""
         if self._closed:
             return None
-        item = self._queue.get(timeout=timeout)
+        item = self._take(timeout)
         if item is self._END:
             self._closed = True
             return None

@@ -94,25 +94,6 @@ class CoalescingOutputStream(OutputStream):
                 self._cond.wait(remaining)
             return self._items.popleft()
 
-    def __next__(self) -> RequestOutput:
-        if self._closed:
-            raise StopIteration
-        item = self._take(None)
-        if item is self._END:
-            self._closed = True
-            raise StopIteration
-        return item
-
-    def get(self, timeout: float | None = None) -> RequestOutput | None:
-        """The next output, None at the end; raises ``queue.Empty`` after ``timeout`` seconds."""
-        if self._closed:
-            return None
-        item = self._take(timeout)
-        if item is self._END:
-            self._closed = True
-            return None
-        return item
-
 
 def follow(stream: OutputStream, client_alive: Callable[[], bool], poll_s: float = 0.25) -> Iterator[RequestOutput]:
     """Iterate ``stream``, asking ``client_alive()`` whenever no output came for ``poll_s`` seconds.
