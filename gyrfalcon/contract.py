@@ -66,7 +66,8 @@ def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
     params = body.get("sampling_params", {}) if path.endswith("/generate") else body
     if not isinstance(params, dict):
         return False
-    for prompt in prompt_token_bounds(path, body, limits["chat"]):
+    chat = limits["chat"] or {"fixed": 0, "per_message": 0}  # None: the server serves no chat
+    for prompt in prompt_token_bounds(path, body, chat):
         if path.endswith("/completions"):
             max_tokens = params.get("max_tokens")
             max_tokens = 16 if max_tokens is None else max_tokens

@@ -32,21 +32,44 @@ def bounded_extensions(extensions: dict[str, dict[str, Any]], info: EngineInfo) 
     return bounded
 
 
-def chat_template_overhead(engine: Engine) -> dict[str, int]:
-    """Tokens a chat template adds: ``fixed`` per conversation, ``per_message`` per message."""
-    def count(n: int) -> int:
-        text = engine.apply_chat_template([{"role": "user", "content": ""}] * n, True)
+def chat_template_overhead(engine: Engine) -> dict[str, int] | None:
+    """Tokens a chat template adds: ``fixed`` per conversation, ``per_message`` per message.
+
+    None when the model has no usable chat template (a base model): chat is then not served.
+    Measured with alternating roles, which every template accepts; a template that refuses even
+    that gets a conservative bound (its whole one-message overhead, per message).
+    """
+    def count(roles: list[str]) -> int:
+        text = engine.apply_chat_template([{"role": role, "content": ""} for role in roles], True)
         return len(engine.tokenize(text, add_special_tokens=False))
 
-    one, two = count(1), count(2)
-    return {"fixed": max(one - (two - one), 0), "per_message": two - one}
+    try:
+        one = count(["user"])
+    except Exception:  # noqa: BLE001 - no template, or one that cannot render a user message
+        return None
+    try:
+        per_message = -(-(count(["user", "assistant", "user"]) - one) // 2)
+    except Exception:  # noqa: BLE001
+        return {"fixed": one, "per_message": one}
+    return {"fixed": max(one - per_message, 0), "per_message": max(per_message, 1)}
+
+
+CHAT_PATHS = ("/v1/chat/completions", "/v1/chat/completions/batch")
+
+
+def _without_chat(spec: dict[str, Any]) -> None:
+    """A model without a chat template serves no chat: drop the chat routes and tokenize's chat form."""
+    for path in CHAT_PATHS:
+        spec["paths"].pop(path, None)
+    schemas = spec["components"]["schemas"]
+    schemas["TokenizeRequest"] = {"$ref": "#/components/schemas/TokenizeCompletionRequest"}
 
 
 def deployment_spec(
     info: EngineInfo,
     model_names: list[str],
     extensions: dict[str, dict[str, Any]],
-    chat: dict[str, int],
+    chat: dict[str, int] | None,
     max_prompts: int | None = None,
 ) -> dict[str, Any]:
     """The spec served at ``/openapi.json``: what is valid there is valid for this server.
@@ -66,5 +89,7 @@ def deployment_spec(
         max_prompts=max_prompts,
     )
     spec = served_spec(limits)
+    if chat is None:
+        _without_chat(spec)
     spec["x-limits"] = {"max_model_len": info.max_model_len, "vocab_size": info.vocab_size, "chat": chat}
     return spec

@@ -1,0 +1,47 @@
+"""The served spec follows the model: a model without a chat template serves no chat."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import falcon.testing
+import pytest
+
+from gyrfalcon.api.app import create_app
+from gyrfalcon.plugins import plugin_manager
+from gyrfalcon.plugins.engines import create_transformers_engine
+from tests.conftest import tiny_settings
+
+
+@pytest.fixture(scope="module")
+def base_model_client(tiny_model_dir, tmp_path_factory):
+    folder = Path(tmp_path_factory.mktemp("base")) / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    settings = tiny_settings(str(folder), served_model_name=["base"])
+    pm = plugin_manager()
+    engine = create_transformers_engine(settings, pm)
+    assert engine.wait_ready(60).ready
+    yield falcon.testing.TestClient(create_app(engine, settings, pm))
+    engine.shutdown(grace=1.0)
+
+
+def test_no_chat_template_means_no_chat_in_the_spec(base_model_client):
+    r = base_model_client.simulate_get("/openapi.json")
+    assert r.status_code == 200, r.text
+    spec = r.json
+    assert "/v1/chat/completions" not in spec["paths"] and "/v1/chat/completions/batch" not in spec["paths"]
+    assert "/v1/completions" in spec["paths"] and spec["x-limits"]["chat"] is None
+    chat = base_model_client.simulate_post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert chat.status_code == 400 and chat.json["error"]["param"] == "messages"
+    assert base_model_client.simulate_post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_chat_overhead_is_published(client):
+    chat = client.simulate_get("/openapi.json").json["x-limits"]["chat"]
+    assert chat["per_message"] >= 1 and chat["fixed"] >= 0
