@@ -81,7 +81,7 @@ class InferenceResource:
         engine = self.ctx.engine
         streams = [] if serving.prompt_only else submit_all(engine, serving)
         if serving.stream:
-            start_stream(resp, stream_chunks(engine, serving, streams))
+            start_stream(resp, stream_chunks(engine, serving, streams, client_alive(req)))
         else:
             _json(resp, complete(engine, serving, streams, client_alive(req)))
         # ids come from clients: percent-encode whatever a header cannot carry

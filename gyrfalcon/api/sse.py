@@ -1,4 +1,4 @@
-"""Server-sent events under WSGI: ``resp.stream`` is a generator of ``data: ...`` frames."""
+"""Server-sent events under WSGI: ``resp.stream`` is an iterable of ``data: ...`` frames with a ``close()``."""
 
 from __future__ import annotations
 
@@ -18,24 +18,45 @@ def frame(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
-def events(chunks: Iterator[dict[str, Any]]) -> Iterator[bytes]:
-    """Frame each chunk; an error mid-stream becomes one error event, then ``[DONE]``.
+class EventStream:
+    """The WSGI body of a streamed response: SSE frames of ``chunks``, then ``data: [DONE]``.
 
-    When the client disconnects the WSGI server closes this generator, which closes ``chunks`` and
-    so aborts the engine work behind it.
+    An error mid-stream becomes one error event, then ``[DONE]``. When the client disconnects the
+    WSGI server calls :meth:`close`, which closes ``chunks`` and so aborts the engine work behind
+    it, whether or not iteration had started.
     """
-    try:
-        for chunk in chunks:
-            yield frame(chunk)
-    except RequestError as exc:
-        yield frame(error_body(exc.status, exc.message, exc.type if exc.type != "invalid_request_error" else None, exc.param))
-    except Exception as exc:  # noqa: BLE001 - the stream is committed; report in-band
-        yield frame(error_body(500, f"Internal error: {type(exc).__name__}"))
-    finally:
-        close = getattr(chunks, "close", None)
+
+    def __init__(self, chunks: Iterator[dict[str, Any]]) -> None:
+        self._chunks = chunks
+        self._frames = self._generate()
+
+    def __iter__(self) -> EventStream:
+        return self
+
+    def __next__(self) -> bytes:
+        return next(self._frames)
+
+    def close(self) -> None:
+        self._frames.close()
+        self._close_chunks()
+
+    def _close_chunks(self) -> None:
+        close = getattr(self._chunks, "close", None)
         if close is not None:
             close()
-    yield DONE
+
+    def _generate(self) -> Iterator[bytes]:
+        try:
+            for chunk in self._chunks:
+                yield frame(chunk)
+        except RequestError as exc:
+            type_ = exc.type if exc.type != "invalid_request_error" else None
+            yield frame(error_body(exc.status, exc.message, type_, exc.param))
+        except Exception as exc:  # noqa: BLE001 - the stream is committed; report in-band
+            yield frame(error_body(500, f"Internal error: {type(exc).__name__}"))
+        finally:
+            self._close_chunks()
+        yield DONE
 
 
 def start_stream(resp: falcon.Response, chunks: Iterator[dict[str, Any]]) -> None:
@@ -43,4 +64,4 @@ def start_stream(resp: falcon.Response, chunks: Iterator[dict[str, Any]]) -> Non
     resp.content_type = "text/event-stream; charset=utf-8"
     resp.set_header("Cache-Control", "no-cache")
     resp.set_header("X-Accel-Buffering", "no")
-    resp.stream = events(chunks)
+    resp.stream = EventStream(chunks)

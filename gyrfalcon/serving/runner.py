@@ -71,12 +71,55 @@ def complete(
     return formatter.final(finals)
 
 
-def stream_chunks(engine: Engine, serving: ServingRequest, streams: list[OutputStream]) -> Iterator[dict[str, Any]]:
-    """Yield the response's SSE chunks (dicts); raise :class:`RequestError` for an in-band error.
+class StreamedResponse:
+    """The chunks of a streamed response (an iterator of dicts).
+
+    ``close()`` aborts whatever engine work is still running, even when iteration never started
+    (a client that hangs up before the first event), which a plain generator's ``finally`` misses.
+    """
+
+    def __init__(self, chunks: Iterator[dict[str, Any]], streams: list[OutputStream]) -> None:
+        self._chunks = chunks
+        self._streams = streams
+
+    def __iter__(self) -> StreamedResponse:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()
+        for stream in self._streams:
+            stream.close()
+
+
+def stream_chunks(
+    engine: Engine,
+    serving: ServingRequest,
+    streams: list[OutputStream],
+    client_alive: Callable[[], bool] | None = None,
+    poll_s: float = 0.25,
+) -> StreamedResponse:
+    """The response's SSE chunks; iterating raises :class:`RequestError` for an in-band error.
 
     Streams are read one after the other (their outputs queue up meanwhile); every choice's last
-    chunk carries its ``finish_reason``. Closing the generator aborts whatever is still running.
+    chunk carries its ``finish_reason``. ``client_alive`` is asked whenever nothing arrived for
+    ``poll_s`` (a queued request, text held back for a stop string): a client that is gone ends the
+    response and aborts the work.
     """
+    return StreamedResponse(_chunks(engine, serving, streams, client_alive, poll_s), streams)
+
+
+def _chunks(
+    engine: Engine,
+    serving: ServingRequest,
+    streams: list[OutputStream],
+    client_alive: Callable[[], bool] | None,
+    poll_s: float,
+) -> Iterator[dict[str, Any]]:
     formatter = FORMATTERS[serving.endpoint](serving, engine)
     prompt_tokens = completion_tokens = 0
     if serving.prompt_only:
@@ -89,12 +132,18 @@ def stream_chunks(engine: Engine, serving: ServingRequest, streams: list[OutputS
     try:
         yield from formatter.opening_chunks()
         for i, stream in enumerate(streams):
-            for output in stream:
+            finished = False
+            for output in stream if client_alive is None else follow(stream, client_alive, poll_s):
                 _raise_in_band(output)
                 yield from formatter.delta_chunks(i, output)
                 if output.finished:
+                    finished = True
                     prompt_tokens += len(output.prompt_token_ids)
                     completion_tokens += output.num_generated_tokens
+            if not finished:
+                if client_alive is not None and not client_alive():
+                    return  # nobody is listening: the finally below aborts the rest
+                raise RequestError("The engine ended the request without a final output", None, status=500, type="engine_error")
         if serving.include_usage:
             yield formatter.usage_chunk(prompt_tokens, completion_tokens)
     finally:

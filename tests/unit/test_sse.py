@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gyrfalcon.api.sse import DONE, events
+from gyrfalcon.api.sse import DONE, EventStream as events
 from gyrfalcon.errors import RequestError
 
 
@@ -56,4 +56,22 @@ def test_client_disconnect_closes_the_chunk_source():
     gen = events(chunks())
     next(gen)
     gen.close()  # what the WSGI server does when the client hangs up
+    assert closed == [True]
+
+
+def test_close_before_the_first_event_still_closes_the_source():
+    """A client that hangs up before the first event: the chunk source is closed all the same."""
+    closed = []
+
+    class Source:
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return {"a": 1}
+
+        def close(self):
+            closed.append(True)
+
+    events(Source()).close()
     assert closed == [True]
