@@ -68,12 +68,11 @@ class GenerateSamplingParams(BaseModel):
         MISSING
     )
     ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=2.0)] = 1.0
     logit_bias: Annotated[
         dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,8})$")], LogitBiasAdditionalProperty] | MISSING,
         Field(description="Token id (decimal string) to a bias added to its logit."),

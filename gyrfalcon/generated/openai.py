@@ -161,13 +161,13 @@ class CompletionRequest(BaseModel):
     logprobs: Annotated[
         int | None,
         Field(
-            description="Number of top log-probabilities per position (at most the server's max_logprobs); null for none. Each top_logprobs entry maps token text to logprob: the k most likely tokens plus the position's own token (up to k + 1 entries; tokens with the same text share a key unless return_tokens_as_token_ids). logprob_token_ids supersedes this count. Values are raw log-softmax of the model (before temperature and other processors), -inf reported as -9999.0.",
+            description='Number of top log-probabilities per position (at most the server\'s max_logprobs); null for none. Each top_logprobs entry maps token text to logprob: the k most likely tokens plus the position\'s own token (up to k + 1 entries; a token whose text is already a key, e.g. two partial UTF-8 bytes, is keyed "token_id:N", so no listed id is lost). logprob_token_ids supersedes this count. Values are raw log-softmax of the model (before temperature and other processors), -inf reported as -9999.0.',
             ge=0,
         ),
     ] = None
     top_k: Annotated[int, Field(description="-1 or 0 disable top-k.", ge=-1)] = -1
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=2.0)] = 1.0
     min_tokens: Annotated[int, Field(description="At most max_tokens.", ge=0)] = 0
     stop_token_ids: Annotated[list[StopTokenId] | MISSING, Field(max_length=64)] = (
         MISSING
@@ -198,7 +198,7 @@ class CompletionRequest(BaseModel):
     return_tokens_as_token_ids: Annotated[
         bool,
         Field(
-            description='Every token in logprobs (including in top_logprobs) is written as "token_id:N".'
+            description='Every token in logprobs (including in top_logprobs) is written as "token_id:N"; requires logprobs (it changes nothing else).'
         ),
     ] = False
     return_token_ids: Annotated[
@@ -318,7 +318,7 @@ class ChatCompletionRequest(BaseModel):
     ] = MISSING
     top_k: Annotated[int, Field(description="-1 or 0 disable top-k.", ge=-1)] = -1
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=2.0)] = 1.0
     min_tokens: Annotated[int, Field(description="At most max_tokens.", ge=0)] = 0
     stop_token_ids: Annotated[list[StopTokenId] | MISSING, Field(max_length=64)] = (
         MISSING
@@ -349,7 +349,7 @@ class ChatCompletionRequest(BaseModel):
     return_tokens_as_token_ids: Annotated[
         bool,
         Field(
-            description='Every token in logprobs (including in top_logprobs) is written as "token_id:N".'
+            description='Every token in logprobs (including in top_logprobs) is written as "token_id:N"; requires logprobs (it changes nothing else).'
         ),
     ] = False
     use_beam_search: bool = False
@@ -445,7 +445,7 @@ class BatchChatCompletionRequest(BaseModel):
     ] = MISSING
     top_k: Annotated[int, Field(description="-1 or 0 disable top-k.", ge=-1)] = -1
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=2.0)] = 1.0
     min_tokens: Annotated[int, Field(description="At most max_tokens.", ge=0)] = 0
     stop_token_ids: Annotated[list[StopTokenId] | MISSING, Field(max_length=64)] = (
         MISSING
@@ -476,7 +476,7 @@ class BatchChatCompletionRequest(BaseModel):
     return_tokens_as_token_ids: Annotated[
         bool,
         Field(
-            description='Every token in logprobs (including in top_logprobs) is written as "token_id:N".'
+            description='Every token in logprobs (including in top_logprobs) is written as "token_id:N"; requires logprobs (it changes nothing else).'
         ),
     ] = False
     use_beam_search: bool = False

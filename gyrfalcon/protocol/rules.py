@@ -88,6 +88,14 @@ def logprob_token_ids_requires_logprobs(f: RequestFields) -> None:
         raise f.error("logprob_token_ids", f"'logprob_token_ids' requires {wanted}")
 
 
+def return_tokens_as_token_ids_requires_logprobs(f: RequestFields) -> None:
+    if f.endpoint == "generate" or f.get("return_tokens_as_token_ids") is not True:
+        return
+    ok = f.get("logprobs") is True if f.endpoint in ("chat", "chat_batch") else f.get("logprobs") is not None
+    if not ok:
+        raise f.error("return_tokens_as_token_ids", "'return_tokens_as_token_ids' only changes logprobs: it requires 'logprobs'")
+
+
 def logprob_token_ids_not_beam_search(f: RequestFields) -> None:
     if f.has("logprob_token_ids") and f.get("use_beam_search") is True:
         raise f.error("logprob_token_ids", "'logprob_token_ids' cannot be combined with 'use_beam_search'")
@@ -115,6 +123,7 @@ RULES: dict[str, Rule] = {
     "n_greedy": n_greedy,
     "top_logprobs_requires_logprobs": top_logprobs_requires_logprobs,
     "logprob_token_ids_requires_logprobs": logprob_token_ids_requires_logprobs,
+    "return_tokens_as_token_ids_requires_logprobs": return_tokens_as_token_ids_requires_logprobs,
     "logprob_token_ids_not_beam_search": logprob_token_ids_not_beam_search,
     "logprob_token_ids_not_echo_without_tokens": logprob_token_ids_not_echo_without_tokens,
     "max_tokens_zero_requires_echo": max_tokens_zero_requires_echo,

@@ -59,13 +59,22 @@ class Formatter:
         return prompt_index * self.request.n + choice.index
 
     def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
-        return {
+        body = {
             "id": self.request.response_id,
             "object": self.chunk_object_name if chunk else self.object_name,
             "created": self.created,
             "model": self.request.model,
             "choices": choices,
         }
+        if chunk:
+            body["usage"] = None  # the spec's chunks always carry it; only the final usage chunk fills it
+        return body
+
+    def _prompt_logprobs(self, output: RequestOutput) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs`` list for one prompt, or None when not asked."""
+        if self.request.prompt_logprobs is None or output.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.text, output.prompt_logprobs, self.request.prompt_logprobs)
 
     # non-streaming ------------------------------------------------------------
     def final(self, outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -108,7 +117,7 @@ class CompletionFormatter(Formatter):
 
     def __init__(self, request: ServingRequest, engine: Engine | None = None) -> None:
         super().__init__(request, engine)
-        self._echoed: set[int] = set()
+        self._started: set[int] = set()  # choices that have sent a chunk
         self._offsets: dict[int, int] = {}  # per choice index: text_offset of its next token
 
     def _choice(self, index: int, text: str, choice: CompletionOutput) -> dict[str, Any]:
@@ -133,11 +142,6 @@ class CompletionFormatter(Formatter):
         body, self._offsets[index] = completion_logprobs(self.text, parts, self._offsets.get(index, 0))
         return body
 
-    def _prompt_logprobs(self, output: RequestOutput) -> list[dict[str, Any] | None] | None:
-        if self.request.prompt_logprobs is None or output.prompt_logprobs is None:
-            return None
-        return vllm_prompt_logprobs(self.text, output.prompt_logprobs, self.request.prompt_logprobs)
-
     def final_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
         prefix = self.request.prompt_texts[prompt_index] if self.request.echo else ""
         body = self._choice(self.index(prompt_index, choice), prefix + choice.text, choice)
@@ -152,14 +156,16 @@ class CompletionFormatter(Formatter):
     def delta_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
         index = self.index(prompt_index, choice)
         text = choice.text
-        first = self.request.echo and index not in self._echoed
-        if first:
-            self._echoed.add(index)
+        first = index not in self._started
+        self._started.add(index)
+        if first and self.request.echo:
             text = self.request.prompt_texts[prompt_index] + text
         body = self._choice(index, text, choice)
-        body["logprobs"] = self._logprobs(prompt_index, output, choice, first)
+        body["logprobs"] = self._logprobs(prompt_index, output, choice, first and self.request.echo)
         if self.request.return_token_ids:
             body["token_ids"] = list(choice.token_ids)
+            if first:  # the prompt's ids once per choice, on its first chunk (as vLLM)
+                body["prompt_token_ids"] = list(output.prompt_token_ids)
         return body
 
     def prompt_only(self) -> dict[str, Any]:
@@ -189,11 +195,6 @@ class ChatFormatter(Formatter):
         logprobs = choice.logprobs if choice.logprobs is not None else TokenLogprobs()
         return chat_logprobs(self.text, logprobs, self.generated_listing(prompt_index))
 
-    def _prompt_logprobs(self, output: RequestOutput) -> list[dict[str, Any] | None] | None:
-        if self.request.prompt_logprobs is None or output.prompt_logprobs is None:
-            return None
-        return vllm_prompt_logprobs(self.text, output.prompt_logprobs, self.request.prompt_logprobs)
-
     def final(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         body = super().final(outputs)
         if self.request.prompt_logprobs is not None and self.request.endpoint == "chat":
@@ -215,7 +216,8 @@ class ChatFormatter(Formatter):
     def opening_chunks(self) -> list[dict[str, Any]]:
         total = len(self.request.requests) * self.request.n
         choices = [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
+             "stop_reason": None}
             for i in range(total)
         ]
         return [self.envelope(choices, chunk=True)]
@@ -233,12 +235,16 @@ class ChatFormatter(Formatter):
 
 class GenerateFormatter(Formatter):
     def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
-        return {
+        body = {
             "request_id": self.request.response_id,
             "model": self.request.model,
             "created": self.created,
             "choices": choices,
         }
+        if chunk:
+            body["usage"] = None
+            body["prompt_logprobs"] = None  # prompt_logprobs are refused when streaming
+        return body
 
     def _choice(self, prompt_index: int, choice: CompletionOutput) -> dict[str, Any]:
         logprobs = None
@@ -263,20 +269,8 @@ class GenerateFormatter(Formatter):
     def final_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
         return self._choice(prompt_index, choice)
 
-    def delta_chunks(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
-        chunks = super().delta_chunks(prompt_index, output)
-        for chunk in chunks:
-            chunk["usage"] = None
-            chunk["prompt_logprobs"] = None  # prompt_logprobs are refused when streaming
-        return chunks
-
     def delta_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
         return self._choice(prompt_index, choice)
-
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        body = super().usage_chunk(prompt_tokens, completion_tokens)
-        body["prompt_logprobs"] = None
-        return body
 
 
 FORMATTERS: dict[str, type[Formatter]] = {

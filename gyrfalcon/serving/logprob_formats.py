@@ -83,6 +83,16 @@ def alternatives(logprobs: TokenLogprobs, position: int, listing: Listing) -> li
     return top
 
 
+def _keyed_by_text(text: TokenText, pairs: list[tuple[int, float]]) -> dict[str, float]:
+    """``{token text: logprob}``; a token whose text is already a key (two ids that decode alike,
+    such as partial UTF-8 bytes) is keyed ``"token_id:N"``, so no listed id is ever lost."""
+    keyed: dict[str, float] = {}
+    for token_id, value in pairs:
+        key = text.string(token_id)
+        keyed[f"token_id:{token_id}" if key in keyed else key] = value
+    return keyed
+
+
 def completion_logprobs(
     text: TokenText, parts: list[tuple[TokenLogprobs, Listing]], offset: int
 ) -> tuple[dict[str, Any], int]:
@@ -104,7 +114,7 @@ def completion_logprobs(
             if value is None:
                 body["top_logprobs"].append(None)
             else:
-                body["top_logprobs"].append({text.string(t): v for t, v in alternatives(logprobs, p, listing)})
+                body["top_logprobs"].append(_keyed_by_text(text, alternatives(logprobs, p, listing)))
             offset += len(token)
     return body, offset
 

@@ -209,3 +209,34 @@ def test_user_is_recorded_in_the_access_log(client, caplog):
         r = post(client, "/v1/completions", {"prompt": "x", "max_tokens": 1, "user": "user-42"})
     assert r.status_code == 200
     assert any("user='user-42'" in rec.getMessage() for rec in caplog.records)
+
+
+def test_stream_chunks_carry_every_field_the_spec_requires(client):
+    """usage: null on every chunk but the usage chunk; prompt_token_ids once per choice."""
+    body = {"prompt": [[5, 6], [7]], "n": 2, "max_tokens": 3, "stream": True, "return_token_ids": True, **SAMPLED}
+    events = sse_events(post(client, "/v1/completions", body).text)[:-1]
+    assert all("usage" in e and e["usage"] is None for e in events)
+    firsts = {}
+    for e in events:
+        for c in e["choices"]:
+            if "prompt_token_ids" in c:
+                assert c["index"] not in firsts
+                firsts[c["index"]] = c["prompt_token_ids"]
+    assert firsts == {0: [5, 6], 1: [5, 6], 2: [7], 3: [7]}
+    chat = sse_events(post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True}).text)[:-1]
+    assert all(e["usage"] is None for e in chat)
+    assert all(c["stop_reason"] is None for c in chat[0]["choices"])
+
+
+def test_completions_logprob_ids_sharing_a_text_all_appear(client, tiny_engine):
+    """Ids that decode to the same text (partial UTF-8 bytes) must not collapse into one key."""
+    vocab = tiny_engine.info().vocab_size
+    by_text: dict[str, list[int]] = {}
+    for token_id, text in enumerate(tiny_engine.token_strings(list(range(vocab)))):
+        by_text.setdefault(text, []).append(token_id)
+    shared = next(ids for ids in by_text.values() if len(ids) >= 3)[:3]
+    body = {"prompt": "hello", "max_tokens": 2, "logprobs": 1, "logprob_token_ids": shared, "return_token_ids": True, **SAMPLED}
+    choice = post(client, "/v1/completions", body).json["choices"][0]
+    for sampled, top in zip(choice["token_ids"], choice["logprobs"]["top_logprobs"]):
+        assert len(top) == len(set(shared) | {sampled})  # one entry per listed id: none collapsed
+        assert sum(k.startswith("token_id:") for k in top) >= len(shared) - 1

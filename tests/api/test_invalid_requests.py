@@ -115,6 +115,11 @@ OTHER_CASES = [
     (COMPLETIONS, {"prompt": [10**6]}, 400, "prompt"),
     (COMPLETIONS, {"prompt": "x", "model": "nope"}, 404, "model"),
     (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    (COMPLETIONS, {"prompt": "x", "return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids"),
+    (CHAT, {"messages": MSG, "return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids"),
+    (BATCH, {"messages": [MSG], "return_tokens_as_token_ids": True, "logprobs": False}, 400, "return_tokens_as_token_ids"),
+    (GENERATE, {"token_ids": [5], "sampling_params": {"include_stop_str_in_output": True}}, 400,
+     "sampling_params.include_stop_str_in_output"),  # generate returns token ids: no text to cut
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role"),
     (CHAT, {"messages": MSG, "tools": []}, 400, "tools"),

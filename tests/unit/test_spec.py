@@ -37,14 +37,16 @@ EXPECTED_RULES = {
         "stream_options_requires_stream", "prompt_logprobs_not_streaming", "n_greedy",
         "logprob_token_ids_requires_logprobs", "logprob_token_ids_not_beam_search",
         "logprob_token_ids_not_echo_without_tokens", "max_tokens_zero_requires_echo",
+        "return_tokens_as_token_ids_requires_logprobs",
     },
     "ChatCompletionRequest": {
         "stream_options_requires_stream", "prompt_logprobs_not_streaming", "n_greedy",
         "top_logprobs_requires_logprobs", "logprob_token_ids_requires_logprobs", "logprob_token_ids_not_beam_search",
+        "return_tokens_as_token_ids_requires_logprobs",
     },
     "BatchChatCompletionRequest": {
         "top_logprobs_requires_logprobs", "logprob_token_ids_requires_logprobs", "logprob_token_ids_not_beam_search",
-        "batch_chat_not_streaming",
+        "batch_chat_not_streaming", "return_tokens_as_token_ids_requires_logprobs",
     },
 }  # fmt: skip
 
@@ -237,6 +239,17 @@ RULE_CASES = {
         ("ChatCompletionRequest", {"messages": [MSG], "logprobs": True, "logprob_token_ids": [1], "use_beam_search": True}, False),
         ("ChatCompletionRequest", {"messages": [MSG], "logprobs": True, "logprob_token_ids": [1]}, True),
         ("BatchChatCompletionRequest", {"messages": [[MSG]], "logprobs": True, "logprob_token_ids": [1], "use_beam_search": True}, False),
+    ],
+    "return_tokens_as_token_ids_requires_logprobs": [
+        ("CompletionRequest", {"prompt": "a", "return_tokens_as_token_ids": True}, False),
+        ("CompletionRequest", {"prompt": "a", "return_tokens_as_token_ids": True, "logprobs": None}, False),
+        ("CompletionRequest", {"prompt": "a", "return_tokens_as_token_ids": True, "logprobs": 0}, True),
+        ("CompletionRequest", {"prompt": "a", "return_tokens_as_token_ids": False}, True),
+        ("ChatCompletionRequest", {"messages": [MSG], "return_tokens_as_token_ids": True}, False),
+        ("ChatCompletionRequest", {"messages": [MSG], "return_tokens_as_token_ids": True, "logprobs": False}, False),
+        ("ChatCompletionRequest", {"messages": [MSG], "return_tokens_as_token_ids": True, "logprobs": True}, True),
+        ("BatchChatCompletionRequest", {"messages": [[MSG]], "return_tokens_as_token_ids": True}, False),
+        ("BatchChatCompletionRequest", {"messages": [[MSG]], "return_tokens_as_token_ids": True, "logprobs": True}, True),
     ],
     "batch_chat_not_streaming": [
         ("BatchChatCompletionRequest", {"messages": [[MSG]], "stream": True}, False),
