@@ -55,6 +55,19 @@ class RequestFields:
 
 Rule = Callable[[RequestFields], None]
 
+#: the field holding each endpoint's prompt, for errors the engine reports on "prompt"
+PROMPT_PARAM = {"generate": "token_ids", "completions": "prompt", "chat": "messages", "chat_batch": "messages"}
+
+
+def wire_param(endpoint: str, param: str | None) -> str | None:
+    """An engine-side ``param`` (``SamplingParams`` names, ``prompt``) as the client wrote it."""
+    if param is None:
+        return None
+    root, _, rest = param.partition(".")
+    if root == "prompt":
+        return PROMPT_PARAM[endpoint]
+    return RequestFields(endpoint, {}).param(param)
+
 
 def stream_options_requires_stream(f: RequestFields) -> None:
     if f.has("stream_options") and f.get("stream") is not True:

@@ -10,6 +10,7 @@ from gyrfalcon.engine.streams import follow
 from gyrfalcon.engine.types import RequestOutput
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.requests import ServingRequest
+from gyrfalcon.protocol.rules import wire_param
 from gyrfalcon.serving.formats import FORMATTERS, CompletionFormatter
 
 
@@ -19,17 +20,19 @@ def submit_all(engine: Engine, serving: ServingRequest) -> list[OutputStream]:
     try:
         for request in serving.requests:
             streams.append(engine.submit(request))
-    except BaseException:
+    except BaseException as exc:
         for stream in streams:
             stream.close()
+        if isinstance(exc, RequestError):
+            exc.param = wire_param(serving.endpoint, exc.param)
         raise
     return streams
 
 
-def _raise_in_band(output: RequestOutput) -> None:
+def _raise_in_band(serving: ServingRequest, output: RequestOutput) -> None:
     if output.error is not None:
         error = output.error
-        raise RequestError(error.message, error.param, status=error.status, type=error.type)
+        raise RequestError(error.message, wire_param(serving.endpoint, error.param), status=error.status, type=error.type)
 
 
 #: status logged for a request whose client went away before its answer (nginx's convention)
@@ -58,7 +61,7 @@ def complete(
         for stream in streams:
             last = None
             for output in stream if client_alive is None else follow(stream, client_alive, poll_s):
-                _raise_in_band(output)
+                _raise_in_band(serving, output)
                 last = output
             if last is None or not last.finished:
                 if client_alive is not None and not client_alive():
@@ -134,7 +137,7 @@ def _chunks(
         for i, stream in enumerate(streams):
             finished = False
             for output in stream if client_alive is None else follow(stream, client_alive, poll_s):
-                _raise_in_band(output)
+                _raise_in_band(serving, output)
                 yield from formatter.delta_chunks(i, output)
                 if output.finished:
                     finished = True

@@ -192,3 +192,14 @@ def test_whole_floats_are_integers_but_strings_are_not(client):
     assert r.status_code == 400 and r.json["error"]["param"] == "max_tokens"
     r = client.simulate_post(COMPLETIONS, json={"prompt": "x", "max_tokens": True})
     assert r.status_code == 400 and r.json["error"]["param"] == "max_tokens"
+
+
+def test_wire_param_mapping():
+    from gyrfalcon.protocol.rules import wire_param
+
+    assert wire_param("generate", "bad_words.0") == "sampling_params.bad_words.0"
+    assert wire_param("generate", "prompt") == "token_ids"
+    assert wire_param("chat", "prompt") == "messages"
+    assert wire_param("completions", "max_tokens") == "max_tokens"
+    assert wire_param("generate", "request_id") == "request_id"
+    assert wire_param("chat", None) is None
