@@ -15,8 +15,14 @@ TOKEN_ID_MARK = "x-token-id"
 
 
 def bounded_extensions(extensions: dict[str, dict[str, Any]], info: EngineInfo) -> dict[str, dict[str, Any]]:
-    """The plugins' extension fragments with every ``x-token-id`` integer capped below the vocabulary."""
-    bounded = copy.deepcopy(extensions)
+    """The plugins' extension fragments with every ``x-token-id`` integer capped below the vocabulary.
+
+    An extension no engine hook honours (not in the engine's capabilities) must be absent.
+    """
+    bounded = {
+        name: copy.deepcopy(fragment) if name in info.capabilities else {"not": {}, "description": "Not honoured by this engine."}
+        for name, fragment in extensions.items()
+    }
 
     def visit(node: Any) -> None:
         if isinstance(node, dict):

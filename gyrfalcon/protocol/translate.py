@@ -88,8 +88,10 @@ class Translator:
         if not isinstance(body, dict):
             raise RequestError("The request body must be a JSON object", None)
         body = dict(body)
-        extensions = self._check_extensions(body.pop("extensions", None)) if "extensions" in body else None
-        wire = validate(WIRE_MODELS[endpoint], body)
+        has_extensions = "extensions" in body
+        raw_extensions = body.pop("extensions", None)
+        wire = validate(WIRE_MODELS[endpoint], body)  # schema errors first, extensions' included
+        extensions = self._check_extensions(raw_extensions) if has_extensions else None
         sent = wire.model_dump(mode="python", by_alias=True, exclude_unset=True)
         if extensions is not None:
             sent["extensions"] = extensions

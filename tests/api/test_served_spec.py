@@ -45,3 +45,13 @@ def test_no_chat_template_means_no_chat_in_the_spec(base_model_client):
 def test_chat_overhead_is_published(client):
     chat = client.simulate_get("/openapi.json").json["x-limits"]["chat"]
     assert chat["per_message"] >= 1 and chat["fixed"] >= 0
+
+
+def test_an_extension_nobody_honours_must_be_absent(tiny_engine):
+    from gyrfalcon.api.spec import bounded_extensions
+
+    info = tiny_engine.info()
+    fragment = {"type": "integer", "x-token-id": True}
+    bounded = bounded_extensions({"orphan": fragment, "ids": {"type": "array", "items": fragment}}, info)
+    assert bounded["orphan"]["not"] == {}
+    assert "ids" not in info.capabilities and bounded["ids"]["not"] == {}
