@@ -10,7 +10,7 @@ import orjson
 import pluggy
 
 from gyrfalcon.api.errors import APIError
-from gyrfalcon.api.spec import bounded_extensions, chat_template_overhead, deployment_spec
+from gyrfalcon.api.spec import bounded_extensions, chat_template_overhead, deployment_spec, template_renders_names
 from gyrfalcon.config import Settings
 from gyrfalcon.engine.interface import Engine
 from gyrfalcon.engine.types import EngineInfo
@@ -65,6 +65,7 @@ class ServerContext:
                 self.extension_schemas,
                 chat_template_overhead(self.engine),
                 max_prompts=self.settings.max_queue_len,
+                names=template_renders_names(self.engine),
             )
             self._spec = orjson.dumps(spec)
         return self._spec

@@ -60,6 +60,16 @@ def chat_template_overhead(engine: Engine) -> dict[str, int] | None:
     return {"fixed": max(one - per_message, 0), "per_message": max(per_message, 1)}
 
 
+def template_renders_names(engine: Engine) -> bool:
+    """Whether the chat template renders a message's ``name`` (else ``name`` is refused)."""
+    message = {"role": "user", "content": "x"}
+    try:
+        plain = engine.apply_chat_template([message], True)
+        return engine.apply_chat_template([{**message, "name": "someone"}], True) != plain
+    except Exception:  # noqa: BLE001 - no usable template
+        return False
+
+
 CHAT_PATHS = ("/v1/chat/completions", "/v1/chat/completions/batch")
 
 
@@ -77,6 +87,7 @@ def deployment_spec(
     extensions: dict[str, dict[str, Any]],
     chat: dict[str, int] | None,
     max_prompts: int | None = None,
+    names: bool = True,
 ) -> dict[str, Any]:
     """The spec served at ``/openapi.json``: what is valid there is valid for this server.
 
@@ -97,5 +108,9 @@ def deployment_spec(
     spec = served_spec(limits)
     if chat is None:
         _without_chat(spec)
+    if not names:  # the template ignores message names: refused at run time, so absent here
+        spec["components"]["schemas"]["ChatMessage"]["properties"]["name"] = {
+            "not": {}, "description": "This model's chat template does not render names."
+        }
     spec["x-limits"] = {"max_model_len": info.max_model_len, "vocab_size": info.vocab_size, "chat": chat}
     return spec

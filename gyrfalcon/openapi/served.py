@@ -53,6 +53,18 @@ RUNTIME_RULES: tuple[dict[str, str], ...] = (
         "must leave room for one token.",
     },
     {
+        "id": "prompt_not_empty_after_tokenization",
+        "param": "prompt",
+        "description": "A non-empty prompt string must tokenize to at least one token (byte-level "
+        "tokenizers always do; others may drop some text).",
+    },
+    {
+        "id": "message_name_rendered",
+        "param": "messages",
+        "description": "A message name is refused when the model's chat template does not render it "
+        "(it would be accepted and ignored).",
+    },
+    {
         "id": "logit_bias_ids_in_vocab",
         "param": "logit_bias",
         "description": "Every logit_bias key is a token id below the vocabulary size "

@@ -145,7 +145,14 @@ RULES: dict[str, Rule] = {
 
 #: Runtime-only rule ids, enforced during translation because they need the resolved ``max_tokens``,
 #: the tokenizer or the engine's limits (``gyrfalcon.protocol.translate``).
-TRANSLATION_RULES = ("min_tokens_le_max_tokens", "prompt_fits_context", "logit_bias_ids_in_vocab", "chat_template_renders")
+TRANSLATION_RULES = (
+    "min_tokens_le_max_tokens",
+    "prompt_fits_context",
+    "prompt_not_empty_after_tokenization",
+    "message_name_rendered",
+    "logit_bias_ids_in_vocab",
+    "chat_template_renders",
+)
 
 
 def check_rules(fields: RequestFields) -> None:

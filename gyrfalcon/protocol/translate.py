@@ -201,8 +201,19 @@ class Translator:
 
     def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, param: str) -> list[int]:
         """Token ids of wire chat messages rendered with the model's template (its special tokens once)."""
+        plain = [_plain_message(m) for m in messages]
         try:
-            text = self.engine.apply_chat_template([_plain_message(m) for m in messages], add_generation_prompt)
+            text = self.engine.apply_chat_template(plain, add_generation_prompt)
+            named = [i for i, m in enumerate(plain) if "name" in m]
+            if named:
+                anonymous = [{k: v for k, v in m.items() if k != "name"} for m in plain]
+                if self.engine.apply_chat_template(anonymous, add_generation_prompt) == text:
+                    raise RequestError(
+                        "This model's chat template does not use message names; 'name' would be ignored",
+                        f"{param}.{named[0]}.name",
+                    )
+        except RequestError:
+            raise
         except Exception as exc:  # a template raising on these messages is the client's 400
             raise RequestError(f"The chat template cannot render these messages: {exc}", param) from None
         return self.engine.tokenize(text, add_special_tokens=False)

@@ -70,7 +70,7 @@ def test_chat_shape_roles_and_developer(client):
     body = {
         "messages": [
             {"role": "developer", "content": "be brief"},
-            {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}], "name": "ann"},
+            {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]},
         ],
         "max_completion_tokens": 3, "max_tokens": 50, **SAMPLED,
     }

@@ -15,20 +15,57 @@ from gyrfalcon.plugins.engines import create_transformers_engine
 from tests.conftest import tiny_settings
 
 
-@pytest.fixture(scope="module")
-def base_model_client(tiny_model_dir, tmp_path_factory):
-    folder = Path(tmp_path_factory.mktemp("base")) / "model"
+NAMED_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] }}"
+    "{% if message.get('name') %}{{ ' ' + message['name'] }}{% endif %}"
+    "{{ '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def client_for_template(tiny_model_dir, folder: Path, template: str | None):
+    """An app on a copy of the tiny model whose chat template is ``template`` (None: no template)."""
     shutil.copytree(tiny_model_dir, folder)
     (folder / "chat_template.jinja").unlink(missing_ok=True)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
+    if template is not None:
+        (folder / "chat_template.jinja").write_text(template)
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     settings = tiny_settings(str(folder), served_model_name=["base"])
     pm = plugin_manager()
     engine = create_transformers_engine(settings, pm)
     assert engine.wait_ready(60).ready
-    yield falcon.testing.TestClient(create_app(engine, settings, pm))
+    return engine, falcon.testing.TestClient(create_app(engine, settings, pm))
+
+
+@pytest.fixture(scope="module")
+def base_model_client(tiny_model_dir, tmp_path_factory):
+    engine, client = client_for_template(tiny_model_dir, Path(tmp_path_factory.mktemp("base")) / "model", None)
+    yield client
     engine.shutdown(grace=1.0)
+
+
+@pytest.fixture(scope="module")
+def named_template_client(tiny_model_dir, tmp_path_factory):
+    engine, client = client_for_template(tiny_model_dir, Path(tmp_path_factory.mktemp("named")) / "model", NAMED_TEMPLATE)
+    yield client
+    engine.shutdown(grace=1.0)
+
+
+def test_message_name_is_honoured_or_refused(client, named_template_client):
+    named = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi", "name": "ann"}]
+    r = client.simulate_post("/v1/chat/completions", json={"messages": named, "max_tokens": 1})
+    assert r.status_code == 400 and r.json["error"]["param"] == "messages.1.name"  # ChatML ignores names
+    assert client.simulate_get("/openapi.json").json["components"]["schemas"]["ChatMessage"]["properties"]["name"]["not"] == {}
+    anonymous = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    with_name = named_template_client.simulate_post("/tokenize", json={"messages": named}).json
+    without = named_template_client.simulate_post("/tokenize", json={"messages": anonymous}).json
+    assert with_name["count"] > without["count"]  # the name is rendered
+    r = named_template_client.simulate_post("/v1/chat/completions", json={"messages": named, "max_tokens": 1})
+    assert r.status_code == 200 and r.json["usage"]["prompt_tokens"] == with_name["count"]
+    spec = named_template_client.simulate_get("/openapi.json").json
+    assert spec["components"]["schemas"]["ChatMessage"]["properties"]["name"].get("type") == "string"
 
 
 def test_no_chat_template_means_no_chat_in_the_spec(base_model_client):
