@@ -37,7 +37,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def gyrfalcon_engines() -> dict[str, Any]:
     """Offer engine backends: return ``{name: factory}``.
 
-    ``factory(settings: Settings) -> Engine`` builds and starts an engine. The backend that serves is
+    ``factory(settings: Settings, pm: pluggy.PluginManager) -> Engine`` builds and starts an engine;
+    ``pm`` is the app's plugin manager, whose engine hooks the engine resolves once at start. The backend that serves is
     chosen by the ``--engine`` setting (default ``transformers``), never by plugin order; two plugins
     offering the same name is a start-up error.
     """
