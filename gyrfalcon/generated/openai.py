@@ -121,9 +121,10 @@ class CompletionRequest(BaseModel):
         Field(description="Null means 16. 0 is only allowed with `echo: true`.", ge=0),
     ] = 16
     temperature: Annotated[
-        float, Field(description="Below 1e-5 is greedy decoding.", ge=0.0, le=2.0)
+        float | None,
+        Field(description="Below 1e-5 is greedy decoding.", ge=0.0, le=2.0),
     ] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = 1.0
     n: Annotated[
         int,
         Field(
@@ -132,24 +133,24 @@ class CompletionRequest(BaseModel):
         ),
     ] = 1
     seed: Annotated[
-        int | MISSING,
+        int | None | MISSING,
         Field(
             description="Choice i uses seed + i (modulo 2^64).",
             ge=-9223372036854775808,
             le=9223372036854775807,
         ),
     ] = MISSING
-    stop: Stop | Stop1 | MISSING = MISSING
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    stop: Stop | Stop1 | None | MISSING = MISSING
+    presence_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = 0.0
     logit_bias: Annotated[
-        dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,8})$")], LogitBiasAdditionalProperty] | MISSING,
+        dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,8})$")], LogitBiasAdditionalProperty] | None | MISSING,
         Field(description="Token id (decimal string) to a bias added to its logit."),
     ] = MISSING
     stream: bool = False
     stream_options: common.StreamOptions | MISSING = MISSING
     user: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(description="An end-user id; recorded, never used for sampling."),
     ] = MISSING
     echo: Annotated[
@@ -265,16 +266,17 @@ class ChatCompletionRequest(BaseModel):
         ),
     ] = MISSING
     max_tokens: Annotated[
-        int | MISSING,
+        int | None | MISSING,
         Field(description="Omitted means up to the model's context length.", ge=1),
     ] = MISSING
     max_completion_tokens: Annotated[
-        int | MISSING, Field(description="Wins over max_tokens.", ge=1)
+        int | None | MISSING, Field(description="Wins over max_tokens.", ge=1)
     ] = MISSING
     temperature: Annotated[
-        float, Field(description="Below 1e-5 is greedy decoding.", ge=0.0, le=2.0)
+        float | None,
+        Field(description="Below 1e-5 is greedy decoding.", ge=0.0, le=2.0),
     ] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = 1.0
     n: Annotated[
         int,
         Field(
@@ -283,24 +285,24 @@ class ChatCompletionRequest(BaseModel):
         ),
     ] = 1
     seed: Annotated[
-        int | MISSING,
+        int | None | MISSING,
         Field(
             description="Choice i uses seed + i (modulo 2^64).",
             ge=-9223372036854775808,
             le=9223372036854775807,
         ),
     ] = MISSING
-    stop: Stop2 | Stop3 | MISSING = MISSING
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    stop: Stop2 | Stop3 | None | MISSING = MISSING
+    presence_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = 0.0
     logit_bias: Annotated[
-        dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,8})$")], LogitBiasAdditionalProperty] | MISSING,
+        dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,8})$")], LogitBiasAdditionalProperty] | None | MISSING,
         Field(description="Token id (decimal string) to a bias added to its logit."),
     ] = MISSING
     stream: bool = False
     stream_options: common.StreamOptions | MISSING = MISSING
     user: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(description="An end-user id; recorded, never used for sampling."),
     ] = MISSING
     logprobs: Annotated[
@@ -394,30 +396,31 @@ class BatchChatCompletionRequest(BaseModel):
         ),
     ] = MISSING
     max_tokens: Annotated[
-        int | MISSING,
+        int | None | MISSING,
         Field(description="Omitted means up to the model's context length.", ge=1),
     ] = MISSING
     max_completion_tokens: Annotated[
-        int | MISSING, Field(description="Wins over max_tokens.", ge=1)
+        int | None | MISSING, Field(description="Wins over max_tokens.", ge=1)
     ] = MISSING
     temperature: Annotated[
-        float, Field(description="Below 1e-5 is greedy decoding.", ge=0.0, le=2.0)
+        float | None,
+        Field(description="Below 1e-5 is greedy decoding.", ge=0.0, le=2.0),
     ] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = 1.0
     n: Annotated[int, Field(description="Always 1.", ge=1, le=1)] = 1
     seed: Annotated[
-        int | MISSING,
+        int | None | MISSING,
         Field(
             description="Choice i uses seed + i (modulo 2^64).",
             ge=-9223372036854775808,
             le=9223372036854775807,
         ),
     ] = MISSING
-    stop: Stop4 | Stop5 | MISSING = MISSING
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    stop: Stop4 | Stop5 | None | MISSING = MISSING
+    presence_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = 0.0
     logit_bias: Annotated[
-        dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,8})$")], LogitBiasAdditionalProperty] | MISSING,
+        dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,8})$")], LogitBiasAdditionalProperty] | None | MISSING,
         Field(description="Token id (decimal string) to a bias added to its logit."),
     ] = MISSING
     stream: Annotated[
@@ -427,7 +430,7 @@ class BatchChatCompletionRequest(BaseModel):
         ),
     ] = False
     user: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(description="An end-user id; recorded, never used for sampling."),
     ] = MISSING
     logprobs: Annotated[

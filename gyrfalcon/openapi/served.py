@@ -319,12 +319,26 @@ def _overlay_property(name: str, schema: dict[str, Any], limits: ServedLimits) -
     if name == "logit_bias" and "propertyNames" in schema:
         schema["propertyNames"] = {"pattern": decimal_range_pattern(limits.vocab_size - 1)}
     if name in limits.unsupported:
+        # null means "not set" where the wire allows it, so it stays allowed
+        nullable = _is_nullable(schema)
         if "default" in schema:
-            schema["const"] = schema["default"]
+            if nullable and schema["default"] is not None:
+                schema["enum"] = [schema["default"], None]
+            else:
+                schema["const"] = schema["default"]
             schema["description"] = (schema.get("description", "") + " Not supported here: only the default.").strip()
+        elif nullable:
+            schema = {"type": "null", "description": "Not supported by this server: absent or null."}
         else:
             schema = {"not": {}, "description": "Not supported by this server: must be absent."}
     return schema
+
+
+def _is_nullable(schema: dict[str, Any]) -> bool:
+    types = schema.get("type")
+    if types == "null" or (isinstance(types, list) and "null" in types):
+        return True
+    return any(isinstance(v, dict) and v.get("type") == "null" for v in schema.get("oneOf", []) + schema.get("anyOf", []))
 
 
 def served_spec(limits: ServedLimits) -> dict[str, Any]:

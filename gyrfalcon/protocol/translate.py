@@ -92,7 +92,8 @@ class Translator:
         raw_extensions = body.pop("extensions", None)
         wire = validate(WIRE_MODELS[endpoint], body)  # schema errors first, extensions' included
         extensions = self._check_extensions(raw_extensions) if has_extensions else None
-        sent = wire.model_dump(mode="python", by_alias=True, exclude_unset=True)
+        # OpenAI's null means "not set": dropped here, so every later step sees an absent field
+        sent = {k: v for k, v in wire.model_dump(mode="python", by_alias=True, exclude_unset=True).items() if v is not None}
         if extensions is not None:
             sent["extensions"] = extensions
         fields = RequestFields.from_body(endpoint, sent)

@@ -240,3 +240,21 @@ def test_completions_logprob_ids_sharing_a_text_all_appear(client, tiny_engine):
     for sampled, top in zip(choice["token_ids"], choice["logprobs"]["top_logprobs"]):
         assert len(top) == len(set(shared) | {sampled})  # one entry per listed id: none collapsed
         assert sum(k.startswith("token_id:") for k in top) >= len(shared) - 1
+
+
+@pytest.mark.parametrize("path,base", [
+    ("/v1/completions", {"prompt": "x"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+])
+def test_null_means_not_set(client, path, base):
+    """OpenAI clients send null for unset fields: same answer as leaving them out."""
+    nulls = {"temperature": None, "top_p": None, "seed": None, "stop": None, "presence_penalty": None,
+             "frequency_penalty": None, "logit_bias": None, "user": None}
+    if path == "/v1/completions":
+        nulls["max_tokens"] = None
+    else:
+        nulls.update(max_tokens=None, max_completion_tokens=None)
+    r = post(client, path, {**base, **nulls, "n": 2, "seed": 3, "temperature": 0.5, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    r = post(client, path, {**base, **nulls})
+    assert r.status_code == 200, r.text

@@ -102,8 +102,11 @@ def test_completion_defaults_and_nullables() -> None:
     assert req.max_tokens is None and req.logprobs is None and req.stop == "x"
     assert ok(g.CompletionRequest, {"prompt": "a", "stop": ["x", "y"], "max_tokens": 0, "echo": True}).max_tokens == 0
     for bad in ({"stop": ""}, {"stop": [""]}, {"stop": ["x"] * 17}, {"max_tokens": -1}, {"logprobs": -1},
-                {"temperature": None}, {"seed": None}, {"top_logprobs": 1}, {"messages": [MSG]}):  # fmt: skip
+                {"n": None}, {"stream": None}, {"top_logprobs": 1}, {"messages": [MSG]}):  # fmt: skip
         assert rejects(g.CompletionRequest, {"prompt": "a", **bad}), bad
+    # OpenAI's "not set" nulls (the protocol layer drops them); n and stream take part in rules: no null
+    nulls = ok(g.CompletionRequest, {"prompt": "a", "temperature": None, "seed": None, "stop": None, "user": None})
+    assert nulls.temperature is None and nulls.seed is None and nulls.stop is None
 
 
 def test_chat_messages() -> None:

@@ -142,13 +142,15 @@ def test_shared_fields_are_identical_across_documents(spec: dict[str, Any]) -> N
     schemas = spec["components"]["schemas"]
     generate = schemas["GenerateSamplingParams"]["properties"]
     completion = schemas["CompletionRequest"]["properties"]
-    differs_on_purpose = {"stop", "max_tokens", "logprobs", "logprob_token_ids", "n"}
+    # OpenAI's endpoints also take null for "not set" on these (clients send it); generate does not
+    nullable = {"temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias"}
+    differs_on_purpose = {"stop", "max_tokens", "logprobs", "logprob_token_ids", "n", *nullable}
     for name in set(generate) & set(completion) - differs_on_purpose:
         assert generate[name] == completion[name], name
     for name in ("model", "stream", "request_id"):
         assert schemas["GenerateRequest"]["properties"][name] == completion[name], name
     assert generate["logprob_token_ids"]["items"] == completion["logprob_token_ids"]["items"]
-    assert generate["stop"] == completion["stop"]["oneOf"][1]
+    assert generate["stop"] == completion["stop"]["oneOf"][2]  # oneOf: null, one string, a list
 
 
 def test_int64_seed_and_greedy_threshold(spec: dict[str, Any]) -> None:
@@ -354,16 +356,18 @@ def test_overlay_limits(served: dict[str, Any]) -> None:
 def test_overlay_unsupported_fields(served: dict[str, Any]) -> None:
     s = served["components"]["schemas"]
     # With a wire default: only the default; without: must be absent.
-    assert s["CompletionRequest"]["properties"]["presence_penalty"]["const"] == 0.0
-    assert s["CompletionRequest"]["properties"]["presence_penalty"]["type"] == "number"
+    # OpenAI endpoints also take null ("not set") for these
+    assert s["CompletionRequest"]["properties"]["presence_penalty"]["enum"] == [0.0, None]
+    assert s["CompletionRequest"]["properties"]["presence_penalty"]["type"] == ["number", "null"]
     assert s["GenerateSamplingParams"]["properties"]["presence_penalty"]["const"] == 0.0
     assert s["ChatCompletionRequest"]["properties"]["logprobs"]["const"] is False
     assert s["CompletionRequest"]["properties"]["logprobs"]["const"] is None
     assert s["ChatCompletionRequest"]["properties"]["use_beam_search"]["const"] is False
     assert s["BatchChatCompletionRequest"]["properties"]["use_beam_search"]["const"] is False
     for name in ("CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest", "GenerateSamplingParams"):
-        for field in ("logit_bias", "logprob_token_ids"):
-            assert "not" in s[name]["properties"][field], (name, field)
+        assert "not" in s[name]["properties"]["logprob_token_ids"], name
+        logit_bias = s[name]["properties"]["logit_bias"]
+        assert logit_bias.get("type") == "null" if name != "GenerateSamplingParams" else "not" in logit_bias, name
     assert "not" in s["GenerateSamplingParams"]["properties"]["logprobs"]
     assert "not" in s["ChatCompletionRequest"]["properties"]["top_logprobs"]
 
