@@ -33,6 +33,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 MAX_LOGIT_BIAS = 100.0
 
+#: the smallest repetition_penalty accepted (the API spec's minimum): a smaller one would divide
+#: positive logits towards overflow (1e-300 is 0.0 in fp32: inf and NaN logits)
+MIN_REPETITION_PENALTY = 0.01
+
 
 def _token_counts(token_lists: list[list[int]], vocab: int, logits: torch.Tensor) -> torch.Tensor:
     """``[len(token_lists), vocab]`` occurrence counts (one vectorised scatter)."""
@@ -88,7 +92,7 @@ class RepetitionPenaltyProcessor(_Penalty):
     name = "repetition_penalty"
     field_name = "repetition_penalty"
     neutral = 1.0
-    low, high, low_open = 0.0, 2.0, True
+    low, high = MIN_REPETITION_PENALTY, 2.0
     order = 40
 
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
@@ -97,10 +101,15 @@ class RepetitionPenaltyProcessor(_Penalty):
         index = _index(selected, logits)
         vocab = logits.shape[-1]
         seen = _token_counts([rows.prompt_token_ids[i] + rows.output_token_ids[i] for i in selected], vocab, logits) > 0
-        penalty = _column([rows.params[i].repetition_penalty for i in selected], logits)
-        sub = logits.index_select(0, index)
+        # Safe whatever reached here: the penalty is clamped to the validated range and the result
+        # computed in fp32, with positive logits capped at the dtype's largest finite value (a
+        # masked -inf logit stays -inf, NaN never appears).
+        values = [min(max(float(rows.params[i].repetition_penalty), MIN_REPETITION_PENALTY), self.high)
+                  for i in selected]  # fmt: skip
+        penalty = torch.tensor(values, dtype=torch.float32, device=logits.device).unsqueeze(1)
+        sub = logits.index_select(0, index).float()
         penalised = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
-        logits[index] = penalised
+        logits[index] = penalised.clamp_max(torch.finfo(logits.dtype).max).to(logits.dtype)
         return logits
 
 
@@ -186,6 +195,14 @@ class AllowedTokenIdsProcessor(LogitsProcessor):
         if not params.allowed_token_ids:
             raise RequestError("allowed_token_ids must not be an empty list", "allowed_token_ids")
         _check_ids(params.allowed_token_ids, info.vocab_size, "allowed_token_ids")
+        if params.min_tokens > 0:  # min_tokens bans the stop ids (and eos) for the first tokens
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(info.eos_token_ids))
+            if set(params.allowed_token_ids) <= banned:
+                raise RequestError(
+                    f"allowed_token_ids lists only stop or end-of-sequence tokens, which min_tokens "
+                    f"({params.min_tokens}) excludes from the first tokens: nothing could be generated",
+                    "allowed_token_ids",
+                )
 
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return params.allowed_token_ids is not None

@@ -120,6 +120,9 @@ def test_bad_words_follow_vllm():
         (P.FrequencyPenaltyProcessor(), SamplingParams(frequency_penalty=math.nan), "frequency_penalty"),
         (P.RepetitionPenaltyProcessor(), SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
         (P.RepetitionPenaltyProcessor(), SamplingParams(repetition_penalty=2.01), "repetition_penalty"),
+        (P.RepetitionPenaltyProcessor(), SamplingParams(repetition_penalty=1e-300), "repetition_penalty"),
+        (P.RepetitionPenaltyProcessor(), SamplingParams(repetition_penalty=0.0099), "repetition_penalty"),
+        (P.AllowedTokenIdsProcessor(), SamplingParams(allowed_token_ids=[2], min_tokens=1), "allowed_token_ids"),
         (P.LogitBiasProcessor(), SamplingParams(logit_bias={V: 1.0}), "logit_bias"),
         (P.LogitBiasProcessor(), SamplingParams(logit_bias={1: math.inf}), "logit_bias"),
         (P.AllowedTokenIdsProcessor(), SamplingParams(allowed_token_ids=[]), "allowed_token_ids"),
@@ -150,3 +153,21 @@ def test_engine_honours_the_fields(tiny_engine):
     token = next(t for t in plain if tiny_engine.tokenize(tiny_engine.detokenize([t]).lstrip()) == [t])
     banned = final(tiny_engine, bad_words=[tiny_engine.detokenize([token])], **greedy).outputs[0]
     assert token not in banned.token_ids and banned.token_ids[: plain.index(token)] == plain[: plain.index(token)]
+
+
+def test_repetition_penalty_minimum_agrees_with_the_spec():
+    P.RepetitionPenaltyProcessor().validate(SamplingParams(repetition_penalty=0.01), {}, INFO)
+    with pytest.raises(RequestError, match=r"\[0.01, 2\]"):
+        P.RepetitionPenaltyProcessor().validate(SamplingParams(repetition_penalty=0.005), {}, INFO)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("penalty", [0.01, 1e-300, 0.0])  # the last two only if validation is bypassed
+def test_repetition_penalty_never_makes_inf_or_nan(dtype, penalty):
+    """1e-300 became 0.0 in fp32 and divided positive logits into inf (then NaN downstream)."""
+    logits = torch.tensor([[30000.0, 5.0, -3.0, -math.inf, 1.0] + [0.0] * (V - 5)], dtype=dtype)
+    params = SamplingParams(repetition_penalty=penalty)
+    out, _ = apply(P.RepetitionPenaltyProcessor(), logits, rows_of((params, [0, 1, 2, 3], [])))
+    assert out.dtype == dtype
+    assert torch.isfinite(out[0, [0, 1, 2, 4]]).all() and out[0, 3] == -math.inf  # a masked token stays masked
+    assert out[0, 1] > 5.0 and -3.0 < out[0, 2] <= 0 and out[0, 4] == 1.0  # a penalty < 1 favours seen tokens
