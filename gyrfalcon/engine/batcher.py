@@ -11,6 +11,16 @@ Each :meth:`Batcher.step`:
 4. runs one decode step — a single batched forward — for every running sequence, samples, emits,
    and lets finished sequences leave the batch at once.
 
+A fault in step 2 or 3 (a forward, a plugin processor, the prompt-logprob gather, an OOM in the
+merge) fails the prefill group's requests in-band and nothing else: the prefill has a KV batch of
+its own, and :meth:`PaddedKVBatch.merge` leaves the running batch as it was when it raises. A fault
+in step 4 propagates (the running batch's KV state is unknown); the engine then fails everything
+:meth:`Batcher.clear` returns. A row the sampler cannot sample (every token excluded) ends its
+request with the sampler's in-band error; the other rows go on.
+
+Prompt logprobs are gathered chunk by chunk, for the rows that asked only, and each chunk's
+``[k, c, V]`` logits are dropped at once (they are never kept for the whole prompt).
+
 A long prompt is prefilled chunk by chunk with decode steps in between, so running streams keep
 moving. Emission and bookkeeping go through the callbacks the engine passes in.
 """
@@ -30,6 +40,7 @@ from gyrfalcon.engine.runner import ModelRunner
 from gyrfalcon.engine.sampler import Sampler
 from gyrfalcon.engine.scheduler import Scheduler
 from gyrfalcon.engine.sequence import Sequence
+from gyrfalcon.engine.types import EngineError, EngineRequest, TokenLogprobs
 from gyrfalcon.policies import BatchRows
 
 log = logging.getLogger(__name__)
@@ -69,15 +80,17 @@ class PrefillJob:
     states: list[RequestState]
     kv: PaddedKVBatch
     done: int = 0  # prompt positions prefilled so far
-    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # [k, c, V] chunks, when asked
+    #: per row that asked for prompt logprobs, the positions gathered so far (chunk by chunk)
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
         return len(self.states[0].request.prompt_token_ids)
 
-    @property
-    def wants_prompt_logits(self) -> bool:
-        return any(s.request.sampling.prompt_logprobs is not None for s in self.states)
+    def prompt_logprob_rows(self) -> list[int]:
+        """The rows (still wanted) whose request asked for prompt logprobs."""
+        return [i for i, s in enumerate(self.states)
+                if s.request.sampling.prompt_logprobs is not None and not s.abort_requested]  # fmt: skip
 
 
 class Batcher:
@@ -90,13 +103,18 @@ class Batcher:
         scheduler: Scheduler,
         emit: Callable[[RequestState], None],
         count: Callable[[str, int], None],
-        prompt_logprobs: Callable[[RequestState, torch.Tensor], None] | None = None,
+        fail: Callable[[RequestState, EngineError], None],
+        prompt_logprobs: Callable[[EngineRequest, torch.Tensor, int], TokenLogprobs] | None = None,
     ) -> None:
+        """``emit`` sends a request's progress; ``fail`` ends a request in-band with an error (a
+        no-op for a request already closed); ``prompt_logprobs(request, logits, start)`` returns
+        the prompt logprobs of the positions that ``[c, V]`` logits starting at ``start`` predict."""
         self.runner = runner
         self.sampler = sampler
         self.scheduler = scheduler
         self.emit = emit
         self.count = count
+        self.fail = fail
         self.prompt_logprobs = prompt_logprobs
         self.kv: PaddedKVBatch | None = None
         self.sequences: list[Sequence] = []
@@ -126,15 +144,25 @@ class Batcher:
     def step(self) -> bool:
         """Run one prefill chunk and/or one decode step; False when there was nothing to do."""
         self._reap_aborted()
+        worked = False
         if self.job is None:
             width = self.kv.width if self.kv is not None and self.sequences else 0
             group = self.scheduler.admit(len(self.sequences), width)
             if group:
-                self.job = PrefillJob(group, self.runner.new_batch(len(group)))
-        worked = False
-        if self.job is not None:
-            self._prefill_chunk(self.job)
+                worked = True
+                try:
+                    self.job = PrefillJob(group, self.runner.new_batch(len(group)))
+                except Exception as exc:  # noqa: BLE001 - fails the group, not the batch
+                    self._fail_prefill(group, exc)
+        job = self.job
+        if job is not None:
             worked = True
+            try:
+                self._prefill_chunk(job)
+            except Exception as exc:  # noqa: BLE001 - the running batch's KV is untouched: it goes on
+                if self.job is job:
+                    self.job = None
+                self._fail_prefill(job.states, exc)
         if self.sequences:
             self._decode()
             worked = True
@@ -158,6 +186,13 @@ class Batcher:
         if self.job is not None:
             seen.update({id(s): s for s in self.job.states})
         return list(seen.values())
+
+    def _fail_prefill(self, states: list[RequestState], exc: Exception) -> None:
+        """Fail the requests of a prefill group in-band (they are in no list any more)."""
+        log.error("prefill of %d request(s) failed", len(states), exc_info=exc)
+        error = EngineError(f"internal error: {exc}")
+        for state in states:
+            self.fail(state, error)
 
     def _reap_aborted(self) -> None:
         aborted = [s for s in self.states() if s.abort_requested and not s.closed]
@@ -187,15 +222,20 @@ class Batcher:
         chunk = max(self.scheduler.prefill_chunk_tokens // len(job.states), 1)
         end = min(job.done + chunk, job.length)
         tokens = [s.request.prompt_token_ids[job.done : end] for s in job.states]
-        logits = self.runner.forward(job.kv, tokens, all_logits=job.wants_prompt_logits)
+        wanted = job.prompt_logprob_rows() if self.prompt_logprobs is not None else []
+        logits = self.runner.forward(job.kv, tokens, all_logits=bool(wanted))
         self.count("prefill_forwards", 1)
         self.count("prompt_tokens", len(job.states) * (end - job.done))
-        job.done = end
-        if job.wants_prompt_logits:
-            job.prompt_logits.append(logits)
-            logits = logits[:, -1, :]
+        start, job.done = job.done, end
+        if wanted:  # logprob path: this chunk's positions now, then its [k, c, V] logits are dropped
+            assert self.prompt_logprobs is not None
+            for i in wanted:
+                part = self.prompt_logprobs(job.states[i].request, logits[i], start)
+                job.prompt_logprobs.setdefault(i, TokenLogprobs()).extend(part)
+            logits = logits[:, -1, :].contiguous()
         if job.done < job.length:
             return
+        # The job leaves self.job here; step() still fails its requests if what follows raises.
         self.job = None
         self._start_children(job, logits)
 
@@ -209,8 +249,8 @@ class Batcher:
                 state.abort()
                 self.emit(state)
                 continue
-            if job.prompt_logits and self.prompt_logprobs and state.request.sampling.prompt_logprobs is not None:
-                self.prompt_logprobs(state, torch.cat([c[i] for c in job.prompt_logits], dim=0))
+            if i in job.prompt_logprobs:
+                state.prompt_logprobs = job.prompt_logprobs[i]
             if state.request.sampling.max_tokens == 0:  # prompt logprobs only: nothing to generate
                 for seq in state.sequences:
                     seq.finish("length")
@@ -232,7 +272,7 @@ class Batcher:
         if self.kv is None or not self.sequences:
             self.kv = job.kv
         else:
-            self.kv.merge(job.kv)
+            self.kv.merge(job.kv)  # leaves self.kv as it was if it raises (an OOM)
         self.sequences.extend(sequences[row] for row in keep)
         self.owners.extend(owners[row] for row in keep)
 
@@ -245,9 +285,20 @@ class Batcher:
         self._keep([row for row, seq in enumerate(self.sequences) if not seq.finished])
 
     def _append(self, sequences: list[Sequence], owners: list[RequestState], sampled) -> None:
-        for seq, token_id, logprobs in zip(sequences, sampled.token_ids, sampled.logprobs):
-            seq.append(token_id, logprobs)
-        self.count("generation_tokens", len(sequences))
+        """Append each row's token and emit; a request with a row the sampler could not sample
+        (``sampled.errors``) gets no token and ends with that error (its choices finish)."""
+        failed: dict[int, EngineError] = {}
+        for row, error in sampled.errors.items():
+            failed.setdefault(id(owners[row]), error)
+        appended = 0
+        for seq, owner, token_id, logprobs in zip(sequences, owners, sampled.token_ids, sampled.logprobs):
+            if id(owner) not in failed:
+                seq.append(token_id, logprobs)
+                appended += 1
+        self.count("generation_tokens", appended)
         self.count("steps", 1)
         for state in dict.fromkeys(owners):
-            self.emit(state)
+            if id(state) in failed:
+                self.fail(state, failed[id(state)])
+            else:
+                self.emit(state)

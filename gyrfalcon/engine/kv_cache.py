@@ -92,7 +92,9 @@ class PaddedKVBatch:
         """Append ``other``'s rows after this batch's rows; ``other`` must not be used afterwards.
 
         The narrower side is left-padded with zero columns (masked by :meth:`attention_mask`), so
-        every row stays right-aligned and keeps its own positions.
+        every row stays right-aligned and keeps its own positions. When it raises (an OOM), this
+        batch is left as it was (the layers merged so far are cut back to views of their old rows,
+        so the rollback itself allocates nothing) and the running requests can go on.
         """
         if other.rows == 0:
             return
@@ -104,10 +106,21 @@ class PaddedKVBatch:
         mine, theirs = self._layers(), other._layers()
         if len(mine) != len(theirs):
             raise ValueError("cannot merge caches with different layer counts")
-        for a, b in zip(mine, theirs):
-            a.keys = torch.cat([_pad_left(a.keys, target - width), _pad_left(b.keys, target - other_width)], dim=0)
-            a.values = torch.cat([_pad_left(a.values, target - width), _pad_left(b.values, target - other_width)], dim=0)
-        self.lengths = torch.cat([self.lengths, other.lengths])
+        rows, merged = self.rows, []
+        try:
+            for a, b in zip(mine, theirs):
+                keys = torch.cat([_pad_left(a.keys, target - width), _pad_left(b.keys, target - other_width)], dim=0)
+                values = torch.cat([_pad_left(a.values, target - width), _pad_left(b.values, target - other_width)],
+                                   dim=0)  # fmt: skip
+                a.keys, a.values = keys, values
+                merged.append(a)
+            lengths = torch.cat([self.lengths, other.lengths])
+        except BaseException:
+            for a in merged:
+                a.keys = a.keys[:rows, :, target - width :, :]
+                a.values = a.values[:rows, :, target - width :, :]
+            raise
+        self.lengths = lengths
 
 
 def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:

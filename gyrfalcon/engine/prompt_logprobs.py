@@ -5,7 +5,8 @@ row ``t`` is the distribution that predicted prompt token ``t + 1``. Prompt posi
 logprob (nothing predicted it) and is reported as ``None``; positions ``1..L-1`` go through the
 engine's prompt-position gatherers (``LogprobGatherer.positions == "prompt"``) as one batch of
 ``L - 1`` rows, each carrying the request's parameters, so the same vectorised gather and the same
-merge rules as generated positions apply.
+merge rules as generated positions apply. The engine calls it once per prefill chunk (``start``),
+so a long prompt's logits are never held, or log-softmaxed, all at once.
 """
 
 from __future__ import annotations
@@ -21,21 +22,25 @@ from gyrfalcon.policies import BatchRows, LogprobGatherer
 
 @torch.inference_mode()
 def compute_prompt_logprobs(
-    logits: torch.Tensor, request: EngineRequest, gatherers: Sequence[LogprobGatherer]
+    logits: torch.Tensor, request: EngineRequest, gatherers: Sequence[LogprobGatherer], start: int = 0
 ) -> TokenLogprobs:
     """The prompt's :class:`TokenLogprobs`: ``L`` positions, the first with ``None``.
 
     ``logits``: ``[L, V]`` (or ``[L', V]`` with ``L' >= L - 1``; only rows ``0..L-2`` are read).
     ``gatherers``: the prompt-position gatherers; a position no gatherer reports still carries its
     own token and logprob, with no alternatives.
+
+    Chunk by chunk: with ``start > 0``, ``logits`` row ``j`` is prompt position ``start + j`` and
+    the result holds only the prompt tokens ``start + 1 ..`` those rows predict (a row past the
+    prompt's end is not read); the chunks' results, joined in order, equal the whole prompt's.
     """
     prompt = list(request.prompt_token_ids)
-    result = TokenLogprobs([prompt[0]], [None], [[]], [[]])
-    positions = len(prompt) - 1
+    result = TokenLogprobs([prompt[0]], [None], [[]], [[]]) if start == 0 else TokenLogprobs()
+    positions = min(int(logits.shape[0]), len(prompt) - 1 - start)
     if positions <= 0:
         return result
     raw = logits[:positions].float().log_softmax(dim=-1)
-    tokens = torch.tensor(prompt[1:], dtype=torch.long, device=raw.device)
+    tokens = torch.tensor(prompt[start + 1 : start + 1 + positions], dtype=torch.long, device=raw.device)
     rows = BatchRows(
         params=[request.sampling] * positions,
         prompt_token_ids=[prompt] * positions,
@@ -50,6 +55,6 @@ def compute_prompt_logprobs(
         if report is None:  # no gatherer reported this position: its own token only
             if own is None:
                 own = raw.gather(1, tokens.view(-1, 1)).view(-1).tolist()
-            report = TokenLogprobs([prompt[p + 1]], [finite(own[p])], [[]], [[]])
+            report = TokenLogprobs([prompt[start + p + 1]], [finite(own[p])], [[]], [[]])
         result.extend(report)
     return result

@@ -7,7 +7,10 @@ One ``[B, V]`` pass per step:
 2. ``min_tokens``: stop token ids (and eos unless ``ignore_eos``) are masked until enough tokens
    have been generated (vLLM's rule);
 3. the plugin processors run in ascending ``order``, each on the rows that want it;
-4. greedy rows (temperature < 1e-5) take the argmax; the others ``argmax(probs / q)`` with
+4. a row left with no token to choose (every logit ``-inf``: the request's constraints exclude
+   everything) or with NaN logits gets no token but an in-band error (:attr:`SamplerOutput.errors`);
+   the other rows are sampled as usual;
+5. greedy rows (temperature < 1e-5) take the argmax; the others ``argmax(probs / q)`` with
    ``q ~ Exp(1)`` drawn from the row's own generator (the request's child seed, or the engine's
    generator when unseeded), so a seeded row samples the same token whatever its batch company.
 """
@@ -15,22 +18,47 @@ One ``[B, V]`` pass per step:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from gyrfalcon.engine.logprob_reports import merge_gathered
 from gyrfalcon.engine.prompt_logprobs import compute_prompt_logprobs
-from gyrfalcon.engine.types import EngineRequest, TokenLogprobs
+from gyrfalcon.engine.types import EngineError, EngineRequest, SamplingParams, TokenLogprobs
 from gyrfalcon.policies import BatchRows, LogitsProcessor, LogprobGatherer
+
+#: the request fields that can exclude tokens, most specific first (the in-band error's ``param``)
+_EXCLUDING_FIELDS = ("allowed_token_ids", "bad_words")
+
+
+def excluded_error(params: SamplingParams, generated: int) -> EngineError:
+    """The 400 for a row whose every token is excluded, naming the constraints that were active."""
+    active = [name for name in _EXCLUDING_FIELDS if getattr(params, name)]
+    if generated < params.min_tokens:
+        active.append("min_tokens")
+    detail = f" ({', '.join(active)})" if active else ""
+    return EngineError(
+        f"every token is excluded by the request's constraints{detail}: nothing can be generated",
+        type="invalid_request_error",
+        param=next((name for name in _EXCLUDING_FIELDS if getattr(params, name)), None),
+        status=400,
+    )
+
+
+NAN_ERROR = "internal error: the logits of this sequence are NaN (numerical overflow)"
 
 
 @dataclass
 class SamplerOutput:
-    """Per row: the sampled token id and, for rows whose request asked, its logprob entry."""
+    """Per row: the sampled token id and, for rows whose request asked, its logprob entry.
+
+    ``errors`` maps the rows that could not be sampled to their in-band error; their ``token_ids``
+    entry is meaningless and must not be appended.
+    """
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    errors: dict[int, EngineError] = field(default_factory=dict)
 
 
 class Sampler:
@@ -63,6 +91,17 @@ class Sampler:
                 banned.extend(self.eos_token_ids)
             if banned:
                 logits[i, banned] = -math.inf
+
+    def unsampleable(self, top: list[float], rows: BatchRows) -> dict[int, EngineError]:
+        """The rows with nothing to choose, from each row's largest processed logit (``amax``,
+        which propagates NaN): all ``-inf`` (the request's constraints, 400) or NaN (500)."""
+        errors: dict[int, EngineError] = {}
+        for i, value in enumerate(top):
+            if math.isnan(value):
+                errors[i] = EngineError(NAN_ERROR)
+            elif value == -math.inf:
+                errors[i] = excluded_error(rows.params[i], len(rows.output_token_ids[i]))
+        return errors
 
     def choose(self, logits: torch.Tensor, rows: BatchRows) -> torch.Tensor:
         """``[B]`` token ids from processed logits: argmax for greedy rows, exponential race otherwise."""
@@ -98,9 +137,10 @@ class Sampler:
             return [None] * len(rows)
         return merge_gathered(self.gatherers, raw_logprobs, sampled, rows, selected)
 
-    def gather_prompt_logprobs(self, logits: torch.Tensor, request: EngineRequest) -> TokenLogprobs:
-        """Prompt logprobs from the prefill's ``[L, V]`` logits (row t predicts prompt token t+1)."""
-        return compute_prompt_logprobs(logits, request, self.prompt_gatherers)
+    def gather_prompt_logprobs(self, logits: torch.Tensor, request: EngineRequest, start: int = 0) -> TokenLogprobs:
+        """Prompt logprobs from a prefill chunk's ``[c, V]`` logits, prompt positions ``start ..``
+        (row j predicts prompt token start + j + 1); see :func:`compute_prompt_logprobs`."""
+        return compute_prompt_logprobs(logits, request, self.prompt_gatherers, start)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: BatchRows) -> SamplerOutput:
@@ -112,5 +152,7 @@ class Sampler:
             selected = self._selected(processor, rows)
             if selected:
                 logits = processor(logits, rows, selected)
+        top = logits.amax(dim=-1)
         sampled = self.choose(logits, rows)
-        return SamplerOutput(sampled.tolist(), self.gather_logprobs(raw_logprobs, sampled, rows, gathered))
+        errors = self.unsampleable(top.tolist(), rows)  # read once the draw is queued: no extra stall
+        return SamplerOutput(sampled.tolist(), self.gather_logprobs(raw_logprobs, sampled, rows, gathered), errors)

@@ -28,7 +28,7 @@ from gyrfalcon.engine.scheduler import Scheduler
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine.stopping import StopChecker
 from gyrfalcon.engine.streams import CoalescingOutputStream
-from gyrfalcon.engine.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind
+from gyrfalcon.engine.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind, TokenLogprobs
 from gyrfalcon.engine.validation import NATIVE_CAPABILITIES, validate_request
 from gyrfalcon.errors import RequestError
 from gyrfalcon.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
@@ -275,7 +275,7 @@ class TransformersEngine(Engine):
                 self._fail(state, f"model failed to load: {exc}")
             return False
         assert self.runner is not None
-        self.batcher = Batcher(self.runner, self.sampler, self.scheduler, self._emit, self._count,
+        self.batcher = Batcher(self.runner, self.sampler, self.scheduler, self._emit, self._count, self._fail,
                                self._prompt_logprobs)  # fmt: skip
         self._health = EngineHealth(ready=True, message="")
         return True
@@ -293,27 +293,28 @@ class TransformersEngine(Engine):
                 self._fail_running(f"internal error: {exc}")
         self.batcher.abort_all()
 
-    def _prompt_logprobs(self, state: RequestState, logits: torch.Tensor) -> None:
-        """Hook point for prompt logprobs: ``logits`` is ``[L, V]`` (row t predicts prompt token t+1).
+    def _prompt_logprobs(self, request: EngineRequest, logits: torch.Tensor, start: int) -> TokenLogprobs:
+        """Hook point for prompt logprobs, called once per prefill chunk: ``logits`` is ``[c, V]``
+        for prompt positions ``start .. start + c - 1`` (row j predicts prompt token start + j + 1).
 
-        Calls ``Sampler.gather_prompt_logprobs(logits, state.request)`` when the sampler has it; its
-        :class:`TokenLogprobs` reaches every output of the request as ``prompt_logprobs``.
+        The batcher joins the chunks' :class:`TokenLogprobs`; the whole reaches every output of the
+        request as ``prompt_logprobs``.
         """
-        gather = getattr(self.sampler, "gather_prompt_logprobs", None)
-        if gather is not None:
-            state.prompt_logprobs = gather(logits, state.request)
+        return self.sampler.gather_prompt_logprobs(logits, request, start)
 
     def _fail_running(self, message: str) -> None:
-        """Fail every request in the batch (their KV state is unknown after a failed step)."""
+        """Fail every request in the batch and the prefill (their KV state is unknown after a failed
+        decode step; a failed prefill is handled by the batcher and fails its group only)."""
         assert self.batcher is not None
         for state in self.batcher.clear():
             self._fail(state, message)
 
-    def _fail(self, state: RequestState, message: str) -> None:
+    def _fail(self, state: RequestState, error: EngineError | str) -> None:
+        """End ``state`` in-band with ``error`` (a message: a 500 engine error); no-op once closed."""
         if state.closed:
             return
         state.closed = True
-        state.stream.put(state.fail(EngineError(message)))
+        state.stream.put(state.fail(error if isinstance(error, EngineError) else EngineError(error)))
         state.stream.finish()
         self._forget(state, "requests_failed")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from gyrfalcon.engine.transformers_engine import TransformersEngine
 from gyrfalcon.engine.types import EngineRequest, OutputKind, SamplingParams
@@ -149,3 +150,42 @@ def test_max_num_seqs_bounds_the_batch(stepped):
                for i in range(7)]  # fmt: skip
     assert run(engine, streams) == 3
     assert all(len(c[0]) == 5 + i for i, c in enumerate(finals(streams)))
+
+
+
+def _prompt_logprobs_run(engine, prompt, chunk, others=()):
+    """Prompt logprobs of ``prompt`` (asked) prefilled ``chunk`` tokens at a time, in one group
+    with ``others`` (same length, not asking); the gathered positions after each prefill step."""
+    engine.scheduler.prefill_chunk_tokens = chunk
+    asks = dict(temperature=0.0, max_tokens=2, ignore_eos=True)
+    streams = [engine.submit(request(prompt, prompt_logprobs=3, **asks))]
+    streams += [engine.submit(request(p, **asks)) for p in others]
+    gathered = []
+    while engine.batcher.step():
+        job = engine.batcher.job
+        if job is not None:
+            assert not [v for v in vars(job).values() if isinstance(v, torch.Tensor)]  # no logits kept
+            gathered.append((job.done, {i: len(t.token_ids) for i, t in job.prompt_logprobs.items()}))
+    items = [list(s)[-1] for s in streams]
+    assert all(item.error is None for item in items)
+    assert all(item.prompt_logprobs is None for item in items[1:])  # only the row that asked
+    return items[0], gathered
+
+
+def test_prompt_logprobs_are_gathered_chunk_by_chunk_and_equal_the_whole_prompts(stepped):
+    """Each chunk's positions are gathered at once, only for the rows that asked, and its logits
+    dropped: a prefill no longer holds (and re-log-softmaxes) the whole prompt's ``[k, L, V]``."""
+    engine = stepped()
+    prompt = [1] + [_rng.randrange(3, 512) for _ in range(39)]
+    whole, _ = _prompt_logprobs_run(engine, prompt, 512)
+    chunked, gathered = _prompt_logprobs_run(engine, prompt, 8)
+    assert gathered == [(done, {0: done + 1}) for done in range(8, 40, 8)]  # position 0 (None) + done
+    others = [[1] + [_rng.randrange(3, 512) for _ in range(39)]]
+    grouped, _ = _prompt_logprobs_run(engine, prompt, 80, others)  # one group of two, one forward
+    for got in (chunked, grouped):
+        expected = whole.prompt_logprobs
+        assert len(got.prompt_logprobs.token_ids) == len(prompt) == len(expected.token_ids)
+        assert got.prompt_logprobs.token_ids == prompt and got.prompt_logprobs.logprobs[0] is None
+        assert got.prompt_logprobs.top_token_ids == expected.top_token_ids
+        assert got.prompt_logprobs.logprobs[1:] == pytest.approx(expected.logprobs[1:], abs=1e-4)
+        assert got.outputs[0].token_ids == whole.outputs[0].token_ids

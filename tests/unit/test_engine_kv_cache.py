@@ -112,3 +112,34 @@ def test_chunked_and_grouped_prefill_match_reference(runner):
     group.select([0, 1, 1])  # fork the second prompt into two children
     batch.merge(group)
     running_step(runner, batch, [list(prompt), list(prompt), list(other), list(other)], [20, 21, 22, 23])
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 4])  # first layer keys or values, last layer values
+def test_a_merge_that_raises_leaves_the_running_batch_as_it_was(runner, monkeypatch, fail_at):
+    """An OOM part-way through merge() must not leave some layers merged: the running requests
+    go on (the batcher fails only the newcomers)."""
+    from gyrfalcon.engine import kv_cache
+
+    short = [1, 90, 91]
+    _, running = runner.prefill(short)
+    running.fork(2)
+    runner.decode(running, [5, 6])
+    histories = [short + [5], short + [6]]
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in running._layers()]
+    _, newcomer = runner.prefill(PROMPT)  # wider: the running rows would be padded
+    pad_left, calls = kv_cache._pad_left, {"n": 0}
+
+    def flaky(tensor, columns):
+        calls["n"] += 1
+        if calls["n"] == fail_at * 2:  # the newcomer's side of the fail_at-th concatenation
+            raise RuntimeError("out of memory (simulated)")
+        return pad_left(tensor, columns)
+
+    monkeypatch.setattr(kv_cache, "_pad_left", flaky)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        running.merge(newcomer)
+    monkeypatch.setattr(kv_cache, "_pad_left", pad_left)
+    assert running.rows == 2 and running.lengths.tolist() == [4, 4] and running.width == 4
+    for layer, (keys, values) in zip(running._layers(), before):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+    running_step(runner, running, histories, [7, 8])

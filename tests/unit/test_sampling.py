@@ -242,3 +242,33 @@ def test_no_gatherer_wanting_means_no_log_softmax():
     gatherer = RecordingGatherer()
     out = make_sampler([gatherer]).sample(known_logits(2), rows_for([SamplingParams()] * 2))
     assert gatherer.calls == [] and out.logprobs == [None, None]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_rows_with_no_token_left_get_an_error_not_a_token(temperature):
+    """A fully masked row used to give argmax 0 (greedy) or a draw from NaN probabilities."""
+    logits = known_logits(4)
+    logits[1, :] = -math.inf  # e.g. masked by a plugin processor
+    logits[3, 4] = math.nan  # e.g. an overflow in the model or a processor
+    params = [
+        SamplingParams(temperature=temperature, seed=1),
+        SamplingParams(temperature=temperature, seed=2),
+        SamplingParams(temperature=temperature, seed=3, allowed_token_ids=[2], min_tokens=2),
+        SamplingParams(temperature=temperature, seed=4),
+    ]
+    gens = [seeded(1), seeded(2), seeded(3), seeded(4)]
+    rows = rows_for(params, gens)
+    from gyrfalcon.plugins import penalties
+
+    processors = gyrfalcon_logits_processors(INFO) + penalties.gyrfalcon_logits_processors(INFO)
+    out = Sampler(processors, [], [2], seeded(0)).sample(logits.clone(), rows)
+    assert sorted(out.errors) == [1, 2, 3]
+    # row 1: nothing named the cause; row 2: allowed_token_ids = [eos] while min_tokens bans eos
+    assert (out.errors[1].status, out.errors[1].type, out.errors[1].param) == (400, "invalid_request_error", None)
+    assert (out.errors[2].status, out.errors[2].param) == (400, "allowed_token_ids")
+    message = out.errors[2].message
+    assert "every token is excluded by the request's constraints (allowed_token_ids, min_tokens)" in message
+    assert out.errors[3].status == 500 and "NaN" in out.errors[3].message
+    # the healthy row samples as it would alone
+    alone = make_sampler().sample(logits[:1].clone(), rows_for(params[:1], [seeded(1)]))
+    assert out.token_ids[0] == alone.token_ids[0] and alone.errors == {}
