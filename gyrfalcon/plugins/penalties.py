@@ -243,9 +243,15 @@ class BadWordsProcessor(LogitsProcessor):
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 - one processor per engine, bounded cache
     def token_sequences(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        """Each word's token ids as is and, when it makes a distinct word token, with a leading space."""
+        """Each word's token ids as is and, when it makes a distinct word token, with a leading space.
+
+        A blank word (only white space) is banned as written: its own white-space tokens.
+        """
         sequences: list[tuple[int, ...]] = []
         for word in words:
+            if not word.strip():
+                sequences.append(tuple(self.tokenizer.encode(word, add_special_tokens=False)))
+                continue
             plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
             sequences.append(plain)
             spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
@@ -255,8 +261,8 @@ class BadWordsProcessor(LogitsProcessor):
 
     def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
         for i, word in enumerate(params.bad_words):
-            if not isinstance(word, str) or not word.strip():
-                raise RequestError("bad_words must be non-blank strings", f"bad_words.{i}")
+            if not isinstance(word, str) or not word:
+                raise RequestError("bad_words must be non-empty strings", f"bad_words.{i}")
         self.token_sequences(tuple(params.bad_words))
 
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:

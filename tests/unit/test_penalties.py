@@ -96,6 +96,17 @@ class FakeTokenizer:
         return ids
 
 
+def test_blank_bad_words_ban_their_own_tokens(tiny_engine):
+    """A word of white space only (the spec allows it) is honoured: its tokens are never generated."""
+    from tests.unit.test_engine import PROMPT, final
+
+    space = tiny_engine.tokenize(" ", add_special_tokens=False)
+    assert len(space) == 1
+    greedy = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+    out = final(tiny_engine, bad_words=[" "], logit_bias={space[0]: 100.0}, **greedy).outputs[0]
+    assert space[0] not in out.token_ids
+
+
 def test_bad_words_follow_vllm():
     processor = P.BadWordsProcessor("unused", tokenizer=FakeTokenizer())
     # "ab" → (1, 2) and " ab" → (14, 2); "c" → (3,) and " c" → (16,)
@@ -127,7 +138,7 @@ def test_bad_words_follow_vllm():
         (P.LogitBiasProcessor(), SamplingParams(logit_bias={1: math.inf}), "logit_bias"),
         (P.AllowedTokenIdsProcessor(), SamplingParams(allowed_token_ids=[]), "allowed_token_ids"),
         (P.AllowedTokenIdsProcessor(), SamplingParams(allowed_token_ids=[1, -1]), "allowed_token_ids"),
-        (P.BadWordsProcessor("unused", FakeTokenizer()), SamplingParams(bad_words=["ok", " "]), "bad_words.1"),
+        (P.BadWordsProcessor("unused", FakeTokenizer()), SamplingParams(bad_words=["ok", ""]), "bad_words.1"),
     ],
 )
 def test_validation_names_the_param(processor, params, param):
