@@ -146,7 +146,7 @@ def test_length_at_max_tokens_and_at_context_end(tiny_engine):
         (PROMPT, {"presence_penalty": 2.5}, "presence_penalty"),
         (PROMPT, {"logit_bias": {512: 1.0}}, "logit_bias"),
         (PROMPT, {"allowed_token_ids": []}, "allowed_token_ids"),
-        (PROMPT, {"bad_words": [" "]}, "bad_words.0"),
+        (PROMPT, {"bad_words": [""]}, "bad_words.0"),
         (PROMPT, {"top_p": 0.0}, "top_p"),
         (PROMPT, {"top_k": -5}, "top_k"),
         (PROMPT, {"stop": [""]}, "stop"),
