@@ -20,6 +20,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=Settings.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=Settings.max_num_batched_tokens)
     p.add_argument("--max-queue-len", type=int, default=Settings.max_queue_len)
+    p.add_argument("--max-request-seqs", type=int, default=Settings.max_request_seqs,
+                   help="most sequences (prompts x n) one request may ask for")
     p.add_argument("--max-logprobs", type=int, default=Settings.max_logprobs)
     p.add_argument("--seed", type=int, default=Settings.seed)
     p.add_argument("--dtype", default=Settings.dtype)

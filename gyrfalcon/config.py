@@ -24,6 +24,8 @@ class Settings:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 4096
     max_queue_len: int = 64
+    #: most sequences (prompts × n) one request may ask for: one client cannot hold the server for long
+    max_request_seqs: int = 64
     max_logprobs: int = 20
     seed: int = 0
     dtype: str = "float32"
@@ -37,7 +39,9 @@ class Settings:
 
     def validate(self) -> None:
         """Raise ValueError with one clear line for a bad setting."""
-        positive = ("max_num_seqs", "max_num_batched_tokens", "max_queue_len", "num_threads", "max_body_bytes")
+        positive = (
+            "max_num_seqs", "max_num_batched_tokens", "max_queue_len", "max_request_seqs", "num_threads", "max_body_bytes",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -51,6 +55,11 @@ class Settings:
             raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
         if self.model is not None and not os.path.exists(self.model):
             raise ValueError(f"--model {self.model!r}: no such file or folder")
+
+    @property
+    def max_request_prompts(self) -> int:
+        """Most prompts (or conversations) per request: each takes a place in the engine's queue."""
+        return min(self.max_queue_len, self.max_request_seqs)
 
     def served_names(self) -> list[str]:
         """Model names clients may ask for: ``--served-model-name``, else the model's own name."""

@@ -59,7 +59,7 @@ def prompt_token_bounds(path: str, body: dict[str, Any], chat: dict[str, int]) -
 
 
 def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
-    """True when a schema-valid body may still break ``prompt_fits_context`` or ``min_tokens_le_max_tokens``."""
+    """True when a schema-valid body may still break a runtime-only rule (context, min_tokens, sequences)."""
     if not isinstance(body, dict):
         return False
     context = limits["max_model_len"]
@@ -67,7 +67,12 @@ def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
     if not isinstance(params, dict):
         return False
     chat = limits["chat"] or {"fixed": 0, "per_message": 0}  # None: the server serves no chat
-    for prompt in prompt_token_bounds(path, body, chat):
+    prompts = prompt_token_bounds(path, body, chat)
+    n = params.get("n", 1)
+    max_seqs = limits.get("max_request_seqs")
+    if max_seqs is not None and isinstance(n, (int, float)) and len(prompts) * n > max_seqs:
+        return True
+    for prompt in prompts:
         if path.endswith("/completions"):
             max_tokens = params.get("max_tokens")
             max_tokens = 16 if max_tokens is None else max_tokens

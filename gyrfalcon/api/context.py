@@ -52,7 +52,8 @@ class ServerContext:
                         self.served_model_names,
                         extensions,
                         self.pm.hook.gyrfalcon_validate_request,
-                        max_prompts=self.settings.max_queue_len,
+                        max_prompts=self.settings.max_request_prompts,
+                        max_seqs=self.settings.max_request_seqs,
                     )
         return self._translator
 
@@ -64,7 +65,8 @@ class ServerContext:
                 self.served_model_names,
                 self.extension_schemas,
                 chat_template_overhead(self.engine),
-                max_prompts=self.settings.max_queue_len,
+                max_prompts=self.settings.max_request_prompts,
+                max_seqs=self.settings.max_request_seqs,
                 names=template_renders_names(self.engine),
             )
             self._spec = orjson.dumps(spec)

@@ -88,6 +88,7 @@ def deployment_spec(
     chat: dict[str, int] | None,
     max_prompts: int | None = None,
     names: bool = True,
+    max_seqs: int | None = None,
 ) -> dict[str, Any]:
     """The spec served at ``/openapi.json``: what is valid there is valid for this server.
 
@@ -112,5 +113,10 @@ def deployment_spec(
         spec["components"]["schemas"]["ChatMessage"]["properties"]["name"] = {
             "not": {}, "description": "This model's chat template does not render names."
         }
-    spec["x-limits"] = {"max_model_len": info.max_model_len, "vocab_size": info.vocab_size, "chat": chat}
+    spec["x-limits"] = {
+        "max_model_len": info.max_model_len,
+        "vocab_size": info.vocab_size,
+        "chat": chat,
+        "max_request_seqs": max_seqs,
+    }
     return spec

@@ -53,6 +53,12 @@ RUNTIME_RULES: tuple[dict[str, str], ...] = (
         "must leave room for one token.",
     },
     {
+        "id": "request_seqs_le_limit",
+        "param": "n",
+        "description": "prompts (or conversations) x n <= the server's max_request_seqs (x-limits), so "
+        "that one request cannot hold the server for long.",
+    },
+    {
         "id": "prompt_not_empty_after_tokenization",
         "param": "prompt",
         "description": "A non-empty prompt string must tokenize to at least one token (byte-level "

@@ -148,6 +148,7 @@ RULES: dict[str, Rule] = {
 TRANSLATION_RULES = (
     "min_tokens_le_max_tokens",
     "prompt_fits_context",
+    "request_seqs_le_limit",
     "prompt_not_empty_after_tokenization",
     "message_name_rendered",
     "logit_bias_ids_in_vocab",

@@ -70,10 +70,13 @@ class Translator:
         extension_schemas: dict[str, dict[str, Any]],
         validate_hook: Callable[..., Any] | None = None,
         max_prompts: int | None = None,
+        max_seqs: int | None = None,
     ) -> None:
         self.engine = engine
         #: most prompts / conversations in one request (each takes a place in the engine's queue)
         self.max_prompts = max_prompts
+        #: most sequences (prompts × n) in one request
+        self.max_seqs = max_seqs
         self.info: EngineInfo = engine.info()
         self.served_model_names = served_model_names
         self._extensions = jsonschema.Draft202012Validator(
@@ -106,6 +109,10 @@ class Translator:
         response_id = f"{RESPONSE_ID_PREFIX[endpoint]}-{external_id or uuid.uuid4().hex}"
         prompts, prompt_texts, prompt_param = self._prompts(fields)
         sampling = self._sampling(fields)
+        if self.max_seqs is not None and len(prompts) * sampling.n > self.max_seqs:
+            raise fields.error(
+                "n", f"{len(prompts)} prompts x n={sampling.n} asks for more than the {self.max_seqs} sequences one request may have"
+            )
         stream = bool(fields.get("stream", False))
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
         requests = []
