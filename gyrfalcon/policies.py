@@ -35,6 +35,13 @@ class BatchRows:
         return len(self.params)
 
 
+def row_index(selected: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """The rows listed in ``selected`` as an index tensor on the logits' device (for ``index_select``)."""
+    import torch
+
+    return torch.tensor(selected, dtype=torch.long, device=logits.device)
+
+
 class LogitsProcessor:
     """Transforms a batch of next-token logits; subclasses set the class attributes.
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from gyrfalcon.engine.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.hookspecs import hookimpl
-from gyrfalcon.policies import BatchRows, LogitsProcessor
+from gyrfalcon.policies import BatchRows, LogitsProcessor, row_index
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -52,12 +52,6 @@ def _token_counts(token_lists: list[list[int]], vocab: int, logits: torch.Tensor
         padded = padded.to(logits.device)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=logits.dtype))
     return counts[:, :vocab]
-
-
-def _index(selected: list[int], logits: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    return torch.tensor(selected, dtype=torch.long, device=logits.device)
 
 
 def _column(values: list[float], logits: torch.Tensor) -> torch.Tensor:
@@ -98,7 +92,7 @@ class RepetitionPenaltyProcessor(_Penalty):
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
         import torch
 
-        index = _index(selected, logits)
+        index = row_index(selected, logits)
         vocab = logits.shape[-1]
         seen = _token_counts([rows.prompt_token_ids[i] + rows.output_token_ids[i] for i in selected], vocab, logits) > 0
         # Safe whatever reached here: the penalty is clamped to the validated range and the result
@@ -121,7 +115,7 @@ class FrequencyPenaltyProcessor(_Penalty):
     order = 41
 
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
-        index = _index(selected, logits)
+        index = row_index(selected, logits)
         counts = _token_counts([rows.output_token_ids[i] for i in selected], logits.shape[-1], logits)
         penalty = _column([rows.params[i].frequency_penalty for i in selected], logits)
         logits[index] = logits.index_select(0, index) - penalty * counts
@@ -136,7 +130,7 @@ class PresencePenaltyProcessor(_Penalty):
     order = 42
 
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
-        index = _index(selected, logits)
+        index = row_index(selected, logits)
         counts = _token_counts([rows.output_token_ids[i] for i in selected], logits.shape[-1], logits)
         penalty = _column([rows.params[i].presence_penalty for i in selected], logits)
         logits[index] = logits.index_select(0, index) - penalty * (counts > 0).to(logits.dtype)
@@ -167,15 +161,15 @@ class LogitBiasProcessor(LogitsProcessor):
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
         import torch
 
-        row_index, token_index, values = [], [], []
+        rows_hit, token_index, values = [], [], []
         for i in selected:
             for token_id, bias in rows.params[i].logit_bias.items():
-                row_index.append(i)
+                rows_hit.append(i)
                 token_index.append(int(token_id))
                 values.append(max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(bias))))
         device = logits.device
         logits.index_put_(
-            (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)),
+            (torch.tensor(rows_hit, device=device), torch.tensor(token_index, device=device)),
             torch.tensor(values, dtype=logits.dtype, device=device),
             accumulate=True,
         )
@@ -213,7 +207,7 @@ class AllowedTokenIdsProcessor(LogitsProcessor):
         keep = torch.zeros((len(selected), logits.shape[-1]), dtype=torch.bool, device=logits.device)
         for row, i in enumerate(selected):
             keep[row, rows.params[i].allowed_token_ids] = True
-        index = _index(selected, logits)
+        index = row_index(selected, logits)
         logits[index] = logits.index_select(0, index).masked_fill(~keep, -math.inf)
         return logits
 
@@ -271,17 +265,17 @@ class BadWordsProcessor(LogitsProcessor):
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
         import torch
 
-        row_index, token_index = [], []
+        rows_hit, token_index = [], []
         for i in selected:
             generated = rows.output_token_ids[i]
             for sequence in self.token_sequences(tuple(rows.params[i].bad_words)):
                 prefix = sequence[:-1]
                 if not prefix or (len(generated) >= len(prefix) and tuple(generated[-len(prefix) :]) == prefix):
-                    row_index.append(i)
+                    rows_hit.append(i)
                     token_index.append(sequence[-1])
-        if row_index:
+        if rows_hit:
             device = logits.device
-            logits[torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)] = -math.inf
+            logits[torch.tensor(rows_hit, device=device), torch.tensor(token_index, device=device)] = -math.inf
         return logits
 
 

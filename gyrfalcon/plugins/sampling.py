@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from gyrfalcon.engine.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.hookspecs import hookimpl
-from gyrfalcon.policies import BatchRows, LogitsProcessor
+from gyrfalcon.policies import BatchRows, LogitsProcessor, row_index
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -24,12 +24,6 @@ def _row_values(rows: BatchRows, selected: list[int], name: str, logits: torch.T
     import torch
 
     return torch.tensor([getattr(rows.params[i], name) for i in selected], dtype=logits.dtype, device=logits.device)
-
-
-def _index(selected: list[int], logits: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    return torch.tensor(selected, dtype=torch.long, device=logits.device)
 
 
 class TemperatureProcessor(LogitsProcessor):
@@ -47,7 +41,7 @@ class TemperatureProcessor(LogitsProcessor):
         return not params.greedy and params.temperature != 1.0
 
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
-        index = _index(selected, logits)
+        index = row_index(selected, logits)
         temperature = _row_values(rows, selected, "temperature", logits).unsqueeze(1)
         logits[index] = logits[index] / temperature
         return logits
@@ -68,7 +62,7 @@ class MinPProcessor(LogitsProcessor):
         return not params.greedy and params.min_p > 0.0
 
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
-        index = _index(selected, logits)
+        index = row_index(selected, logits)
         sub = logits[index]
         probs = sub.softmax(dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * _row_values(rows, selected, "min_p", logits).unsqueeze(1)
@@ -96,7 +90,7 @@ class TopKProcessor(LogitsProcessor):
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
         import torch
 
-        index = _index(selected, logits)
+        index = row_index(selected, logits)
         sub = logits[index]
         k = torch.tensor([rows.params[i].top_k for i in selected], dtype=torch.long, device=logits.device)
         top = sub.topk(int(k.max()), dim=-1).values
@@ -120,7 +114,7 @@ class TopPProcessor(LogitsProcessor):
         return not params.greedy and params.top_p < 1.0
 
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
-        index = _index(selected, logits)
+        index = row_index(selected, logits)
         sorted_logits, order = logits[index].sort(dim=-1, descending=False)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         top_p = _row_values(rows, selected, "top_p", logits).unsqueeze(1)
