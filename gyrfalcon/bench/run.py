@@ -96,6 +96,23 @@ def worker_rss(client: Client) -> tuple[int | None, int | None]:
     return pid, None
 
 
+def idle_rss(client: Client, timeout_s: float = 10.0) -> tuple[int | None, int | None]:
+    """:func:`worker_rss` once the idle server has settled (two equal readings 0.5 s apart).
+
+    Read right after the last response, RSS still holds the last batch's buffers, which the
+    engine returns to the OS when its batch empties; a leak would stay in the settled reading.
+    """
+    pid, last = worker_rss(client)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        pid, rss = worker_rss(client)
+        if rss == last:
+            break
+        last = rss
+    return pid, last
+
+
 def _completion(model: str, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **extra}
 
@@ -257,9 +274,9 @@ def main(args: argparse.Namespace) -> int:
         memory = None
         if args.mixed:
             run_mixed(client, mixed_bodies(name, 50, vocab, args.seed + 1), 8)  # warm-up
-            pid, before = worker_rss(client)
+            pid, before = idle_rss(client)
             errors = run_mixed(client, mixed_bodies(name, args.mixed, vocab, args.seed + 2), 8)
-            _, after = worker_rss(client)
+            _, after = idle_rss(client)
             memory = {"pid": pid, "requests": args.mixed, "rss_before": before, "rss_after": after, "errors": errors,
                       "growth": (after - before) / before if before and after else float("nan")}  # fmt: skip
             print(f"bench: memory {memory}", file=sys.stderr, flush=True)
