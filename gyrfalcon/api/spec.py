@@ -7,7 +7,7 @@ from typing import Any
 
 from gyrfalcon.engine.interface import Engine
 from gyrfalcon.engine.types import EngineInfo
-from gyrfalcon.openapi.served import ServedLimits, bundle, request_field_names, served_spec
+from gyrfalcon.openapi.served import ServedLimits, bundle, request_field_names, served_spec, walk_schemas
 from gyrfalcon.protocol.capabilities import unsupported_fields
 
 #: a plugin marks an integer schema of its extension fragment as a token id with this key
@@ -23,18 +23,9 @@ def bounded_extensions(extensions: dict[str, dict[str, Any]], info: EngineInfo) 
         name: copy.deepcopy(fragment) if name in info.capabilities else {"not": {}, "description": "Not honoured by this engine."}
         for name, fragment in extensions.items()
     }
-
-    def visit(node: Any) -> None:
-        if isinstance(node, dict):
-            if node.get(TOKEN_ID_MARK) is True:
-                node["maximum"] = min(node.get("maximum", info.vocab_size - 1), info.vocab_size - 1)
-            for value in node.values():
-                visit(value)
-        elif isinstance(node, list):
-            for value in node:
-                visit(value)
-
-    visit(bounded)
+    for node in walk_schemas(bounded):
+        if node.get(TOKEN_ID_MARK) is True:
+            node["maximum"] = min(node.get("maximum", info.vocab_size - 1), info.vocab_size - 1)
     return bounded
 
 

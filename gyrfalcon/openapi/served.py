@@ -266,27 +266,27 @@ def _is_integer(schema: dict[str, Any]) -> bool:
     return t == "integer" or (isinstance(t, list) and "integer" in t)
 
 
-def _integer_schemas(node: Any) -> Iterator[dict[str, Any]]:
+def walk_schemas(node: Any) -> Iterator[dict[str, Any]]:
+    """Every schema object (dict) inside ``node``, ``node`` itself included, depth first."""
     if isinstance(node, dict):
-        if _is_integer(node):
-            yield node
+        yield node
         for value in node.values():
-            yield from _integer_schemas(value)
+            yield from walk_schemas(value)
     elif isinstance(node, list):
         for value in node:
-            yield from _integer_schemas(value)
+            yield from walk_schemas(value)
+
+
+def _integer_schemas(node: Any) -> Iterator[dict[str, Any]]:
+    return (sub for sub in walk_schemas(node) if _is_integer(sub))
 
 
 def _token_arrays(node: Any) -> Iterator[dict[str, Any]]:
     """Array schemas whose items are integers (token ids), anywhere inside ``node``."""
-    if isinstance(node, dict):
-        if node.get("type") == "array" and isinstance(node.get("items"), dict) and _is_integer(node["items"]):
-            yield node
-        for value in node.values():
-            yield from _token_arrays(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from _token_arrays(value)
+    return (
+        sub for sub in walk_schemas(node)
+        if sub.get("type") == "array" and isinstance(sub.get("items"), dict) and _is_integer(sub["items"])
+    )
 
 
 def _prompt_lists(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:

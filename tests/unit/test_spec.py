@@ -23,7 +23,7 @@ from gyrfalcon.openapi import (
     served_spec,
     x_rules,
 )
-from gyrfalcon.openapi.served import decimal_range_pattern
+from gyrfalcon.openapi.served import decimal_range_pattern, walk_schemas
 
 REQUESTS = ("GenerateRequest", "CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest")
 UNSUPPORTED = {"presence_penalty", "logprobs", "top_logprobs", "use_beam_search", "logit_bias", "logprob_token_ids"}
@@ -308,14 +308,7 @@ def test_bundle_has_no_cross_file_refs_and_is_fresh(spec: dict[str, Any]) -> Non
 
 
 def _integer_schemas(node: Any):
-    if isinstance(node, dict):
-        if node.get("type") == "integer":
-            yield node
-        for value in node.values():
-            yield from _integer_schemas(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from _integer_schemas(value)
+    return (sub for sub in walk_schemas(node) if sub.get("type") == "integer")
 
 
 def test_overlay_limits(served: dict[str, Any]) -> None:
