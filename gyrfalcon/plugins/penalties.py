@@ -107,34 +107,40 @@ class RepetitionPenaltyProcessor(_Penalty):
         return logits
 
 
-class FrequencyPenaltyProcessor(_Penalty):
+class _GeneratedCountPenalty(_Penalty):
+    """Subtracts ``penalty × amount(counts)`` where counts are each token's uses among the generated ones."""
+
+    def amount(self, counts: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
+        index = row_index(selected, logits)
+        counts = _token_counts([rows.output_token_ids[i] for i in selected], logits.shape[-1], logits)
+        penalty = _column([getattr(rows.params[i], self.field_name) for i in selected], logits)
+        logits[index] = logits.index_select(0, index) - penalty * self.amount(counts).to(logits.dtype)
+        return logits
+
+
+class FrequencyPenaltyProcessor(_GeneratedCountPenalty):
     """Subtracts ``frequency_penalty × count`` of each generated token."""
 
     name = "frequency_penalty"
     field_name = "frequency_penalty"
     order = 41
 
-    def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
-        index = row_index(selected, logits)
-        counts = _token_counts([rows.output_token_ids[i] for i in selected], logits.shape[-1], logits)
-        penalty = _column([rows.params[i].frequency_penalty for i in selected], logits)
-        logits[index] = logits.index_select(0, index) - penalty * counts
-        return logits
+    def amount(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts
 
 
-class PresencePenaltyProcessor(_Penalty):
+class PresencePenaltyProcessor(_GeneratedCountPenalty):
     """Subtracts ``presence_penalty`` once from each token generated so far."""
 
     name = "presence_penalty"
     field_name = "presence_penalty"
     order = 42
 
-    def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
-        index = row_index(selected, logits)
-        counts = _token_counts([rows.output_token_ids[i] for i in selected], logits.shape[-1], logits)
-        penalty = _column([rows.params[i].presence_penalty for i in selected], logits)
-        logits[index] = logits.index_select(0, index) - penalty * (counts > 0).to(logits.dtype)
-        return logits
+    def amount(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts > 0
 
 
 def _check_ids(ids: Any, vocab: int, param: str) -> None:
