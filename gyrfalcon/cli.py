@@ -27,6 +27,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=Settings.dtype)
     p.add_argument("--device", default=Settings.device)
     p.add_argument("--num-threads", type=int, default=Settings.num_threads, help="torch threads per worker")
+    p.add_argument("--block-size", type=int, default=Settings.block_size, help="tokens per KV-cache block")
+    p.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes of KV cache (default: max-num-seqs full-length sequences, as memory allows)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=Settings.gpu_memory_utilization,
+                   help="share of the GPU's memory to use, KV cache included (CUDA)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=Settings.enable_prefix_caching, help="reuse the KV of equal prompt prefixes")
+    p.add_argument("--enforce-eager", action="store_true", help="never capture decode steps (CUDA graphs)")
     p.add_argument("--max-body-bytes", type=int, default=Settings.max_body_bytes)
     p.add_argument("--api-key", action="append", default=[], dest="api_keys")
     p.add_argument("--plugins-allow", nargs="*", default=None)

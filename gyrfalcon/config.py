@@ -28,8 +28,17 @@ class Settings:
     max_request_seqs: int = 64
     max_logprobs: int = 20
     seed: int = 0
-    dtype: str = "float32"
+    dtype: str = "auto"  # bf16 on CUDA, fp32 on CPU
     device: str = "auto"
+    #: tokens per KV block
+    block_size: int = 16
+    #: bytes of KV cache (None: enough for max_num_seqs full-length sequences, as the device allows)
+    kv_cache_memory: int | None = None
+    #: share of the GPU's memory the server may use (weights, activations and KV cache)
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    #: never capture decode steps (CUDA graphs); every step runs eagerly
+    enforce_eager: bool = False
     num_threads: int = 1
     max_body_bytes: int = 4 * 1024 * 1024
     api_keys: list[str] = field(default_factory=list)
@@ -41,12 +50,17 @@ class Settings:
         """Raise ValueError with one clear line for a bad setting."""
         positive = (
             "max_num_seqs", "max_num_batched_tokens", "max_queue_len", "max_request_seqs", "num_threads", "max_body_bytes",
+            "block_size",
         )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"--kv-cache-memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be at least 0, got {self.max_logprobs}")
         if self.dtype not in DTYPES:

@@ -21,8 +21,10 @@ if TYPE_CHECKING:  # pragma: no cover
 class BatchRows:
     """Per-row state of a batch, aligned with the rows of the logits tensor.
 
-    ``generators`` holds each row's seeded ``torch.Generator`` (None for unseeded rows), on the
-    logits' device.
+    ``generators`` holds each sampling row's ``torch.Generator`` on the logits' device, seeded for
+    this draw from (the choice's seed, the index of the token being drawn) — so a choice preempted
+    and recomputed, or batched with any company, draws the same noise; None for greedy rows. A
+    processor that needs randomness draws from its row's generator.
     """
 
     params: list[SamplingParams]

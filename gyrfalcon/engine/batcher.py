@@ -2,43 +2,36 @@
 
 Each :meth:`Batcher.step`:
 
-1. drops the rows of aborted requests (their choices finish with ``"abort"`` at once);
-2. when no prefill is in progress, asks the scheduler for the next group of newcomers (equal prompt
-   lengths) and starts prefilling it into a KV batch of its own;
-3. runs one prefill chunk of that group; after its last chunk the first token of every child is
-   sampled from the prompt's logits (the cache of an ``n``-choice request is forked ``n`` times
-   from its single prefill), and the children that go on are merged into the running batch;
-4. runs one decode step — a single batched forward — for every running sequence, samples, emits,
-   and lets finished sequences leave the batch at once.
+1. ends aborted requests (their choices finish with ``"abort"`` and their blocks are released);
+2. asks the scheduler for the step's work: a token for every decoding sequence, then prefill
+   chunks (running prompts, recomputes, newcomers) under the token budget;
+3. runs it as one forward over the paged KV cache (:class:`ModelRunner`);
+4. gathers prompt logprobs from the chunks that asked (their logits are dropped at once), samples
+   a token for every sequence whose chunk reached its end — a request's prompt is prefilled once
+   and its first token drawn ``n`` times from the same logits, after which its children fork:
+   they share the prompt's full blocks and copy only the last partial one —, emits, and releases
+   the blocks of finished sequences.
 
-A fault in step 2 or 3 (a forward, a plugin processor, the prompt-logprob gather, an OOM in the
-merge) fails the prefill group's requests in-band and nothing else: the prefill has a KV batch of
-its own, and :meth:`PaddedKVBatch.merge` leaves the running batch as it was when it raises. A fault
-in step 4 propagates (the running batch's KV state is unknown); the engine then fails everything
-:meth:`Batcher.clear` returns. A row the sampler cannot sample (every token excluded) ends its
-request with the sampler's in-band error; the other rows go on.
-
-Prompt logprobs are gathered chunk by chunk, for the rows that asked only, and each chunk's
-``[k, c, V]`` logits are dropped at once (they are never kept for the whole prompt).
-
-A long prompt is prefilled chunk by chunk with decode steps in between, so running streams keep
-moving. Emission and bookkeeping go through the callbacks the engine passes in.
+A fault in the forward fails the requests that were in it (their KV state is unknown); requests
+that were not scheduled in that step go on. A fault while sampling (a plugin processor) is retried
+request by request, so only the requests whose rows fail end with an in-band error; a row the
+sampler cannot sample (every token excluded) ends its request in-band too.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from gyrfalcon.engine.kv_cache import PaddedKVBatch
+from gyrfalcon.engine.kv.blocks import NoFreeBlocks
+from gyrfalcon.engine.model.runner import ModelRunner, Work
 from gyrfalcon.engine.outputs import RequestState
-from gyrfalcon.engine.runner import ModelRunner
-from gyrfalcon.engine.sampler import Sampler
-from gyrfalcon.engine.scheduler import Scheduler
+from gyrfalcon.engine.sampler import Sampler, SamplerOutput
+from gyrfalcon.engine.scheduler import Scheduled, Scheduler
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine.types import EngineError, EngineRequest, TokenLogprobs
 from gyrfalcon.policies import BatchRows
@@ -46,14 +39,25 @@ from gyrfalcon.policies import BatchRows
 log = logging.getLogger(__name__)
 
 
-def batch_rows(sequences: list[Sequence], owners: list[RequestState]) -> BatchRows:
-    """The per-row view of a batch that processors and gatherers receive."""
+def noise_seed(seed: int, position: int) -> int:
+    """The generator seed of a sequence's draw at ``position`` (its generated-token index)."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def batch_rows(sequences: list[Sequence], owners: list[RequestState], device: torch.device) -> BatchRows:
+    """The per-row view of a batch that processors and gatherers receive; each sampling row's
+    generator is seeded from (its sequence's seed, the position it draws)."""
+    generators = [
+        None if seq.params.greedy else torch.Generator(device=device).manual_seed(noise_seed(seq.seed, len(seq.token_ids)))
+        for seq in sequences
+    ]
     return BatchRows(
         params=[seq.params for seq in sequences],
         prompt_token_ids=[seq.prompt_token_ids for seq in sequences],
         output_token_ids=[seq.token_ids for seq in sequences],
         extensions=[state.request.extensions for state in owners],
-        generators=[seq.generator for seq in sequences],
+        generators=generators,
     )
 
 
@@ -73,28 +77,8 @@ def _release_memory() -> None:
         _MALLOC_TRIM(0)
 
 
-@dataclass
-class PrefillJob:
-    """A group of newcomers with equal prompt lengths being prefilled together, chunk by chunk."""
-
-    states: list[RequestState]
-    kv: PaddedKVBatch
-    done: int = 0  # prompt positions prefilled so far
-    #: per row that asked for prompt logprobs, the positions gathered so far (chunk by chunk)
-    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
-
-    @property
-    def length(self) -> int:
-        return len(self.states[0].request.prompt_token_ids)
-
-    def prompt_logprob_rows(self) -> list[int]:
-        """The rows (still wanted) whose request asked for prompt logprobs."""
-        return [i for i, s in enumerate(self.states)
-                if s.request.sampling.prompt_logprobs is not None and not s.abort_requested]  # fmt: skip
-
-
 class Batcher:
-    """The running batch and the prefill in progress; driven by :meth:`step` on one thread."""
+    """The step loop's body over the scheduler's running requests; driven by :meth:`step`."""
 
     def __init__(
         self,
@@ -116,176 +100,165 @@ class Batcher:
         self.count = count
         self.fail = fail
         self.prompt_logprobs = prompt_logprobs
-        self.kv: PaddedKVBatch | None = None
-        self.sequences: list[Sequence] = []
-        self.owners: list[RequestState] = []
-        self.job: PrefillJob | None = None
 
     # ----------------------------------------------------------------- views (read from any thread)
 
     @property
     def running_sequences(self) -> int:
-        return len(self.sequences)
+        return sum(len(state.live_sequences()) for state in list(self.scheduler.running))
 
     def running_requests(self) -> int:
-        return len({id(s) for s in self.owners})
+        return len(self.scheduler.running)
 
     def prefilling_requests(self) -> int:
-        job = self.job
-        return 0 if job is None else len(job.states)
+        return sum(1 for state in list(self.scheduler.running) if not state.forked and not state.sequences[0].token_ids)
 
     @property
     def idle(self) -> bool:
-        return not self.sequences and self.job is None
+        return not self.scheduler.running
+
+    def states(self) -> list[RequestState]:
+        """Every running request."""
+        return list(self.scheduler.running)
 
     # ----------------------------------------------------------------- the step
 
     @torch.inference_mode()
     def step(self) -> bool:
-        """Run one prefill chunk and/or one decode step; False when there was nothing to do."""
+        """Run one step; False when there was nothing to do."""
         self._reap_aborted()
-        worked = False
-        if self.job is None:
-            width = self.kv.width if self.kv is not None and self.sequences else 0
-            group = self.scheduler.admit(len(self.sequences), width)
-            if group:
-                worked = True
+        plan = self.scheduler.schedule()
+        if not plan:
+            return False
+        works = [self._work(item) for item in plan]
+        try:
+            logits, spans = self.runner.forward(works)
+        except Exception:  # noqa: BLE001 - find the request(s) at fault; the others go on
+            log.exception("a forward of %d sequence(s) failed; retrying request by request", len(plan))
+            plan, works, logits, spans = self._forward_apart(plan, works)
+            if not plan:
+                return True
+        self._count_forward(plan)
+        ends = [item.reaches_end for item in plan]
+        for item in plan:
+            item.seq.computed += item.count
+            self.scheduler.register_full_blocks(item.state, item.seq)
+        rows: list[int] = []
+        sampled: list[tuple[Sequence, RequestState]] = []
+        for item, work, (first, count), reaches_end in zip(plan, works, spans, ends):
+            state = item.state
+            if state.closed or state.abort_requested or state not in self.scheduler.running:
+                continue
+            if work.logits == "all":
                 try:
-                    self.job = PrefillJob(group, self.runner.new_batch(len(group)))
-                except Exception as exc:  # noqa: BLE001 - fails the group, not the batch
-                    self._fail_prefill(group, exc)
-        job = self.job
-        if job is not None:
-            worked = True
-            try:
-                self._prefill_chunk(job)
-            except Exception as exc:  # noqa: BLE001 - the running batch's KV is untouched: it goes on
-                if self.job is job:
-                    self.job = None
-                self._fail_prefill(job.states, exc)
-        if self.sequences:
-            self._decode()
-            worked = True
-        return worked
-
-    def abort_all(self) -> None:
-        """Finish every running and prefilling request with ``"abort"`` (shutdown)."""
-        for state in self.states():
-            state.abort_requested = True
-        self._reap_aborted()
-
-    def clear(self) -> list[RequestState]:
-        """Forget the batch and the prefill (after a failed step); return the requests they held."""
-        states = self.states()
-        self.kv, self.sequences, self.owners, self.job = None, [], [], None
-        return states
-
-    def states(self) -> list[RequestState]:
-        """Every request in the batch or in the prefill in progress, once each."""
-        seen: dict[int, RequestState] = {id(s): s for s in self.owners}
-        if self.job is not None:
-            seen.update({id(s): s for s in self.job.states})
-        return list(seen.values())
-
-    def _fail_prefill(self, states: list[RequestState], exc: Exception) -> None:
-        """Fail the requests of a prefill group in-band (they are in no list any more)."""
-        log.error("prefill of %d request(s) failed", len(states), exc_info=exc)
-        error = EngineError(f"internal error: {exc}")
-        for state in states:
-            self.fail(state, error)
-
-    def _reap_aborted(self) -> None:
-        aborted = [s for s in self.states() if s.abort_requested and not s.closed]
-        if not aborted:
-            return
-        for state in aborted:
-            state.abort()
-            self.emit(state)
-        job = self.job
-        if job is not None and all(s.abort_requested for s in job.states):
-            self.job = None
-        self._keep([row for row, seq in enumerate(self.sequences) if not seq.finished])
-
-    def _keep(self, keep: list[int]) -> None:
-        if len(keep) == len(self.sequences):
-            return
-        self.sequences = [self.sequences[row] for row in keep]
-        self.owners = [self.owners[row] for row in keep]
-        assert self.kv is not None
-        self.kv.select(keep)
-        if not keep:
-            self.kv = None
-            if self.job is None and len(self.scheduler) == 0:
-                _release_memory()
-
-    def _prefill_chunk(self, job: PrefillJob) -> None:
-        chunk = max(self.scheduler.prefill_chunk_tokens // len(job.states), 1)
-        end = min(job.done + chunk, job.length)
-        tokens = [s.request.prompt_token_ids[job.done : end] for s in job.states]
-        wanted = job.prompt_logprob_rows() if self.prompt_logprobs is not None else []
-        logits = self.runner.forward(job.kv, tokens, all_logits=bool(wanted))
-        self.count("prefill_forwards", 1)
-        self.count("prompt_tokens", len(job.states) * (end - job.done))
-        start, job.done = job.done, end
-        if wanted:  # logprob path: this chunk's positions now, then its [k, c, V] logits are dropped
-            assert self.prompt_logprobs is not None
-            for i in wanted:
-                part = self.prompt_logprobs(job.states[i].request, logits[i], start)
-                job.prompt_logprobs.setdefault(i, TokenLogprobs()).extend(part)
-            logits = logits[:, -1, :].contiguous()
-        if job.done < job.length:
-            return
-        # The job leaves self.job here; step() still fails its requests if what follows raises.
-        self.job = None
-        self._start_children(job, logits)
-
-    def _start_children(self, job: PrefillJob, logits: torch.Tensor) -> None:
-        """Sample each child's first token from its prompt's logits, then merge the survivors."""
-        fan: list[int] = []
-        sequences: list[Sequence] = []
-        owners: list[RequestState] = []
-        for i, state in enumerate(job.states):
-            if state.abort_requested:  # aborted during its last prefill chunk: it is in no list any more
-                state.abort()
-                self.emit(state)
+                    self._gather_prompt_logprobs(item, logits[first : first + count])
+                except Exception as exc:  # noqa: BLE001 - the request's own gather failed
+                    self._fail_states([state], exc)
+                    continue
+            if not reaches_end:
                 continue
-            if i in job.prompt_logprobs:
-                state.prompt_logprobs = job.prompt_logprobs[i]
-            if state.request.sampling.max_tokens == 0:  # prompt logprobs only: nothing to generate
+            row = first + count - 1
+            if not state.forked:
+                if state.request.sampling.max_tokens == 0:  # prompt logprobs only: nothing to generate
+                    for seq in state.sequences:
+                        seq.finish("length")
+                    continue
                 for seq in state.sequences:
-                    seq.finish("length")
-                self.emit(state)
+                    rows.append(row)
+                    sampled.append((seq, state))
+            else:
+                rows.append(row)
+                sampled.append((item.seq, state))
+        if rows:
+            index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+            self._sample(logits.index_select(0, index), sampled)
+        self._settle(plan)
+        return True
+
+    def _forward_apart(self, plan: list[Scheduled], works: list[Work]):
+        """Run each request's part of a failed forward on its own (rewriting a slot with the same
+        token's KV is harmless); requests whose part fails again end in-band. Returns what
+        succeeded as ``(plan, works, logits, spans)``, with one logits tensor as a whole forward."""
+        kept_plan: list[Scheduled] = []
+        kept_works: list[Work] = []
+        parts: list[torch.Tensor] = []
+        spans: list[tuple[int, int]] = []
+        rows = 0
+        for state in dict.fromkeys(item.state for item in plan):
+            mine = [i for i, item in enumerate(plan) if item.state is state]
+            try:
+                logits, own = self.runner.forward([works[i] for i in mine])
+            except Exception as exc:  # noqa: BLE001
+                self._fail_states([state], exc)
                 continue
-            fan.extend([i] * len(state.sequences))
-            sequences.extend(state.sequences)
-            owners.extend([state] * len(state.sequences))
-        if not fan:
-            return
-        index = torch.tensor(fan, dtype=torch.long, device=logits.device)
-        sampled = self.sampler.sample(logits.index_select(0, index), batch_rows(sequences, owners))
-        self._append(sequences, owners, sampled)
-        job.kv.select(fan)  # fork: each child gets a copy of its prompt's cache
-        keep = [row for row, seq in enumerate(sequences) if not seq.finished]
-        if not keep:
-            return
-        job.kv.select(keep)
-        if self.kv is None or not self.sequences:
-            self.kv = job.kv
-        else:
-            self.kv.merge(job.kv)  # leaves self.kv as it was if it raises (an OOM)
-        self.sequences.extend(sequences[row] for row in keep)
-        self.owners.extend(owners[row] for row in keep)
+            kept_plan.extend(plan[i] for i in mine)
+            kept_works.extend(works[i] for i in mine)
+            spans.extend((rows + first, count) for first, count in own)
+            parts.append(logits)
+            rows += logits.shape[0]
+        logits = torch.cat(parts) if parts else torch.empty(0)
+        return kept_plan, kept_works, logits, spans
 
-    def _decode(self) -> None:
-        assert self.kv is not None
-        logits = self.runner.decode(self.kv, [seq.token_ids[-1] for seq in self.sequences])
-        self.count("decode_forwards", 1)
-        sampled = self.sampler.sample(logits, batch_rows(self.sequences, self.owners))
-        self._append(self.sequences, self.owners, sampled)
-        self._keep([row for row, seq in enumerate(self.sequences) if not seq.finished])
+    def _work(self, item: Scheduled) -> Work:
+        seq, state = item.seq, item.state
+        stop = seq.computed + item.count
+        wants_prompt_logprobs = (
+            self.prompt_logprobs is not None
+            and state.request.sampling.prompt_logprobs is not None
+            and not state.forked
+            and stop > state.prompt_logprobs_done
+            and seq.computed <= state.prompt_logprobs_done
+        )
+        kind = "all" if wants_prompt_logprobs else ("last" if item.reaches_end else "none")
+        return Work(seq.tokens(seq.computed, stop), seq.computed, list(seq.blocks), kind)
 
-    def _append(self, sequences: list[Sequence], owners: list[RequestState], sampled) -> None:
-        """Append each row's token and emit; a request with a row the sampler could not sample
+    def _count_forward(self, plan: list[Scheduled]) -> None:
+        prompt_tokens = 0
+        for item in plan:
+            prompt_len = len(item.seq.prompt_token_ids)
+            if item.seq.computed < prompt_len and not (item.state.forked or item.seq.token_ids):
+                prompt_tokens += min(item.count, prompt_len - item.seq.computed)
+        decode_only = all(item.count == 1 for item in plan)
+        self.count("decode_forwards" if decode_only else "prefill_forwards", 1)
+        if prompt_tokens:
+            self.count("prompt_tokens", prompt_tokens)
+
+    def _gather_prompt_logprobs(self, item: Scheduled, logits: torch.Tensor) -> None:
+        """Prompt logprobs of a chunk (positions not gathered before), joined to the request's."""
+        assert self.prompt_logprobs is not None
+        state = item.state
+        start = item.seq.computed - item.count
+        skip = state.prompt_logprobs_done - start
+        part = self.prompt_logprobs(state.request, logits[skip:], start + skip)
+        if state.prompt_logprobs is None:
+            state.prompt_logprobs = TokenLogprobs()
+        state.prompt_logprobs.extend(part)
+        state.prompt_logprobs_done = min(start + len(logits), len(state.request.prompt_token_ids))
+
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[Sequence, RequestState]]) -> None:
+        """Sample every row; if the sampler raises, retry request by request and fail only those
+        whose rows raise again."""
+        sequences = [seq for seq, _ in rows]
+        owners = [state for _, state in rows]
+        try:
+            result = self.sampler.sample(logits.clone(), batch_rows(sequences, owners, logits.device))
+        except Exception:  # noqa: BLE001 - find the request(s) at fault
+            log.exception("sampling a batch failed; retrying request by request")
+            for state in dict.fromkeys(owners):
+                mine = [i for i, owner in enumerate(owners) if owner is state]
+                index = torch.tensor(mine, dtype=torch.long, device=logits.device)
+                try:
+                    part = self.sampler.sample(logits.index_select(0, index),
+                                               batch_rows([sequences[i] for i in mine], [state] * len(mine), logits.device))  # fmt: skip
+                except Exception as exc:  # noqa: BLE001
+                    self._fail_states([state], exc)
+                    continue
+                self._append([sequences[i] for i in mine], [state] * len(mine), part)
+            return
+        self._append(sequences, owners, result)
+
+    def _append(self, sequences: list[Sequence], owners: list[RequestState], sampled: SamplerOutput) -> None:
+        """Append each row's token; a request with a row the sampler could not sample
         (``sampled.errors``) gets no token and ends with that error (its choices finish)."""
         failed: dict[int, EngineError] = {}
         for row, error in sampled.errors.items():
@@ -296,9 +269,80 @@ class Batcher:
                 seq.append(token_id, logprobs)
                 appended += 1
         self.count("generation_tokens", appended)
-        self.count("steps", 1)
         for state in dict.fromkeys(owners):
             if id(state) in failed:
                 self.fail(state, failed[id(state)])
-            else:
+                self.scheduler.finish_request(state)
+            elif not state.forked:
+                self._fork(state)
+
+    def _fork(self, state: RequestState) -> None:
+        """After the first token: every other child shares the prompt's full blocks and gets a
+        copy of the last partial one (without a free block it recomputes that part instead)."""
+        state.forked = True
+        parent = state.sequences[0]
+        pool, bs = self.scheduler.pool, self.runner.cache.block_size
+        assert pool is not None
+        full, partial = divmod(parent.computed, bs)
+        copies = []
+        for child in state.sequences[1:]:
+            if child.finished:
+                continue
+            child.blocks = [pool.share(block) for block in parent.blocks[:full]]
+            child.block_hashes = list(parent.block_hashes[:full])
+            child.computed = full * bs
+            if partial:
+                try:
+                    block = pool.allocate()
+                except NoFreeBlocks:
+                    continue
+                copies.append((parent.blocks[full], block))
+                child.blocks.append(block)
+                child.computed = parent.computed
+        self.runner.cache.copy_blocks(copies)
+
+    def _settle(self, plan: list[Scheduled]) -> None:
+        """Emit the step's progress; release finished sequences and requests."""
+        self.count("steps", 1)
+        for state in dict.fromkeys(item.state for item in plan):
+            if state.closed:
+                continue
+            if state.abort_requested:  # the client left during this step
+                state.abort()
+            for seq in state.sequences:
+                if seq.finished and seq.blocks:
+                    self.scheduler.release(seq)
+            self.emit(state)
+            if state.finished:
+                self.scheduler.finish_request(state)
+        if not self.scheduler.running and len(self.scheduler) == 0:
+            _release_memory()
+
+    # ----------------------------------------------------------------- ending requests
+
+    def abort_all(self) -> None:
+        """Finish every running request with ``"abort"`` (shutdown)."""
+        for state in self.states():
+            state.abort_requested = True
+        self._reap_aborted()
+
+    def clear(self) -> list[RequestState]:
+        """Forget every running request (after a failed step); return them, their blocks released."""
+        states = self.states()
+        for state in states:
+            self.scheduler.finish_request(state)
+        return states
+
+    def _fail_states(self, states: list[RequestState], exc: Exception) -> None:
+        log.error("a step failed for %d request(s)", len(states), exc_info=exc)
+        error = EngineError(f"internal error: {exc}")
+        for state in states:
+            self.scheduler.finish_request(state)
+            self.fail(state, error)
+
+    def _reap_aborted(self) -> None:
+        for state in self.states():
+            if state.abort_requested and not state.closed:
+                state.abort()
+                self.scheduler.finish_request(state)
                 self.emit(state)

@@ -48,8 +48,13 @@ class RequestState:
         self._sent = [_Sent() for _ in sequences]
         self.abort_requested = False
         self.closed = False
-        #: the prompt's logprobs, when asked for (set once the prompt is prefilled)
+        #: the prompt's logprobs, when asked for (gathered chunk by chunk while the prompt is prefilled)
         self.prompt_logprobs: TokenLogprobs | None = None
+        #: prompt positions whose logprobs are gathered (the next chunk starts here)
+        self.prompt_logprobs_done = 0
+        #: True once the ``n`` children run on their own (after the first token); before, only
+        #: choice 0 is scheduled: the prompt is prefilled once for all of them
+        self.forked = False
 
     @property
     def request_id(self) -> str:
@@ -58,6 +63,14 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(seq.finished for seq in self.sequences)
+
+    def unfinished(self) -> list[Sequence]:
+        return [seq for seq in self.sequences if not seq.finished]
+
+    def live_sequences(self) -> list[Sequence]:
+        """The sequences the scheduler feeds: choice 0 alone until the children fork, then every
+        unfinished choice."""
+        return self.unfinished() if self.forked else self.sequences[:1]
 
     def num_generated_tokens(self) -> int:
         return sum(len(seq.token_ids) for seq in self.sequences)

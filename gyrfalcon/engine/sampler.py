@@ -11,8 +11,9 @@ One ``[B, V]`` pass per step:
    everything) or with NaN logits gets no token but an in-band error (:attr:`SamplerOutput.errors`);
    the other rows are sampled as usual;
 5. greedy rows (temperature < 1e-5) take the argmax; the others ``argmax(probs / q)`` with
-   ``q ~ Exp(1)`` drawn from the row's own generator (the request's child seed, or the engine's
-   generator when unseeded), so a seeded row samples the same token whatever its batch company.
+   ``q ~ Exp(1)`` drawn from the row's own generator (seeded from the choice's seed and the
+   position it draws; the engine's generator only for a row without one), so a seeded row samples
+   the same token whatever its batch company, and again when it is recomputed after a preemption.
 """
 
 from __future__ import annotations

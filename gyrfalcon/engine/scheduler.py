@@ -1,29 +1,53 @@
-"""Admission: a bounded FIFO of waiting requests and the policy that moves them into the batch.
+"""The scheduler: a bounded FIFO of waiting requests, the running requests, and KV blocks for both.
 
-Between decode steps the step loop asks :meth:`Scheduler.admit` for the next group to prefill. A
-group is the oldest waiting request plus any other waiting requests with the same prompt length
-(prefilled together in one forward: equal lengths, so no padding inside the forward), as long as
+Every sequence has tokens (prompt, then generated) and ``computed`` of them with KV in its blocks;
+a step feeds each scheduled sequence its next uncomputed tokens. :meth:`Scheduler.schedule` builds
+one step under ``max_num_batched_tokens``:
 
-- the running sequences plus the group's ``n`` children stay within ``max_num_seqs``;
-- the padded batch after the merge, ``rows × longest``, stays within ``max_num_batched_tokens``
-  (an empty batch always takes the oldest request, whatever its size, so nothing starves);
-- the group's prompt tokens stay within one prefill chunk (a longer prompt is prefilled alone,
-  chunk by chunk, with decode steps of the running batch in between).
+1. every running sequence with one token to feed (decoding) gets it — running streams never wait
+   behind a prompt;
+2. running sequences with more to feed (a chunked prefill, a recompute) get the next chunk of at
+   most ``prefill_chunk_tokens``, oldest request first;
+3. waiting requests are admitted in FIFO order while the running sequences plus their ``n`` stay
+   within ``max_num_seqs`` and blocks are free for their first chunk; prefix-cache hits are
+   counted as computed. A request is prefilled once; its ``n`` children fork after its first
+   token (the engine shares the prompt's blocks between them).
 
-The oldest request is never overtaken by a request that does not share its prompt length.
+Blocks are taken as tokens need them. When none is free, the newest running request is preempted
+whole — every child together: its blocks are released, its tokens kept, and it returns to the head
+of the queue to be recomputed later (vLLM's recompute preemption). An admitted request is never
+failed for lack of cache: :meth:`check_fits` refuses at submit a request that could not run even
+alone.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+from dataclasses import dataclass
 
+from gyrfalcon.engine.kv.blocks import BlockPool, chain_hash
 from gyrfalcon.engine.outputs import RequestState
+from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.errors import RequestError
 
 
+@dataclass
+class Scheduled:
+    """``count`` tokens of ``seq`` (of request ``state``) fed in this step from ``seq.computed``."""
+
+    state: RequestState
+    seq: Sequence
+    count: int
+
+    @property
+    def reaches_end(self) -> bool:
+        """The chunk ends at the sequence's last token: its logits give the next token."""
+        return self.seq.computed + self.count == self.seq.num_tokens
+
+
 class Scheduler:
-    """Thread-safe bounded FIFO of :class:`RequestState` waiting to run, with the admission policy."""
+    """Thread-safe waiting queue (``add``/``remove`` from any thread) and the step plan (engine thread)."""
 
     def __init__(
         self,
@@ -31,16 +55,23 @@ class Scheduler:
         max_num_seqs: int = 1,
         max_num_batched_tokens: int = 1 << 30,
         prefill_chunk_tokens: int = 512,
+        pool: BlockPool | None = None,
     ) -> None:
         self.max_queue_len = max_queue_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.pool = pool
         self._waiting: collections.deque[RequestState] = collections.deque()
         self._cond = threading.Condition()
+        #: admitted requests, oldest first (engine thread only)
+        self.running: list[RequestState] = []
+        self.preemptions = 0
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+    # ----------------------------------------------------------------- the queue (any thread)
 
     def add(self, state: RequestState) -> None:
         """Enqueue, or raise a 503 ``RequestError`` (with ``Retry-After``) when the queue is full."""
@@ -65,35 +96,6 @@ class Scheduler:
                     return state
         return None
 
-    def admit(self, running_rows: int, running_width: int) -> list[RequestState]:
-        """Remove and return the next group to prefill (empty when nothing may start now).
-
-        ``running_rows``/``running_width``: the running batch's sequences and cache width.
-        """
-        with self._cond:
-            if not self._waiting:
-                return []
-            head = self._waiting[0]
-            length = len(head.request.prompt_token_ids)
-            rows = running_rows
-            group: list[RequestState] = []
-            for state in list(self._waiting):
-                if len(state.request.prompt_token_ids) != length:
-                    continue
-                children = len(state.sequences)
-                padded = (rows + children) * max(running_width, length)
-                fits = rows + children <= self.max_num_seqs and padded <= self.max_num_batched_tokens
-                chunk_ok = (len(group) + 1) * length <= self.prefill_chunk_tokens
-                if group and not (fits and chunk_ok):
-                    break
-                if not group and not (fits or running_rows == 0):
-                    return []  # the oldest waits for rows or tokens to free up
-                group.append(state)
-                rows += children
-            for state in group:
-                self._waiting.remove(state)
-            return group
-
     def wait(self, timeout: float) -> None:
         """Block until a request arrives (or :meth:`wake`, or ``timeout`` seconds)."""
         with self._cond:
@@ -110,3 +112,149 @@ class Scheduler:
     def wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
+
+    # ----------------------------------------------------------------- blocks
+
+    def blocks_for(self, tokens: int) -> int:
+        assert self.pool is not None
+        return -(-tokens // self.pool.block_size)
+
+    def check_fits(self, prompt_len: int, max_tokens: int, n: int) -> None:
+        """Refuse (400) a request whose sequences could not hold their KV even with the cache to themselves."""
+        if self.pool is None:
+            return
+        capacity = self.pool.usable_blocks
+        prompt_blocks = self.blocks_for(prompt_len)
+        if prompt_blocks > capacity:
+            raise RequestError(f"the prompt ({prompt_len} tokens) does not fit this server's KV cache "
+                               f"({capacity * self.pool.block_size} tokens)", "prompt")  # fmt: skip
+        worst = n * self.blocks_for(prompt_len + max_tokens)
+        if worst > capacity:
+            raise RequestError(f"n × (prompt + max_tokens) = {n} × {prompt_len + max_tokens} tokens does not fit "
+                               f"this server's KV cache ({capacity * self.pool.block_size} tokens)", "max_tokens")  # fmt: skip
+
+    def _reserve(self, seq: Sequence, count: int) -> bool:
+        """Blocks for ``seq``'s tokens up to ``computed + count`` (False, taking none, if too few are free)."""
+        assert self.pool is not None
+        need = self.blocks_for(seq.computed + count) - len(seq.blocks)
+        if need > self.pool.num_free:
+            return False
+        seq.blocks.extend(self.pool.allocate() for _ in range(max(need, 0)))
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """Give back a sequence's blocks (finished, aborted or preempted); its KV is gone."""
+        if self.pool is not None and seq.blocks:
+            self.pool.release(seq.blocks)
+        seq.blocks, seq.computed, seq.block_hashes = [], 0, []
+
+    def finish_request(self, state: RequestState) -> None:
+        """A request leaves: its blocks are released and it is no longer running."""
+        for seq in state.sequences:
+            self.release(seq)
+        if state in self.running:
+            self.running.remove(state)
+
+    def _preempt(self, state: RequestState) -> None:
+        for seq in state.sequences:
+            self.release(seq)
+        self.running.remove(state)
+        with self._cond:
+            self._waiting.appendleft(state)
+        self.preemptions += 1
+
+    def _salt(self, state: RequestState) -> str | None:
+        return state.request.cache_salt
+
+    def _prefix_hit(self, state: RequestState, seq: Sequence) -> None:
+        """Count a fresh sequence's cached full blocks as computed (never its last token)."""
+        assert self.pool is not None
+        if not self.pool.enable_prefix_caching:
+            return
+        if state.request.sampling.prompt_logprobs is not None and state.prompt_logprobs_done < len(seq.prompt_token_ids):
+            return  # prompt logprobs need the prompt's logits: compute it
+        bs, keys, parent = self.pool.block_size, [], None
+        for b in range((seq.num_tokens - 1) // bs):
+            parent = chain_hash(parent, seq.tokens(b * bs, (b + 1) * bs), self._salt(state))
+            keys.append(parent)
+        hits = self.pool.lookup(keys)
+        seq.blocks = [self.pool.share(block) for block in hits]
+        seq.block_hashes = keys[: len(hits)]
+        seq.computed = len(hits) * bs
+
+    def register_full_blocks(self, state: RequestState, seq: Sequence) -> None:
+        """After a forward: record the prefix-cache key of every block the step filled."""
+        assert self.pool is not None
+        if not self.pool.enable_prefix_caching:
+            return
+        bs = self.pool.block_size
+        while len(seq.block_hashes) < seq.computed // bs:
+            b = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            key = chain_hash(parent, seq.tokens(b * bs, (b + 1) * bs), self._salt(state))
+            seq.block_hashes.append(key)
+            self.pool.register(seq.blocks[b], key)
+
+    # ----------------------------------------------------------------- the step plan (engine thread)
+
+    def running_sequences(self) -> int:
+        return sum(len(state.unfinished()) for state in self.running)
+
+    def schedule(self) -> list[Scheduled]:
+        """The next step's work (see the module docstring); may preempt the newest requests."""
+        budget = self.max_num_batched_tokens
+        plan: list[Scheduled] = []
+        preemptions = self.preemptions
+        for decoding in (True, False):
+            for state in list(self.running):
+                if state not in self.running:  # preempted by an older request in this pass
+                    continue
+                for seq in state.live_sequences():
+                    want = seq.num_tokens - seq.computed
+                    if (want == 1) != decoding or want <= 0 or budget <= 0:
+                        continue
+                    count = min(want, budget, self.prefill_chunk_tokens)
+                    if not self._make_room(seq, count, state, plan):
+                        break  # this request itself was preempted
+                    plan.append(Scheduled(state, seq, count))
+                    budget -= count
+        if self.preemptions == preemptions:  # no admission while blocks are short
+            self._admit(plan, budget)
+        return plan
+
+    def _make_room(self, seq: Sequence, count: int, state: RequestState, plan: list[Scheduled]) -> bool:
+        while not self._reserve(seq, count):
+            victim = self.running[-1]
+            self._preempt(victim)
+            plan[:] = [s for s in plan if s.state is not victim]
+            if victim is state:
+                return False
+        return True
+
+    def _admit(self, plan: list[Scheduled], budget: int) -> None:
+        rows = self.running_sequences()
+        while budget > 0:
+            with self._cond:
+                if not self._waiting:
+                    return
+                state = self._waiting[0]
+            live = state.live_sequences()
+            if self.running and rows + len(state.sequences) > self.max_num_seqs:
+                return
+            scheduled: list[Scheduled] = []
+            for seq in live:
+                self._prefix_hit(state, seq)
+                count = min(seq.num_tokens - seq.computed, budget, self.prefill_chunk_tokens)
+                if count <= 0 or not self._reserve(seq, count):
+                    break
+                scheduled.append(Scheduled(state, seq, count))
+                budget -= count
+            if len(scheduled) < len(live) and not scheduled:
+                for seq in live:
+                    self.release(seq)
+                return  # the oldest waits for blocks or budget to free up
+            with self._cond:
+                self._waiting.popleft()
+            self.running.append(state)
+            rows += len(state.sequences)
+            plan.extend(scheduled)

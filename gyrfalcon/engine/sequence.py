@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from gyrfalcon.engine.detokenizer import IncrementalDetokenizer
 from gyrfalcon.engine.stopping import StopChecker
 from gyrfalcon.engine.types import SamplingParams, TokenLogprobs
@@ -14,6 +12,12 @@ class Sequence:
 
     ``text`` is everything decoded so far (already cut at a stop string); ``visible_text`` is what
     may be sent while the choice runs (a possible stop-string start is held back).
+
+    KV state (kept by the scheduler): ``blocks`` is the block table, ``computed`` how many of the
+    sequence's tokens (prompt, then generated) have their KV in those blocks, ``block_hashes`` the
+    prefix-cache keys of its full computed blocks. ``seed`` keys the sampling noise of every
+    position (the request's child seed, or one drawn for it), so a recomputed sequence draws the
+    same tokens.
     """
 
     def __init__(
@@ -23,14 +27,17 @@ class Sequence:
         prompt_token_ids: list[int],
         detokenizer: IncrementalDetokenizer,
         stopper: StopChecker,
-        generator: Any = None,
+        seed: int = 0,
     ) -> None:
         self.index = index
         self.params = params
         self.prompt_token_ids = prompt_token_ids
         self.detokenizer = detokenizer
         self.stopper = stopper
-        self.generator = generator
+        self.seed = seed
+        self.blocks: list[int] = []
+        self.computed = 0
+        self.block_hashes: list[bytes] = []
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: TokenLogprobs | None = None
@@ -45,6 +52,20 @@ class Sequence:
         if self.finish_reason is None:
             self.finish_reason = reason
             self.stop_reason = stop_reason
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and generated tokens."""
+        return len(self.prompt_token_ids) + len(self.token_ids)
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start .. stop - 1`` of the prompt followed by the generated tokens."""
+        prompt = len(self.prompt_token_ids)
+        if stop <= prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= prompt:
+            return self.token_ids[start - prompt : stop - prompt]
+        return [*self.prompt_token_ids[start:], *self.token_ids[: stop - prompt]]
 
     def visible_text(self) -> str:
         if self.finished:

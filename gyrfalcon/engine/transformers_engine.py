@@ -1,10 +1,11 @@
 """``TransformersEngine``: the in-process engine running a transformers causal LM with continuous batching.
 
-Construction is quick (config and tokenizer only); a background thread loads the model, warms it up
-with one short generation, then runs the step loop (:class:`gyrfalcon.engine.batcher.Batcher`):
-newcomers wait in a bounded FIFO, are prefilled (chunked when long) and merged into the running batch
-between decode steps, and finished sequences leave at once. ``health()`` answers ``ready=False``
-with ``"loading model"`` until the loop runs.
+Construction is quick (config and tokenizer only); a background thread loads the model, sizes and
+allocates the paged KV cache, warms up (and on CUDA captures the decode steps), then runs the step
+loop (:class:`gyrfalcon.engine.batcher.Batcher`): newcomers wait in a bounded FIFO and are
+prefilled in chunks that share forwards with the running sequences' decode tokens; finished
+sequences leave at once. ``health()`` answers ``ready=False`` with ``"loading model"`` until the
+loop runs.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from gyrfalcon.config import Settings
 from gyrfalcon.engine.batcher import Batcher
 from gyrfalcon.engine.detokenizer import IncrementalDetokenizer
 from gyrfalcon.engine.interface import Engine, OutputStream
+from gyrfalcon.engine.kv.blocks import BlockPool
+from gyrfalcon.engine.kv.cache import KVShape, PagedKVCache, plan_cache
+from gyrfalcon.engine.model.runner import ModelRunner, Work
 from gyrfalcon.engine.outputs import RequestState
-from gyrfalcon.engine.runner import ModelRunner
 from gyrfalcon.engine.sampler import Sampler
 from gyrfalcon.engine.scheduler import Scheduler
 from gyrfalcon.engine.sequence import Sequence
@@ -35,9 +38,8 @@ from gyrfalcon.models.loading import load_model, load_tokenizer, resolve_device,
 
 log = logging.getLogger(__name__)
 
-_WARMUP_PROMPT = [5, 6, 7, 8]
-
-#: prompt tokens per prefill forward: a longer prompt is prefilled in chunks between decode steps
+#: most prompt tokens of one sequence per step: a longer prompt is prefilled in chunks, each
+#: sharing a forward with the running sequences' decode tokens
 PREFILL_CHUNK_TOKENS = 512
 
 
@@ -96,10 +98,12 @@ class TransformersEngine(Engine):
         self._info = base
 
         self.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        self._seeds = torch.Generator().manual_seed(settings.seed)  # seeds of unseeded choices (CPU)
         self.sampler = Sampler(self.processors, self.gatherers, self.eos_token_ids, self.generator)
         self.scheduler = Scheduler(settings.max_queue_len, settings.max_num_seqs, settings.max_num_batched_tokens,
                                    PREFILL_CHUNK_TOKENS)  # fmt: skip
         self.runner: ModelRunner | None = None
+        self.cache_plan = None  # gyrfalcon.engine.kv.cache.CachePlan, once loaded
         self.batcher: Batcher | None = None
         self._lock = threading.Lock()
         self._live: dict[str, RequestState] = {}
@@ -146,6 +150,8 @@ class TransformersEngine(Engine):
 
     def submit(self, request: EngineRequest) -> OutputStream:
         validate_request(request, self._info, self.processors, self.gatherers)
+        params = request.sampling
+        self.scheduler.check_fits(len(request.prompt_token_ids), params.max_tokens, params.n)
         stream = CoalescingOutputStream(request.request_id, request.output_kind, on_close=self.abort)
         state = RequestState(request, stream, self._make_sequences(request))
         with self._lock:
@@ -178,6 +184,13 @@ class TransformersEngine(Engine):
         stats["running"] = 0 if batcher is None else batcher.running_requests()
         stats["running_sequences"] = 0 if batcher is None else batcher.running_sequences
         stats["prefilling"] = 0 if batcher is None else batcher.prefilling_requests()
+        pool = self.scheduler.pool
+        if pool is not None:
+            stats["kv_blocks_total"] = pool.usable_blocks
+            stats["kv_blocks_free"] = pool.num_free
+            stats["prefix_cache_queries"] = pool.queries
+            stats["prefix_cache_hits"] = pool.hits
+        stats["preemptions"] = self.scheduler.preemptions
         stats["pid"] = os.getpid()  # the worker process, for memory checks (bench reads its /proc status)
         return stats
 
@@ -230,13 +243,12 @@ class TransformersEngine(Engine):
         sequences = []
         for index in range(params.n):
             seed = params.child_seed(index)
-            generator = None
-            if seed is not None and not params.greedy:
-                generator = torch.Generator(device=self.device).manual_seed(seed)
+            if seed is None:  # unseeded: a seed of its own, so a recomputed choice draws the same tokens
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, self.special_ids,
                                                  params.skip_special_tokens, params.spaces_between_special_tokens)  # fmt: skip
             stopper = StopChecker(params, self.eos_token_ids, len(request.prompt_token_ids), self._info.max_model_len)
-            sequences.append(Sequence(index, params, request.prompt_token_ids, detokenizer, stopper, generator))
+            sequences.append(Sequence(index, params, request.prompt_token_ids, detokenizer, stopper, seed))
         return sequences
 
     def _emit(self, state: RequestState) -> None:
@@ -319,20 +331,34 @@ class TransformersEngine(Engine):
         self._forget(state, "requests_failed")
 
     def _load(self) -> None:
+        settings = self.settings
         if self.device == "cpu":
-            torch.set_num_threads(self.settings.num_threads)
-        model = load_model(self.model_path, self.settings.dtype, self.device)
-        self.runner = ModelRunner(model, self.device)
-        # Warm-up: prefill, fork, merge and decode through the same kernels as requests (no stream).
+            torch.set_num_threads(settings.num_threads)
+        model = load_model(self.model_path, settings.dtype, self.device)
+        shape = KVShape.of(model.config, next(model.parameters()).dtype)
+        plan = plan_cache(shape, self.device, settings.block_size, settings.max_num_seqs, self._info.max_model_len,
+                          settings.kv_cache_memory, settings.gpu_memory_utilization)  # fmt: skip
+        log.warning("%s", plan.describe(self._info.max_model_len))
+        self.cache_plan = plan
+        cache = PagedKVCache(shape, plan.num_blocks, plan.block_size, self.device)
+        pool = BlockPool(plan.num_blocks, plan.block_size, settings.enable_prefix_caching)
+        capture = "off"
+        if self.device.startswith("cuda") and not settings.enforce_eager:
+            capture = "cuda-graphs"
+        runner = ModelRunner(model, cache, capture=capture, max_batch=settings.max_num_seqs,
+                             max_model_len=self._info.max_model_len)  # fmt: skip
+        # Warm-up through the same kernels as requests, on the scratch block only (no request's KV).
         with torch.inference_mode():
-            logits, batch = self.runner.prefill(_WARMUP_PROMPT)
-            batch.fork(2)
-            _, other = self.runner.prefill(_WARMUP_PROMPT[:2])
-            batch.merge(other)
-            for _ in range(2):
-                token = int(logits.argmax(dim=-1)[0])
-                logits = self.runner.decode(batch, [token] * batch.rows)
-        self.runner.forwards = 0
+            scratch = [pool.SCRATCH]
+            runner.forward([Work([5, 6], 0, scratch, "all"), Work([7], 0, scratch)])
+            runner.forward([Work([5], 1, scratch), Work([6], 1, scratch)])
+            if runner.decode_steps is not None:  # capture every batch bucket of the shortest contexts
+                for batch in runner.decode_steps.batch_buckets:
+                    runner.decode_steps.get(batch, runner.decode_steps.width_buckets[0])
+                log.warning("decode steps captured in %.1f s", runner.decode_steps.capture_s)
+        runner.forwards = 0
+        self.scheduler.pool = pool
+        self.runner = runner
 
 
 __all__ = ["OutputKind", "OutputStream", "TransformersEngine"]

@@ -96,6 +96,8 @@ class EngineRequest:
     """One request as the engine sees it: prompt token ids, sampling parameters, output kind.
 
     ``extensions`` holds plugin-declared fields (already validated by the frontend) by name.
+    ``cache_salt`` isolates the request's prefix-cache entries: only requests with the same salt
+    share cached prompt blocks.
     """
 
     request_id: str
@@ -103,6 +105,7 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     output_kind: OutputKind = OutputKind.FINAL_ONLY
     extensions: dict[str, Any] = field(default_factory=dict)
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -120,7 +120,7 @@ def test_n_choices_share_one_prefill(stepped):
 
 
 def test_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes(stepped):
-    engine = stepped()
+    engine = stepped(enable_prefix_caching=False)  # the alone run must not leave cached blocks behind
     long_prompt = [1] + [_rng.randrange(3, 512) for _ in range(59)]
     (expected,) = alone(engine, [request(long_prompt, temperature=0.0, max_tokens=8, ignore_eos=True)])
     engine.scheduler.prefill_chunk_tokens = 8
@@ -130,13 +130,13 @@ def test_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes(stepped):
         engine.batcher.step()
     before = engine.stats()["prefill_forwards"]
     long_stream = engine.submit(request(long_prompt, temperature=0.0, max_tokens=8, ignore_eos=True))
-    running = engine.batcher.sequences[0]
+    running = engine.scheduler.running[0].sequences[0]
     progress = []
-    while engine.batcher.job is not None or engine.stats()["prefill_forwards"] == before:
+    while engine.batcher.prefilling_requests() or engine.stats()["prefill_forwards"] == before:
         tokens = len(running.token_ids)
         engine.batcher.step()
         progress.append(len(running.token_ids) - tokens)
-    assert engine.stats()["prefill_forwards"] - before == 8  # ceil(60 / 8) chunks
+    assert engine.stats()["prefill_forwards"] - before == 8  # ceil(60 / 8) chunks, each shared with a decode
     assert progress == [1] * 8  # the running stream got a token at every chunk
     streams = [long_stream]
     run(engine, streams)
@@ -154,18 +154,18 @@ def test_max_num_seqs_bounds_the_batch(stepped):
 
 
 def _prompt_logprobs_run(engine, prompt, chunk, others=()):
-    """Prompt logprobs of ``prompt`` (asked) prefilled ``chunk`` tokens at a time, in one group
-    with ``others`` (same length, not asking); the gathered positions after each prefill step."""
+    """Prompt logprobs of ``prompt`` (asked) prefilled ``chunk`` tokens at a time, sharing forwards
+    with ``others`` (not asking); the gathered positions after each prefill step."""
     engine.scheduler.prefill_chunk_tokens = chunk
     asks = dict(temperature=0.0, max_tokens=2, ignore_eos=True)
     streams = [engine.submit(request(prompt, prompt_logprobs=3, **asks))]
     streams += [engine.submit(request(p, **asks)) for p in others]
     gathered = []
     while engine.batcher.step():
-        job = engine.batcher.job
-        if job is not None:
-            assert not [v for v in vars(job).values() if isinstance(v, torch.Tensor)]  # no logits kept
-            gathered.append((job.done, {i: len(t.token_ids) for i, t in job.prompt_logprobs.items()}))
+        for state in engine.scheduler.running:
+            if state.request_id == streams[0].request_id and not state.forked:
+                assert not [v for v in vars(state).values() if isinstance(v, torch.Tensor)]  # no logits kept
+                gathered.append((state.prompt_logprobs_done, {0: len(state.prompt_logprobs.token_ids)}))
     items = [list(s)[-1] for s in streams]
     assert all(item.error is None for item in items)
     assert all(item.prompt_logprobs is None for item in items[1:])  # only the row that asked

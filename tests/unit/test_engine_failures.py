@@ -1,5 +1,7 @@
-"""A step that raises fails the requests it held, in-band, and the loop keeps serving; a fault in
-a prefill (or the first token of its group) fails that group only."""
+"""A fault fails only the request it comes from, in-band, and the loop keeps serving: a forward
+shared by several requests that raises is run again request by request, and a sampling fault is
+retried the same way, so the requests that do not fault on their own go on with the tokens they
+would have had alone."""
 
 from __future__ import annotations
 
@@ -17,13 +19,11 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir)
     try:
         assert engine.wait_ready(60).ready
         forward = engine.runner.forward
-        calls = {"n": 0}
 
-        def flaky(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] == 3:
+        def flaky(works):  # the victim's third decode position (PROMPTS[0] has 5 tokens)
+            if any(w.start == 7 for w in works):
                 raise RuntimeError("boom")
-            return forward(*args, **kwargs)
+            return forward(works)
 
         engine.runner.forward = flaky
         (last,) = list(engine.submit(request(PROMPTS[0], n=2, temperature=1.0, max_tokens=10, ignore_eos=True)))
@@ -35,9 +35,9 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir)
         engine.shutdown(0)
 
 
-# ---------------------------------------------------------------- faults in the prefill path
-# A stepped engine (tests/unit/test_batching.py): the batcher handles a prefill fault itself, so
-# each step is deterministic and the running request's tokens can be compared with its alone run.
+# ---------------------------------------------------------------- faults next to a decoding request
+# A stepped engine (tests/unit/test_batching.py): each step is deterministic and the running
+# request's tokens can be compared with its alone run.
 
 
 def _one_error(stream):
@@ -53,7 +53,7 @@ def _decoding(engine):
     stream = engine.submit(request(PROMPTS[0], **req))
     for _ in range(3):
         engine.batcher.step()
-    assert engine.batcher.running_sequences == 1 and engine.batcher.job is None
+    assert engine.batcher.running_sequences == 1 and engine.batcher.prefilling_requests() == 0
     return stream, expected
 
 
@@ -67,25 +67,24 @@ def _assert_engine_goes_on(engine, running, expected, failed):
     assert [len(c) for c in finals(streams)[0]] == [5]
 
 
-def test_a_fault_sampling_the_first_token_fails_the_group_only(stepped):
-    """The job left ``batcher.job`` before its first token was sampled: a raise there leaked it
-    (in no list, stream never finished, still in ``_live``)."""
+def test_a_fault_sampling_the_first_token_fails_that_request_only(stepped):
+    """The victim's first token is sampled in the same batch as the running request's next one:
+    the batch raises, the retry request by request raises for the victim only."""
     engine = stepped()
     running, expected = _decoding(engine)
     sample = engine.sampler.sample
     calls = {"first_token": 0}
 
     def flaky(logits, rows):
-        if all(not out for out in rows.output_token_ids):  # the first-token call, not a decode
+        if any(p == PROMPTS[2] and not out for p, out in zip(rows.prompt_token_ids, rows.output_token_ids)):
             calls["first_token"] += 1
-            if calls["first_token"] == 1:
-                raise RuntimeError("processor exploded")
+            raise RuntimeError("processor exploded")
         return sample(logits, rows)
 
     engine.sampler.sample = flaky
     victim = engine.submit(request(PROMPTS[2], n=2, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
-    engine.batcher.step()  # prefill (one chunk) + first token: raises inside
-    assert calls["first_token"] == 1 and engine.batcher.job is None
+    engine.batcher.step()  # the running request's decode and the victim's prefill share the step
+    assert calls["first_token"] == 2 and engine.batcher.prefilling_requests() == 0
     last = _one_error(victim)
     assert "processor exploded" in last.error.message and last.error.status == 500
     assert [c.finish_reason for c in last.outputs] == ["abort", "abort"]
@@ -112,55 +111,53 @@ def test_a_fault_gathering_prompt_logprobs_fails_the_group_only(stepped):
     _assert_engine_goes_on(engine, running, expected, victim)
 
 
-def test_an_oom_merging_the_new_rows_fails_the_group_and_keeps_the_batch(stepped):
+def test_an_oom_in_a_shared_forward_fails_only_the_request_that_needs_the_memory(stepped):
+    """The shared forward runs out of memory; run apart, the decoding request's part fits and the
+    victim's (its whole prompt) does not: the victim fails, the batch keeps its tokens."""
     engine = stepped()
     running, expected = _decoding(engine)
-    kv = engine.batcher.kv
-    merge = type(kv).merge
+    forward = engine.runner.forward
     calls = {"n": 0}
 
-    def flaky(self, other):
-        calls["n"] += 1
-        if calls["n"] == 1:
+    def flaky(works):
+        if any(w.tokens == PROMPTS[2] for w in works):
+            calls["n"] += 1
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        return merge(self, other)
+        return forward(works)
 
-    type(kv).merge = flaky
-    try:
-        victim = engine.submit(request(PROMPTS[2], temperature=0.0, max_tokens=8, ignore_eos=True))
-        engine.batcher.step()
-        assert calls["n"] == 1 and "out of memory" in _one_error(victim).error.message
-        assert engine.batcher.running_sequences == 1 and engine.batcher.kv.rows == 1
-        _assert_engine_goes_on(engine, running, expected, victim)
-    finally:
-        type(kv).merge = merge
+    engine.runner.forward = flaky
+    victim = engine.submit(request(PROMPTS[2], temperature=0.0, max_tokens=8, ignore_eos=True))
+    engine.batcher.step()
+    assert calls["n"] == 2 and "out of memory" in _one_error(victim).error.message
+    assert engine.batcher.running_sequences == 1
+    free = engine.stats()["kv_blocks_free"]
+    _assert_engine_goes_on(engine, running, expected, victim)
+    assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"] >= free  # nothing leaked
 
 
 def test_a_failed_prefill_chunk_spares_the_running_batch(stepped):
-    """A fault in a (chunked) prefill forward fails the prefill's requests only; the decoding
-    request's KV was never touched and it finishes with its alone result."""
+    """A fault in a chunk of a long prompt fails that request only; the decoding request's tokens
+    are those of its alone run and a waiting request runs next."""
     engine = stepped()
     running, expected = _decoding(engine)
     engine.scheduler.prefill_chunk_tokens = 8
     forward = engine.runner.forward
     calls = {"prefill": 0}
 
-    def flaky(batch, token_ids, all_logits=False):
-        if len(token_ids[0]) > 1:  # a prefill chunk (decode feeds one token per row)
+    def flaky(works):
+        if any(w.start == 8 and len(w.tokens) > 1 for w in works):  # the victim's second chunk
             calls["prefill"] += 1
-            if calls["prefill"] == 2:
-                raise RuntimeError("prefill forward failed")
-        return forward(batch, token_ids, all_logits=all_logits)
+            raise RuntimeError("prefill forward failed")
+        return forward(works)
 
     engine.runner.forward = flaky
     victim = engine.submit(request(PROMPTS[4], temperature=0.0, max_tokens=8))  # 30 tokens: 4 chunks
     waiting = engine.submit(request(PROMPTS[1], temperature=0.0, max_tokens=5, ignore_eos=True))
     engine.batcher.step()
-    assert engine.batcher.prefilling_requests() == 1
+    assert engine.batcher.prefilling_requests() >= 1
     engine.batcher.step()  # its second chunk raises
-    assert engine.batcher.job is None and calls["prefill"] == 2
+    assert calls["prefill"] == 2
     assert "prefill forward failed" in _one_error(victim).error.message
-    assert engine.batcher.running_sequences == 1
     run(engine, [])
     assert finals([running]) == [expected]
     assert [len(c) for c in finals([waiting])[0]] == [5]
@@ -177,18 +174,18 @@ def test_the_threaded_loop_survives_a_prefill_fault_while_another_request_decode
         started = threading.Event()
         calls = {"prefill": 0}
 
-        def flaky(batch, token_ids, all_logits=False):
-            if len(token_ids[0]) > 1:
+        def flaky(works):
+            if any(w.start == 8 and len(w.tokens) > 1 for w in works):  # the victim's second chunk
                 calls["prefill"] += 1
-                if calls["prefill"] == 2:
-                    raise RuntimeError("prefill forward failed")
-            else:
+                raise RuntimeError("prefill forward failed")
+            if all(len(w.tokens) == 1 for w in works):
                 started.set()
-            return forward(batch, token_ids, all_logits=all_logits)
+            return forward(works)
 
         engine.runner.forward = flaky
         keeper = engine.submit(request(PROMPTS[0], **req))
         assert started.wait(30)
+        engine.scheduler.prefill_chunk_tokens = 8
         victim = engine.submit(request(PROMPTS[4], temperature=0.0, max_tokens=8))
         assert "prefill forward failed" in _one_error(victim).error.message
         (done,) = list(keeper)

@@ -1,65 +1,116 @@
-"""The admission policy: equal-length groups, sequence and padded-token limits, chunk budget, 503."""
+"""The scheduler: decode rows first, prefill chunks under the token budget, FIFO admission within
+``max_num_seqs`` and free blocks, recompute preemption of the newest request, prefix-cache hits,
+the 503 of a full queue."""
 
 from __future__ import annotations
 
 import pytest
 
 from gyrfalcon.engine.interface import OutputStream
+from gyrfalcon.engine.kv.blocks import BlockPool
 from gyrfalcon.engine.outputs import RequestState
 from gyrfalcon.engine.scheduler import Scheduler
+from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine.types import EngineRequest, SamplingParams
 from gyrfalcon.errors import RequestError
 
 
-def state(name: str, length: int, n: int = 1) -> RequestState:
-    request = EngineRequest(name, [5] * length, SamplingParams(n=n))
-    return RequestState(request, OutputStream(name), [object()] * n)  # type: ignore[list-item]
+def state(name: str, length: int, n: int = 1, first: int = 5, salt: str | None = None) -> RequestState:
+    params = SamplingParams(n=n, max_tokens=8)
+    prompt = [first + i for i in range(length)]
+    request = EngineRequest(name, prompt, params, cache_salt=salt)
+    sequences = [Sequence(i, params, prompt, None, None, seed=i) for i in range(n)]  # type: ignore[arg-type]
+    return RequestState(request, OutputStream(name), sequences)
 
 
-def names(group):
-    return [s.request_id for s in group]
-
-
-def scheduler(**limits) -> Scheduler:
+def scheduler(blocks: int = 64, block_size: int = 4, prefix: bool = True, **limits) -> Scheduler:
     values = dict(max_queue_len=8, max_num_seqs=8, max_num_batched_tokens=1000, prefill_chunk_tokens=64)
     values.update(limits)
-    return Scheduler(**values)
+    return Scheduler(**values, pool=BlockPool(blocks, block_size, prefix))
 
 
-def test_groups_equal_prompt_lengths_in_fifo_order():
-    s = scheduler()
-    for name, length in [("a", 10), ("b", 12), ("c", 10), ("d", 10)]:
-        s.add(state(name, length))
-    assert names(s.admit(0, 0)) == ["a", "c", "d"]  # b has another length: it waits for its own group
-    assert names(s.admit(3, 10)) == ["b"]
-    assert s.admit(4, 12) == [] and len(s) == 0
+def plan_of(s: Scheduler) -> list[tuple[str, int, int]]:
+    """Schedule one step and play the forward: (request, choice, tokens fed) per item."""
+    plan = s.schedule()
+    for item in plan:
+        item.seq.computed += item.count
+        s.register_full_blocks(item.state, item.seq)
+    return [(item.state.request_id, item.seq.index, item.count) for item in plan]
 
 
-def test_max_num_seqs_counts_children():
+def generate(st: RequestState, token: int = 1) -> None:
+    """What the engine does after a step reached a sequence's end: one new token per live choice."""
+    for seq in st.sequences if not st.forked else st.live_sequences():
+        seq.token_ids.append(token)
+    st.forked = True
+
+
+def test_decode_rows_go_first_then_chunks_under_the_budget_in_fifo_order():
+    s = scheduler(max_num_batched_tokens=20, prefill_chunk_tokens=12)
+    a, b, c = state("a", 6), state("b", 30, first=100), state("c", 5, first=200)
+    for st in (a, b, c):
+        s.add(st)
+    assert plan_of(s) == [("a", 0, 6), ("b", 0, 12), ("c", 0, 2)]  # the budget cuts c's chunk
+    generate(a)
+    assert plan_of(s) == [("a", 0, 1), ("b", 0, 12), ("c", 0, 3)]  # a decodes before any prefill
+    generate(a)
+    generate(c)
+    assert plan_of(s) == [("a", 0, 1), ("c", 0, 1), ("b", 0, 6)]
+    assert len(s) == 0 and [st.request_id for st in s.running] == ["a", "b", "c"]
+
+
+def test_max_num_seqs_counts_every_child_of_a_request():
     s = scheduler(max_num_seqs=4)
-    s.add(state("a", 4, n=3))
-    s.add(state("b", 4, n=2))
-    assert names(s.admit(0, 0)) == ["a"]
-    assert s.admit(3, 5) == []  # 3 + 2 > 4
-    assert names(s.admit(2, 5)) == ["b"]
+    s.add(state("a", 3, n=3))
+    s.add(state("b", 3, n=2, first=50))
+    assert plan_of(s) == [("a", 0, 3)]  # one prefill for three choices; b (2 more) waits
+    assert s.running_sequences() == 3 and len(s) == 1
 
 
-def test_padded_tokens_count_rows_times_longest():
-    s = scheduler(max_num_batched_tokens=100)
-    s.add(state("a", 30))
-    assert s.admit(3, 20) == []  # 4 rows × 30 = 120 > 100
-    assert names(s.admit(2, 20)) == ["a"]  # 3 × 30 = 90
-    s.add(state("huge", 500))
-    assert s.admit(1, 10) == []
-    assert names(s.admit(0, 0)) == ["huge"]  # an empty batch always takes the oldest
+def test_a_request_waits_for_blocks_and_the_newest_is_preempted_whole_when_they_run_out():
+    s = scheduler(blocks=7, block_size=4)  # 6 usable blocks of 4 tokens
+    s.add(state("a", 8))  # 2 blocks
+    s.add(state("b", 8, first=50, n=2))  # 2 blocks for the prompt
+    s.add(state("c", 12, first=90))  # 3 blocks: only 2 left
+    assert plan_of(s) == [("a", 0, 8), ("b", 0, 8)]
+    assert s.pool.num_free == 2 and len(s) == 1
+    generate(s.running[0])
+    b = s.running[1]
+    generate(b)
+    b.sequences[1].blocks = [s.pool.share(x) for x in b.sequences[0].blocks]  # what the engine's fork does
+    b.sequences[1].computed = 8
+    # a needs a third block (position 8), b's two children one each: 3 > 2 free -> b is preempted whole
+    assert plan_of(s) == [("a", 0, 1)]
+    assert s.preemptions == 1 and [st.request_id for st in s.running] == ["a"]
+    assert all(not seq.blocks and seq.computed == 0 for seq in b.sequences)
+    assert s.drain()[0] is b  # back at the head of the queue, its tokens kept
+    assert [len(seq.token_ids) for seq in b.sequences] == [1, 1]
 
 
-def test_group_stays_within_one_prefill_chunk():
-    s = scheduler(prefill_chunk_tokens=25)
-    for name in "abc":
-        s.add(state(name, 10))
-    assert names(s.admit(0, 0)) == ["a", "b"]
-    assert names(s.admit(2, 10)) == ["c"]
+def test_prefix_cache_hits_count_as_computed_and_salt_isolates():
+    s = scheduler(block_size=4)
+    s.add(state("a", 10))
+    assert plan_of(s) == [("a", 0, 10)]
+    s.finish_request(s.running[0])
+    s.add(state("b", 10))  # same prompt: blocks 0 and 1 (8 tokens) are found
+    assert plan_of(s) == [("b", 0, 2)]
+    assert s.pool.hits == 2
+    s.add(state("c", 10, salt="tenant-2"))  # another salt: nothing found
+    assert plan_of(s) == [("c", 0, 10)]
+    s.add(state("d", 8))  # 8 tokens: block 1 holds the last token, which is always computed
+    assert plan_of(s) == [("d", 0, 4)]
+    assert s.pool.hits == 3
+
+
+def test_a_request_that_could_never_fit_is_refused_at_submit():
+    s = scheduler(blocks=5, block_size=4)  # 16 tokens
+    s.check_fits(8, 8, 1)
+    with pytest.raises(RequestError) as err:
+        s.check_fits(8, 8, 2)
+    assert err.value.param == "max_tokens" and err.value.status == 400
+    with pytest.raises(RequestError) as err:
+        s.check_fits(20, 1, 1)
+    assert err.value.param == "prompt"
 
 
 def test_full_queue_is_503_and_remove_frees_a_place():
@@ -71,4 +122,4 @@ def test_full_queue_is_503_and_remove_frees_a_place():
     assert err.value.status == 503 and err.value.headers == {"Retry-After": "1"}
     assert s.remove("a").request_id == "a" and s.remove("a") is None
     s.add(state("c", 3))
-    assert names(s.drain()) == ["b", "c"]
+    assert [st.request_id for st in s.drain()] == ["b", "c"]

@@ -1,0 +1,1 @@
+"""The KV cache in blocks: the block pool (ref counts, prefix hashes) and the preallocated tensors."""

@@ -1,0 +1,1 @@
+"""The model side of the engine: attention over KV blocks, the runner, captured decode steps."""

@@ -1,0 +1,125 @@
+"""The model runner: one flat forward per step over the paged KV cache; knows no requests or text.
+
+A step is a list of :class:`Work` items — for each scheduled sequence, the tokens to feed, the
+position of the first one, the sequence's block table, and which logits it needs. The runner lays
+them side by side in one ``[1, T]`` forward (prefill chunks and decode tokens share it: vLLM's
+chunked prefill), writes their KV into the slots their block tables name and returns the wanted
+logits in fp32. Steps made only of single-token items go through :class:`DecodeSteps`, which
+pads them to a fixed bucket and (on CUDA) replays a captured graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from gyrfalcon.engine.kv.cache import PagedKVCache
+from gyrfalcon.engine.model.attention import STEP_KWARG, Segment, StepMetadata, register
+from gyrfalcon.engine.model.captured import DecodeSteps
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Work:
+    """Feed ``tokens`` at positions ``start ..`` of a sequence whose block table is ``blocks``.
+
+    ``logits``: ``"last"`` (the next-token logits after the last one), ``"all"`` (one row per fed
+    token: prompt logprobs) or ``"none"`` (a prefill chunk that does not reach the end).
+    """
+
+    tokens: list[int]
+    start: int
+    blocks: list[int]
+    logits: str = "last"
+
+
+def _slots(blocks: list[int], start: int, stop: int, block_size: int) -> list[int]:
+    return [blocks[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+
+
+def block_table_slots(tables: list[list[int]], width: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """``[len(tables), width]`` slots of each table's first ``width`` positions (past a table's
+    end: the scratch block's slots, which masks hide)."""
+    blocks_needed = -(-width // block_size)
+    padded = torch.zeros((len(tables), blocks_needed), dtype=torch.long)
+    for row, table in enumerate(tables):
+        used = table[:blocks_needed]
+        if used:
+            padded[row, : len(used)] = torch.as_tensor(used, dtype=torch.long)
+    slots = padded.unsqueeze(2) * block_size + torch.arange(block_size).view(1, 1, -1)
+    return slots.reshape(len(tables), -1)[:, :width].to(device)
+
+
+class ModelRunner:
+    """Runs steps of a transformers causal LM over a :class:`PagedKVCache`.
+
+    ``capture``: ``"cuda-graphs"`` replays captured decode steps (CUDA only), ``"static"`` runs
+    decode steps through the same static, bucket-padded buffers eagerly (what a captured step
+    computes, on any device — the tests use it on the CPU), ``"off"`` runs every step as it is.
+    """
+
+    def __init__(self, model, cache: PagedKVCache, capture: str = "off", max_batch: int = 1, max_model_len: int = 2048) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = cache.device
+        self.forwards = 0  # model calls so far (tests count forwards through this)
+        name = register()
+        for config in (model.config, getattr(model.config, "text_config", None)):
+            if config is not None:
+                config._attn_implementation = name
+        self.decode_steps = None
+        if capture != "off":
+            self.decode_steps = DecodeSteps(self, max_batch, max_model_len, graphs=capture == "cuda-graphs")
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata, keep) -> torch.Tensor:
+        """One model call: ``[1, T]`` ids and positions; the kept positions' logits ``[K, V]``."""
+        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep,
+                         **{STEP_KWARG: step})  # fmt: skip
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def forward(self, works: list[Work]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Run one step; returns fp32 logits and, per work item, its ``(first row, row count)``."""
+        self.forwards += 1
+        if self.decode_steps is not None and all(len(w.tokens) == 1 and w.logits == "last" for w in works):
+            logits = self.decode_steps.run(works)
+            if logits is not None:
+                return logits, [(i, 1) for i in range(len(works))]
+        bs = self.cache.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        keep: list[int] = []
+        spans: list[tuple[int, int]] = []
+        decode: list[tuple[int, Work]] = []
+        prefill: list[tuple[int, Work]] = []
+        for work in works:
+            offset, count = len(ids), len(work.tokens)
+            ids.extend(work.tokens)
+            positions.extend(range(work.start, work.start + count))
+            slots.extend(_slots(work.blocks, work.start, work.start + count, bs))
+            (decode if count == 1 else prefill).append((offset, work))
+            rows = {"last": [offset + count - 1], "all": list(range(offset, offset + count))}.get(work.logits, [])
+            spans.append((len(keep), len(rows)))
+            keep.extend(rows)
+        device = self.device
+        step = StepMetadata(self.cache, torch.tensor(slots, dtype=torch.long, device=device))
+        if decode:
+            width = max(w.start + 1 for _, w in decode)
+            step.decode_rows = torch.tensor([o for o, _ in decode], dtype=torch.long, device=device)
+            step.decode_gather = block_table_slots([w.blocks for _, w in decode], width, bs, device)
+            step.decode_positions = torch.tensor([w.start for _, w in decode], dtype=torch.long, device=device)
+        for offset, work in prefill:
+            stop = work.start + len(work.tokens)
+            span = block_table_slots([work.blocks], stop, bs, device)[0]
+            step.prefills.append(Segment(offset, work.start, len(work.tokens), span))
+        logits = self.run_model(
+            torch.tensor([ids], dtype=torch.long, device=device),
+            torch.tensor([positions], dtype=torch.long, device=device),
+            step,
+            torch.tensor(keep, dtype=torch.long, device=device),
+        )
+        return logits.float(), spans

@@ -1,0 +1,63 @@
+"""The engine over KV blocks: children share their prompt's blocks, a burst that overflows the
+cache preempts and recomputes with the same tokens, prefix-cache hits are counted."""
+
+from __future__ import annotations
+
+import random
+
+from tests.unit.test_batching import finals, request, run, stepped  # noqa: F401 - fixture
+
+_rng = random.Random(11)
+LONG = [[1] + [_rng.randrange(3, 512) for _ in range(29)] for _ in range(6)]
+BLOCK_BYTES = 16 * 512  # tiny model: 2 layers x (K + V) x 2 KV heads x 16 dims x 4 bytes = 512 B per token
+
+
+def test_n_children_share_the_prompts_full_blocks_and_copy_the_partial_one(stepped):
+    engine = stepped()
+    pool = engine.scheduler.pool
+    free = pool.num_free
+    prompt = [1] + [_rng.randrange(3, 512) for _ in range(39)]  # 40 tokens: 2 full blocks + 8
+    stream = engine.submit(request(prompt, n=4, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True))
+    engine.batcher.step()  # one prefill, four first tokens, fork
+    (state,) = engine.scheduler.running
+    tables = [seq.blocks for seq in state.sequences]
+    assert all(table[:2] == tables[0][:2] for table in tables)  # shared, not copied
+    assert len({table[2] for table in tables}) == 4  # the partial block: one copy per child
+    assert [pool.refs[b] for b in tables[0][:2]] == [4, 4]
+    assert free - pool.num_free == 2 + 4
+    run(engine, [stream])
+    (choices,) = finals([stream])
+    assert [len(c) for c in choices] == [6] * 4
+    assert pool.num_free == free
+
+
+def test_a_burst_that_overflows_the_blocks_preempts_and_every_request_gets_its_alone_tokens(stepped, tiny_model_dir):
+    roomy = stepped()
+    asks = [dict(temperature=1.0, seed=i, top_k=50) if i % 2 else dict(temperature=0.0) for i in range(6)]
+    make = lambda: [request(p, max_tokens=20, ignore_eos=True, **a) for p, a in zip(LONG, asks)]  # noqa: E731
+    expected = []
+    for req in make():
+        streams = [roomy.submit(req)]
+        run(roomy, streams)
+        expected.extend(finals(streams))
+    tight = stepped(kv_cache_memory=12 * BLOCK_BYTES, enable_prefix_caching=False)  # 11 usable blocks
+    assert tight.scheduler.pool.usable_blocks == 11  # each request needs 4 blocks at its end
+    streams = [tight.submit(r) for r in make()]
+    run(tight, streams)
+    assert finals(streams) == expected
+    stats = tight.stats()
+    assert stats["preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_prefix_cache_hits_skip_the_shared_prompt_and_are_counted(stepped):
+    engine = stepped()
+    prompt = LONG[0] + LONG[1]  # 60 tokens: 3 full blocks before the last token
+    first = [engine.submit(request(prompt, temperature=0.0, max_tokens=4, ignore_eos=True))]
+    run(engine, first)
+    before = engine.stats()
+    again = [engine.submit(request(prompt, temperature=0.0, max_tokens=4, ignore_eos=True))]
+    run(engine, again)
+    after = engine.stats()
+    assert finals(again) == finals(first)
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 3
+    assert after["prompt_tokens"] - before["prompt_tokens"] == 60 - 48
