@@ -1,10 +1,13 @@
-"""``gyrfalcon bench``: load runs against a server, the bare-loop ceiling, n = 8 and memory checks.
+"""``gyrfalcon bench``: load runs against a server, the ceilings, n = 8 and memory checks, on a CPU or a GPU.
 
 Workload (defaults follow the project's targets): 32-token prompts, temperature 0, ``ignore_eos``,
-128 output tokens, 64 requests at concurrency 1, 4 and 16; then one n = 8 request against 8
-sequential n = 1 requests; then the worker's RSS before and after 1,000 mixed requests (after a
-warm-up); finally, with the server idle, the bare torch loop at the same batch sizes in this process.
-``--launch`` starts ``gyrfalcon serve`` with default settings on a free port and stops it at the end.
+128 output tokens, at concurrency 1, 4 and 16 on a CPU (64 requests each) or 1, 16 and 64 on a GPU
+(max(16, 2 × concurrency) requests each, so that one GPU run stays under 8 minutes); then one
+n = 8 request against 8 sequential n = 1 requests; then, on a CPU, the worker's RSS before and
+after 1,000 mixed requests; finally, with the server stopped (``--launch``) or idle, the ceilings in
+this process on the same device, dtype and prompts: the eager loop, and on a GPU the compiled
+static-cache loop. ``--launch`` starts ``gyrfalcon serve`` on a free port and stops it again;
+``--random-weights CONFIG.json`` benchmarks a model of that shape with random weights, built first.
 """
 
 from __future__ import annotations
@@ -13,33 +16,92 @@ import argparse
 import json
 import os
 import random
+import shlex
+import shutil
 import signal
-import socket
-import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
-from gyrfalcon.bench.client import Client, LoadReport, run_load
+from gyrfalcon.bench.ceiling import CeilingResult
+from gyrfalcon.bench.client import Client, run_load
+
+MAX_CONCURRENCY = 128
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+#: a warm-up request taking longer than this means the server is stuck, not slow
+WARM_UP_TIMEOUT_S = 300.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``bench`` subcommand's options."""
     p.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:8000 (or use --launch)")
-    p.add_argument("--launch", action="store_true", help="start `gyrfalcon serve` (default settings) for the run")
-    p.add_argument("--model", default=None, help="model folder or .gguf for --launch and the ceiling (default: embedded)")
+    p.add_argument("--launch", action="store_true", help="start `gyrfalcon serve` for the run, stop it before the ceilings")
+    p.add_argument("--model", default=None, help="model folder or .gguf for --launch and the ceilings (default: embedded)")
+    p.add_argument("--random-weights", metavar="CONFIG.json", default=None,
+                   help="build a model of this Hugging Face config's shape with random weights and benchmark it")  # fmt: skip
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="tokenizer folder for --random-weights (default: the embedded default model's)")  # fmt: skip
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cuda, cpu: server and ceilings")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--serve-args", default="", metavar="ARGS",
+                   help='more `gyrfalcon serve` options for --launch, one string (split like a shell would): '
+                        '--serve-args "--max-num-batched-tokens 8192"; one option alone: --serve-args=--enforce-eager')  # fmt: skip
     p.add_argument("--api-key", default=None)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per concurrency level (default: 64 on cpu, max(16, 2 x concurrency) on cuda)")  # fmt: skip
+    p.add_argument("--concurrency", type=int, nargs="+", default=None,
+                   help=f"concurrency levels, each 1..{MAX_CONCURRENCY} (default: 1 4 16 on cpu, 1 16 64 on cuda)")  # fmt: skip
     p.add_argument("--n", type=int, default=8, help="choices for the n vs sequential comparison (0: skip)")
-    p.add_argument("--mixed", type=int, default=1000, help="mixed requests for the memory check (0: skip)")
-    p.add_argument("--no-ceiling", action="store_true", help="skip the bare torch loop")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--mixed", type=int, default=None,
+                   help="mixed requests for the memory check (0: skip; default: 1000 on cpu, 0 on cuda)")  # fmt: skip
+    p.add_argument("--no-ceiling", action="store_true", help="skip both ceilings")
+    p.add_argument("--compiled-ceiling", action=argparse.BooleanOptionalAction, default=None,
+                   help="the static-cache torch.compile loop (default: on cuda only)")  # fmt: skip
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the figures to this file")
+
+
+def resolve_options(args: argparse.Namespace, device: str) -> str | None:
+    """Fill the device-dependent defaults of ``args`` in place; an error message for a bad combination, else None."""
+    cuda = device.startswith("cuda")
+    if args.concurrency is None:
+        args.concurrency = [1, 16, 64] if cuda else [1, 4, 16]
+    if args.mixed is None:
+        args.mixed = 0 if cuda else 1000
+    if args.compiled_ceiling is None:
+        args.compiled_ceiling = cuda
+    if not args.url and not args.launch:
+        return "give --url or --launch"
+    if args.url and args.launch:
+        return "give --url or --launch, not both"
+    if bad := [c for c in args.concurrency if not 1 <= c <= MAX_CONCURRENCY]:
+        return f"--concurrency must be in 1..{MAX_CONCURRENCY}, got {bad[0]}"
+    if args.requests is not None and args.requests < 1:
+        return f"--requests must be at least 1, got {args.requests}"
+    if args.output_tokens < 2:
+        return f"--output-tokens must be at least 2 (time per output token), got {args.output_tokens}"
+    if args.prompt_tokens < 1:
+        return f"--prompt-tokens must be at least 1, got {args.prompt_tokens}"
+    if args.mixed < 0 or args.n < 0:
+        return "--mixed and --n must be at least 0"
+    if args.random_weights and args.model:
+        return "give --model or --random-weights, not both"
+    if args.random_weights and not os.path.exists(args.random_weights):
+        return f"--random-weights {args.random_weights!r}: no such file"
+    if args.tokenizer and not args.random_weights:
+        return "--tokenizer goes with --random-weights"
+    return None
+
+
+def requests_at(args: argparse.Namespace, concurrency: int, device: str) -> int:
+    """Requests of one level: ``--requests``, else 64 on CPU and max(16, 2 × concurrency) on CUDA."""
+    if args.requests is not None:
+        return args.requests
+    return max(16, 2 * concurrency) if device.startswith("cuda") else 64
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -48,69 +110,15 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(low, vocab) for _ in range(length)] for _ in range(count)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _vocab(model_path: str) -> int:
+    """Token ids every part accepts: below both the model's vocabulary and the tokenizer's size."""
+    from transformers import AutoConfig, AutoTokenizer
 
-
-def launch(model: str | None, threads: int, dtype: str) -> tuple[subprocess.Popen, str]:
-    """Start `gyrfalcon serve` with default settings; return the process and its URL once healthy."""
-    port = _free_port()
-    argv = [sys.executable, "-m", "gyrfalcon.cli", "serve", "--port", str(port), "--num-threads", str(threads),
-            "--dtype", dtype]  # fmt: skip
-    if model:
-        argv += ["--model", model]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    client = Client(url, timeout=5)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if client.get("/health")[0] == 200:
-                return proc, url
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError("the server did not become healthy in 300 s")
-
-
-def worker_rss(client: Client) -> tuple[int | None, int | None]:
-    """(pid, VmRSS in bytes) of the engine's worker, from the ``gyrfalcon_pid`` gauge and /proc."""
-    status, body = client.get("/metrics")
-    if status != 200:
-        return None, None
-    pid = next((int(float(line.split()[1])) for line in body.decode().splitlines() if line.startswith("gyrfalcon_pid ")), None)
-    if pid is None:
-        return None, None
+    vocab = int(AutoConfig.from_pretrained(model_path, local_files_only=True).get_text_config(decoder=True).vocab_size)
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return pid, int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return pid, None
-
-
-def idle_rss(client: Client, timeout_s: float = 10.0) -> tuple[int | None, int | None]:
-    """:func:`worker_rss` once the idle server has settled (two equal readings 0.5 s apart).
-
-    Read right after the last response, RSS still holds the last batch's buffers, which the
-    engine returns to the OS when its batch empties; a leak would stay in the settled reading.
-    """
-    pid, last = worker_rss(client)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        pid, rss = worker_rss(client)
-        if rss == last:
-            break
-        last = rss
-    return pid, last
+        return min(vocab, len(AutoTokenizer.from_pretrained(model_path, local_files_only=True)))
+    except (OSError, ValueError):
+        return vocab
 
 
 def _completion(model: str, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -134,182 +142,152 @@ def n_comparison(client: Client, model: str, prompt: list[int], n: int, max_toke
     return {"n": n, "n_request_s": together, "sequential_s": sequential, "ratio": together / sequential}
 
 
-def mixed_bodies(model: str, count: int, vocab: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
-    """``count`` varied requests: endpoints, prompt lengths, n, streaming, sampling and stop rules."""
-    rng = random.Random(seed)
-    bodies = []
-    for i in range(count):
-        prompt = [rng.randrange(100, vocab) for _ in range(rng.choice([4, 16, 32, 64, 200]))]
-        body: dict[str, Any] = {"model": model, "max_tokens": rng.randint(1, 12), "stream": rng.random() < 0.5}
-        kind = rng.random()
-        if kind < 0.25:
-            body.update(temperature=0.0)
-        else:
-            body.update(temperature=rng.choice([0.7, 1.0]), seed=i, n=rng.choice([1, 1, 2, 4]),
-                        top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([-1, 40]))  # fmt: skip
-        if rng.random() < 0.2:
-            body.update(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
-        if rng.random() < 0.1:
-            body.update(stop=["\n"])
-        if rng.random() < 0.3:
-            messages = [{"role": "user", "content": f"Say something about the number {i}."}]
-            bodies.append(("/v1/chat/completions", {**body, "messages": messages}))
-        else:
-            bodies.append(("/v1/completions", {**body, "prompt": prompt}))
-    return bodies
+def warm_up(client: Client, model: str, prompts: list[list[int]], top: int, server=None) -> None:
+    """Two short requests, then ``top`` at once; raise RuntimeError (with the server's log) if any fails or hangs."""
+    for load in (run_load(client, [_completion(model, prompts[0], 8)] * 2, 1),
+                 run_load(client, [_completion(model, prompts[i], 8) for i in range(top)], top)):  # fmt: skip
+        if load.errors:
+            error = next(r.error for r in load.results if r.error is not None)
+            log = f"; the end of its log:\n{server.log_tail()}" if server is not None else ""
+            raise RuntimeError(f"warm-up request failed: {error}{log}")
 
 
-def run_mixed(client: Client, bodies: list[tuple[str, dict[str, Any]]], concurrency: int) -> int:
-    """Send the mixed requests (non-streaming bodies via JSON, streaming ones read to the end); errors."""
-    import queue
-    import threading
+def _say(text: str) -> None:
+    print(f"bench: {text}", file=sys.stderr, flush=True)
 
-    work: queue.SimpleQueue = queue.SimpleQueue()
-    for item in bodies:
-        work.put(item)
-    errors = [0]
-    lock = threading.Lock()
 
-    def failed() -> None:
-        with lock:
-            errors[0] += 1
+def run_ceilings(model_path: str, args: argparse.Namespace, device: str, prompts: list[list[int]]) -> dict[str, Any]:
+    """The eager ceiling at every level, then the compiled one where enabled; a compile failure ends only the latter.
 
-    def worker() -> None:
-        while True:
+    Returns ``eager`` and ``compiled`` ({batch: CeilingResult}), ``compiled_error`` and, on CUDA,
+    ``peak_memory`` (bytes allocated at most while the ceilings ran).
+    """
+    import torch
+
+    from gyrfalcon.bench.ceiling import bare_loop, compiled_loop, load
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    model = load(model_path, args.dtype, args.num_threads, device)
+    eager: dict[int, CeilingResult] = {}
+    compiled: dict[int, CeilingResult] = {}
+    error = None
+    for c in args.concurrency:
+        bare_loop(model, prompts[:c], 2)  # warm-up at this batch size
+        eager[c] = bare_loop(model, prompts[:c], args.output_tokens)
+        _say(f"eager ceiling at batch {c}: {eager[c].output_tokens_per_s:.1f} tok/s, step {eager[c].time_per_step * 1000:.2f} ms")
+    if args.compiled_ceiling:
+        for c in args.concurrency:
             try:
-                path, body = work.get_nowait()
-            except queue.Empty:
-                return
-            conn = client.connect()
-            try:
-                conn.request("POST", client.prefix + path, body=json.dumps(body), headers=client.headers)
-                resp = conn.getresponse()
-                resp.read()
-                if resp.status != 200:
-                    failed()
-            except OSError:
-                failed()
-            finally:
-                conn.close()
-
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors[0]
+                compiled[c] = r = compiled_loop(model, prompts[:c], args.output_tokens)
+            except Exception as exc:  # a compiler failure must not lose the rest of the report
+                error = f"at batch {c}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                _say(f"compiled ceiling failed {error}")
+                break
+            _say(f"compiled ceiling at batch {c}: compile + capture {r.compile_s:.1f} s, "
+                 f"{r.output_tokens_per_s:.1f} tok/s, step {r.time_per_step * 1000:.2f} ms")  # fmt: skip
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"eager": eager, "compiled": compiled, "compiled_error": error, "peak_memory": peak}
 
 
-def _fmt(x: float, digits: int = 1) -> str:
-    return "n/a" if x != x else f"{x:.{digits}f}"
+def _header(args: argparse.Namespace, device: str, model_path: str, build_s: float | None) -> str:
+    import torch
 
+    from gyrfalcon.models.loading import resolve_dtype
 
-def table(loads: list[LoadReport], ceilings: dict[int, Any], n_cmp: dict[str, float] | None,
-          memory: dict[str, Any] | None) -> str:  # fmt: skip
-    """The markdown table of a run, with the target ratios."""
-    lines = [
-        "| concurrency | req/s | output tok/s | ceiling tok/s | ratio | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ceiling step (ms) | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for load in loads:
-        ceiling = ceilings.get(load.concurrency)
-        ceil_tps = ceiling.output_tokens_per_s if ceiling else float("nan")
-        ceil_step = ceiling.time_per_step * 1000 if ceiling else float("nan")
-        lines.append(
-            f"| {load.concurrency} | {_fmt(load.request_throughput, 2)} | {_fmt(load.output_tokens_per_s)} | "
-            f"{_fmt(ceil_tps)} | {_fmt(load.output_tokens_per_s / ceil_tps, 2)} | "
-            f"{_fmt(load.ttft(50) * 1000, 0)} / {_fmt(load.ttft(99) * 1000, 0)} | "
-            f"{_fmt(load.tpot(50) * 1000)} / {_fmt(load.tpot(99) * 1000)} | {_fmt(ceil_step)} | {load.errors} |"
-        )
-    out = ["\n".join(lines), ""]
-    targets = []
-    by_c = {load.concurrency: load for load in loads}
-    if 16 in by_c and 16 in ceilings:
-        targets.append(f"- c=16 output tok/s / ceiling: {by_c[16].output_tokens_per_s / ceilings[16].output_tokens_per_s:.2f} (target ≥ 0.8)")
-    if 1 in by_c and 1 in ceilings:
-        targets.append(f"- c=1 TPOT p50 / bare step at batch 1: {by_c[1].tpot(50) / ceilings[1].time_per_step:.2f} (target ≤ 1.15)")
-    if n_cmp:
-        targets.append(f"- n={n_cmp['n']} request: {n_cmp['n_request_s']:.1f} s vs {n_cmp['n']} sequential n=1: "
-                       f"{n_cmp['sequential_s']:.1f} s, ratio {n_cmp['ratio']:.2f} (target ≤ 0.4)")  # fmt: skip
-    if memory and memory.get("rss_before"):
-        targets.append(f"- worker RSS before / after {memory['requests']} mixed requests: {memory['rss_before'] / 2**20:.0f} MiB / "
-                       f"{memory['rss_after'] / 2**20:.0f} MiB, growth {memory['growth'] * 100:.1f} % (target < 5 %), "
-                       f"{memory['errors']} errors")  # fmt: skip
-    out.extend(targets)
-    return "\n".join(out)
+    dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
+    where = torch.cuda.get_device_name() if device.startswith("cuda") else f"{args.num_threads} thread(s), {os.cpu_count()} CPUs"
+    subject = os.path.basename(os.path.normpath(model_path))
+    if build_s is not None:
+        subject += f" (random weights, built in {build_s:.1f} s)"
+    levels = ", ".join(f"{requests_at(args, c, device)} at c={c}" for c in args.concurrency)
+    return (f"{subject} on {device} ({where}), {dtype}; requests {levels}; {args.prompt_tokens}-token prompts, "
+            f"{args.output_tokens} output tokens, temperature 0, ignore_eos. ceiling: the eager loop"
+            + ("; compiled: static cache + torch.compile" if args.compiled_ceiling else ""))  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark; print the table (and write JSON with ``--json``)."""
+    started = time.perf_counter()
+    from gyrfalcon.models.loading import resolve_device
+
+    device = resolve_device(args.device)
+    if error := resolve_options(args, device):
+        print(f"gyrfalcon bench: {error}", file=sys.stderr)
+        return 2
+    from gyrfalcon.bench.memory import memory_check
+    from gyrfalcon.bench.report import figures, table
+    from gyrfalcon.bench.server import launch, serve_argv
     from gyrfalcon.models.default import resolve_model
 
-    if not args.url and not args.launch:
-        print("gyrfalcon bench: give --url or --launch", file=sys.stderr)
-        return 2
-    model_path = resolve_model(args.model, None)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops a launched server
-    proc = None
-    url = args.url
-    if args.launch:
-        proc, url = launch(model_path, args.num_threads, args.dtype)
-        print(f"bench: server at {url}", file=sys.stderr, flush=True)
+    workdir = tempfile.mkdtemp(prefix="gyrfalcon-bench-")
+    server = None
+    build_s = None
     try:
+        if args.random_weights:
+            from gyrfalcon.bench.weights import build_timed, folder_name
+
+            tokenizer = args.tokenizer or resolve_model(None, None)
+            folder = os.path.join(workdir, folder_name(args.random_weights))
+            built, build_s = build_timed(args.random_weights, tokenizer, folder, device, args.dtype, args.seed)
+            model_path = str(built)
+            _say(f"random weights of {args.random_weights} built in {build_s:.1f} s")
+        else:
+            model_path = resolve_model(args.model, None)
+        url = args.url
+        if args.launch:
+
+            def argv(port: int) -> list[str]:
+                return serve_argv(port, model_path, device, args.dtype, args.num_threads, max(args.concurrency), args.serve_args)
+
+            server = launch(argv, os.path.join(workdir, "serve.log"))
+            url = server.url
+            _say(f"server at {url}: {shlex.join(server.argv[2:])}")
         client = Client(url, args.api_key)
         name = client.model_name()
-        from transformers import AutoConfig
-
-        vocab = int(AutoConfig.from_pretrained(model_path, local_files_only=True).vocab_size)
-        prompts = _prompts(max(args.requests, max(args.concurrency)), args.prompt_tokens, vocab, args.seed)
-        run_load(client, [_completion(name, prompts[0], 8)] * 2, 1)  # warm-up
+        vocab = _vocab(model_path)
+        counts = [requests_at(args, c, device) for c in args.concurrency]
+        prompts = _prompts(max(*counts, *args.concurrency), args.prompt_tokens, vocab, args.seed)
+        warm_up(Client(url, args.api_key, timeout=WARM_UP_TIMEOUT_S), name, prompts, max(args.concurrency), server)
         loads = []
-        for c in args.concurrency:
-            bodies = [_completion(name, prompts[i % len(prompts)], args.output_tokens) for i in range(args.requests)]
-            load = run_load(client, bodies, c)
+        for c, count in zip(args.concurrency, counts):
+            load = run_load(client, [_completion(name, prompts[i % len(prompts)], args.output_tokens) for i in range(count)], c)
             loads.append(load)
-            print(f"bench: c={c}: {load.output_tokens_per_s:.1f} tok/s, TTFT p50 {load.ttft(50) * 1000:.0f} ms, "
-                  f"TPOT p50 {load.tpot(50) * 1000:.1f} ms, {load.errors} errors", file=sys.stderr, flush=True)  # fmt: skip
+            _say(f"c={c}: {load.output_tokens_per_s:.1f} tok/s, TTFT p50 {load.ttft(50) * 1000:.0f} ms, "
+                 f"TPOT p50 {load.tpot(50) * 1000:.1f} ms, {load.errors} errors")  # fmt: skip
         n_cmp = n_comparison(client, name, prompts[0], args.n, args.output_tokens) if args.n > 1 else None
         if n_cmp:
-            print(f"bench: {n_cmp}", file=sys.stderr, flush=True)
+            _say(f"{n_cmp}")
         memory = None
         if args.mixed:
-            run_mixed(client, mixed_bodies(name, 50, vocab, args.seed + 1), 8)  # warm-up
-            pid, before = idle_rss(client)
-            errors = run_mixed(client, mixed_bodies(name, args.mixed, vocab, args.seed + 2), 8)
-            _, after = idle_rss(client)
-            memory = {"pid": pid, "requests": args.mixed, "rss_before": before, "rss_after": after, "errors": errors,
-                      "growth": (after - before) / before if before and after else float("nan")}  # fmt: skip
-            print(f"bench: memory {memory}", file=sys.stderr, flush=True)
-        ceilings = {}
+            memory = memory_check(client, name, args.mixed, vocab, args.seed)
+            _say(f"memory {memory}")
+        if server is not None:  # free the device (and the CPU) for the ceilings
+            server.stop()
+        ceilings: dict[str, Any] = {"eager": {}, "compiled": {}, "compiled_error": None, "peak_memory": None}
         if not args.no_ceiling:
-            from gyrfalcon.bench.ceiling import bare_loop, load as load_model
-
-            model = load_model(model_path, args.dtype, args.num_threads)
-            bare_loop(model, prompts[:2], 4)  # warm-up
-            for c in args.concurrency:
-                ceilings[c] = bare_loop(model, prompts[:c], args.output_tokens)
-            del model
+            ceilings = run_ceilings(model_path, args, device, prompts)
+        header = _header(args, device, model_path, build_s)
+    except RuntimeError as exc:  # the server failed to start, or a request failed
+        print(f"gyrfalcon bench: {exc}", file=sys.stderr)
+        return 1
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    text = table(loads, ceilings, n_cmp, memory)
-    header = (f"{args.requests} requests per level, {args.prompt_tokens}-token prompts, {args.output_tokens} output tokens, "
-              f"temperature 0, ignore_eos, {args.dtype}, {args.num_threads} thread(s), {os.cpu_count()} CPUs")  # fmt: skip
-    print(header + "\n\n" + text)
+        if server is not None:
+            server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    wall = time.perf_counter() - started
+    text = table(loads, ceilings["eager"], ceilings["compiled"], n_cmp, memory, device, ceilings["compiled_error"],
+                 ceilings["peak_memory"])  # fmt: skip
+    print(f"{header}\n\n{text}\n\ntotal wall time {wall:.0f} s")
     if args.json:
-        figures = {
-            "loads": [{"concurrency": x.concurrency, "req_per_s": x.request_throughput, "tok_per_s": x.output_tokens_per_s,
-                       "ttft_p50": x.ttft(50), "ttft_p99": x.ttft(99), "tpot_p50": x.tpot(50), "tpot_p99": x.tpot(99),
-                       "errors": x.errors} for x in loads],  # fmt: skip
-            "ceilings": {c: {"tok_per_s": r.output_tokens_per_s, "step_s": r.time_per_step, "prefill_s": r.prefill_s}
-                         for c, r in ceilings.items()},  # fmt: skip
-            "n": n_cmp,
-            "memory": memory,
-        }
+        data = figures(device, loads, ceilings["eager"], ceilings["compiled"], n_cmp, memory, dtype=args.dtype,
+                       compiled_error=ceilings["compiled_error"], peak_memory=ceilings["peak_memory"], build_s=build_s,
+                       wall_s=wall)  # fmt: skip
         with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+            json.dump(data, f, indent=2)
     return 0
