@@ -32,6 +32,8 @@ class BatchRows:
     output_token_ids: list[list[int]]
     extensions: list[dict[str, Any]] = field(default_factory=list)
     generators: list[Any] = field(default_factory=list)
+    #: per row, the uniform number in [0, 1) its token is drawn with (from the same seed and position)
+    uniforms: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.params)

@@ -40,24 +40,23 @@ log = logging.getLogger(__name__)
 
 
 def noise_seed(seed: int, position: int) -> int:
-    """The generator seed of a sequence's draw at ``position`` (its generated-token index)."""
+    """The 63-bit seed of a sequence's draw at ``position`` (its generated-token index)."""
     digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
 def batch_rows(sequences: list[Sequence], owners: list[RequestState], device: torch.device) -> BatchRows:
-    """The per-row view of a batch that processors and gatherers receive; each sampling row's
-    generator is seeded from (its sequence's seed, the position it draws)."""
-    generators = [
-        None if seq.params.greedy else torch.Generator(device=device).manual_seed(noise_seed(seq.seed, len(seq.token_ids)))
-        for seq in sequences
-    ]
+    """The per-row view of a batch that processors and gatherers receive. A sampling row's draw
+    (its uniform number, and the generator offered to processors) is keyed by (its sequence's
+    seed, the position it draws)."""
+    seeds = [None if seq.params.greedy else noise_seed(seq.seed, len(seq.token_ids)) for seq in sequences]
     return BatchRows(
         params=[seq.params for seq in sequences],
         prompt_token_ids=[seq.prompt_token_ids for seq in sequences],
         output_token_ids=[seq.token_ids for seq in sequences],
         extensions=[state.request.extensions for state in owners],
-        generators=generators,
+        generators=[None if seed is None else torch.Generator(device=device).manual_seed(seed) for seed in seeds],
+        uniforms=[0.0 if seed is None else (seed >> 10) / 2.0**53 for seed in seeds],
     )
 
 

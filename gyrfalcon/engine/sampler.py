@@ -10,10 +10,12 @@ One ``[B, V]`` pass per step:
 4. a row left with no token to choose (every logit ``-inf``: the request's constraints exclude
    everything) or with NaN logits gets no token but an in-band error (:attr:`SamplerOutput.errors`);
    the other rows are sampled as usual;
-5. greedy rows (temperature < 1e-5) take the argmax; the others ``argmax(probs / q)`` with
-   ``q ~ Exp(1)`` drawn from the row's own generator (seeded from the choice's seed and the
-   position it draws; the engine's generator only for a row without one), so a seeded row samples
-   the same token whatever its batch company, and again when it is recomputed after a preemption.
+5. greedy rows (temperature < 1e-5) take the argmax; the others invert their distribution's CDF
+   at one uniform number per row (``BatchRows.uniforms``: a function of the choice's seed and the
+   position it draws; without it, one draw from the row's generator or the engine's), so a seeded
+   row samples the same token whatever its batch company, and again when it is recomputed after a
+   preemption. One random number per row instead of one per vocabulary entry: the draw costs a
+   cumulative sum, not a random vector of the vocabulary's size per row.
 """
 
 from __future__ import annotations
@@ -104,24 +106,25 @@ class Sampler:
                 errors[i] = excluded_error(rows.params[i], len(rows.output_token_ids[i]))
         return errors
 
+    def _uniform(self, rows: BatchRows, i: int) -> float:
+        if rows.uniforms:
+            return rows.uniforms[i]
+        generator = (rows.generators[i] if rows.generators else None) or self.default_generator
+        return float(torch.rand(1, generator=generator, device=generator.device, dtype=torch.float64))
+
     def choose(self, logits: torch.Tensor, rows: BatchRows) -> torch.Tensor:
-        """``[B]`` token ids from processed logits: argmax for greedy rows, exponential race otherwise."""
+        """``[B]`` token ids from processed logits: argmax for greedy rows, inverse CDF otherwise."""
         chosen = logits.argmax(dim=-1)
         random_rows = [i for i, params in enumerate(rows.params) if not params.greedy]
         if random_rows:
-            generators = rows.generators or [None] * len(rows)
-            vocab = logits.shape[-1]
-            q = torch.stack(
-                [
-                    torch.empty(vocab, device=logits.device, dtype=torch.float32).exponential_(
-                        generator=generators[i] or self.default_generator
-                    )
-                    for i in random_rows
-                ]
-            )
-            index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
-            probs = logits.index_select(0, index).float().softmax(dim=-1)
-            chosen[index] = (probs / q.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+            device = logits.device
+            index = torch.tensor(random_rows, dtype=torch.long, device=device)
+            uniforms = torch.tensor([self._uniform(rows, i) for i in random_rows], dtype=torch.float64, device=device)
+            # fp64 sums: the CDF's last entries stay exact enough over a large vocabulary
+            cdf = logits.index_select(0, index).float().softmax(dim=-1).double().cumsum(dim=-1)
+            target = (uniforms * cdf[:, -1]).unsqueeze(1)
+            picked = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max(logits.shape[-1] - 1)
+            chosen[index] = picked
         return chosen
 
     def gather_logprobs(

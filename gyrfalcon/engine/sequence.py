@@ -70,7 +70,7 @@ class Sequence:
     def visible_text(self) -> str:
         if self.finished:
             return self.text
-        held = self.stopper.holdback(self.text)
+        held = self.stopper.held()
         return self.text[: len(self.text) - held] if held else self.text
 
     def append(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
@@ -91,7 +91,7 @@ class Sequence:
             return
         delta = self.detokenizer.add(token_id)
         self.text += delta
-        hit = self.stopper.check_text(self.text, len(delta), count)
+        hit = self.stopper.check_text(self.text, count)
         if hit is not None:
             stop, cut = hit
             self.text = self.text[:cut]

@@ -169,3 +169,32 @@ def test_holdback_is_the_longest_possible_stop_prefix():
     assert checker.holdback("zz") == 0
     included = StopChecker(SamplingParams(stop=["abc"], include_stop_str_in_output=True), [EOS], 1, 100)
     assert included.holdback("zzab") == 0
+
+
+def _brute_holdback(stops, text):
+    return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+
+
+def test_incremental_stop_matching_equals_a_brute_force_search():
+    """The automata fed chunk by chunk find the earliest-starting stop string ending in each chunk
+    and hold back exactly the longest stop-string prefix ending the text (on random texts)."""
+    import random
+
+    rng = random.Random(3)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        checker = StopChecker(SamplingParams(stop=stops), [EOS], 1, 1000)
+        text = ""
+        while len(text) < 40:
+            chunk = "".join(rng.choice("abc") for _ in range(rng.randint(1, 4)))
+            before, text = len(text), text + chunk
+            found = checker.check_text(text, 1)
+            window = max(0, before - max(map(len, stops)) + 1)
+            hits = [(text.find(s, window), s) for s in stops]
+            hits = [(p, s) for p, s in hits if p >= 0 and p + len(s) > before]
+            if hits:
+                position, stop = min(hits)
+                assert found == (stop, position), (stops, text)
+                break
+            assert found is None, (stops, text)
+            assert checker.held() == _brute_holdback(stops, text) == checker.holdback(text)

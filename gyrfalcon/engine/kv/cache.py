@@ -18,7 +18,7 @@ import torch
 log = logging.getLogger(__name__)
 
 #: the budget on CPU when ``--kv-cache-memory`` is not given: at most this many bytes …
-CPU_DEFAULT_BYTES = 4 << 30
+CPU_DEFAULT_BYTES = 2 << 30
 #: … and at most this share of the memory available at start-up
 CPU_AVAILABLE_SHARE = 0.25
 

@@ -7,8 +7,8 @@ function registered here as ``"gyrfalcon_paged"``, which
 
 1. writes the step's new keys and values into their slots of the preallocated cache
    (:class:`gyrfalcon.engine.kv.cache.PagedKVCache`), then
-2. reads, per sequence, only the slots of its own blocks (gathered through its block table) and
-   runs SDPA (transformers' ``sdpa`` function, so GQA and kernel choice are the library's):
+2. reads, per sequence, only its own blocks (whole blocks gathered through its block table: one
+   copy of contiguous block-sized chunks, never a per-token gather) and runs SDPA (transformers' ``sdpa`` function, so GQA and kernel choice are the library's):
    one batched call for the single-token segments (decode), one call per multi-token segment
    (a prefill chunk), each with a mask built from positions — causal, and windowed on layers
    with a sliding window.
@@ -35,12 +35,12 @@ STEP_KWARG = "gyrfalcon_step"
 class Segment:
     """``count`` consecutive tokens of one sequence at positions ``start .. start + count - 1``,
     at flat offset ``offset`` of the step; the sequence's context then spans ``start + count``
-    tokens whose slots are ``slots`` (a ``[start + count]`` long tensor)."""
+    tokens, held by ``blocks`` (the first blocks of its table, a ``[nb]`` long tensor)."""
 
     offset: int
     start: int
     count: int
-    slots: torch.Tensor
+    blocks: torch.Tensor
 
 
 @dataclass
@@ -48,8 +48,8 @@ class StepMetadata:
     """Everything the attention function needs for one forward (built by the runner).
 
     ``slot_mapping``: ``[T]`` cache slot of each new token. Single-token segments form the decode
-    group: ``decode_rows`` (flat offsets, ``[B]``), ``decode_gather`` (``[B, L]`` slots of each
-    row's context, padded with the scratch slot) and ``decode_positions`` (``[B]`` position of each
+    group: ``decode_rows`` (flat offsets, ``[B]``), ``decode_blocks`` (``[B, nb]`` block table of
+    each row, padded with the scratch block) and ``decode_positions`` (``[B]`` position of each
     row's token; context column ``j`` holds position ``j``). Multi-token segments are ``prefills``.
     ``decode_only`` marks a step of decode rows at flat offsets ``0..B-1`` (the captured shape).
     """
@@ -57,7 +57,7 @@ class StepMetadata:
     cache: PagedKVCache
     slot_mapping: torch.Tensor
     decode_rows: torch.Tensor | None = None
-    decode_gather: torch.Tensor | None = None
+    decode_blocks: torch.Tensor | None = None
     decode_positions: torch.Tensor | None = None
     prefills: list[Segment] = field(default_factory=list)
     decode_only: bool = False
@@ -69,8 +69,9 @@ class StepMetadata:
         key = ("decode", window)
         mask = self._masks.get(key)
         if mask is None:
-            assert self.decode_gather is not None and self.decode_positions is not None
-            columns = torch.arange(self.decode_gather.shape[1], device=self.decode_gather.device)
+            assert self.decode_blocks is not None and self.decode_positions is not None
+            width = self.decode_blocks.shape[1] * self.cache.block_size
+            columns = torch.arange(width, device=self.decode_blocks.device)
             position = self.decode_positions.unsqueeze(1)
             mask = columns.unsqueeze(0) <= position
             if window is not None:
@@ -79,14 +80,14 @@ class StepMetadata:
         return mask
 
     def prefill_mask(self, index: int, window: int | None) -> torch.Tensor:
-        """``[1, 1, count, start + count]`` causal (and windowed) mask of prefill segment ``index``."""
+        """``[1, 1, count, nb * block_size]`` causal (and windowed) mask of prefill segment ``index``."""
         key = (index, window)
         mask = self._masks.get(key)
         if mask is None:
             segment = self.prefills[index]
-            device = segment.slots.device
+            device = segment.blocks.device
             queries = torch.arange(segment.start, segment.start + segment.count, device=device).unsqueeze(1)
-            keys = torch.arange(segment.start + segment.count, device=device).unsqueeze(0)
+            keys = torch.arange(segment.blocks.shape[0] * self.cache.block_size, device=device).unsqueeze(0)
             mask = keys <= queries
             if window is not None:
                 mask &= keys > queries - window
@@ -119,31 +120,35 @@ def paged_attention(
     step: StepMetadata = kwargs.pop(STEP_KWARG)
     window = _window(module, kwargs)
     layer = module.layer_idx
-    k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]
+    cache = step.cache
+    k_cache, v_cache = cache.keys[layer], cache.values[layer]
     k_cache.index_copy_(0, step.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, step.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    blocked = (cache.num_blocks, cache.block_size, *k_cache.shape[1:])
 
-    def attend(q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # q: [b, H, q, D]; slots: [b, L] -> keys/values [b, KVH, L, D]
-        k = k_cache[slots].transpose(1, 2).to(q.dtype)
-        v = v_cache[slots].transpose(1, 2).to(q.dtype)
+    def attend(q: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # q: [b, H, q, D]; blocks: [b, nb] -> keys/values [b, KVH, nb * block_size, D]
+        rows, width = blocks.shape[0], blocks.shape[1] * cache.block_size
+        k = k_cache.view(blocked).index_select(0, blocks.reshape(-1)).view(rows, width, *blocked[2:])
+        v = v_cache.view(blocked).index_select(0, blocks.reshape(-1)).view(rows, width, *blocked[2:])
+        k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
         out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling, is_causal=False)
         return out  # [b, q, H, D]
 
     if step.decode_only:
         q = query[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-        out = attend(q, step.decode_gather, step.decode_mask(window))
+        out = attend(q, step.decode_blocks, step.decode_mask(window))
         return out.transpose(0, 1), None  # [1, B, H, D]
 
     total = query.shape[2]
     output = query.new_empty((1, total, query.shape[1], query.shape[3]))
     if step.decode_rows is not None:
         q = query[0].index_select(1, step.decode_rows).transpose(0, 1).unsqueeze(2)
-        out = attend(q, step.decode_gather, step.decode_mask(window))
+        out = attend(q, step.decode_blocks, step.decode_mask(window))
         output[0].index_copy_(0, step.decode_rows, out[:, 0])
     for index, segment in enumerate(step.prefills):
         q = query[:, :, segment.offset : segment.offset + segment.count]
-        out = attend(q, segment.slots.unsqueeze(0), step.prefill_mask(index, window))
+        out = attend(q, segment.blocks.unsqueeze(0), step.prefill_mask(index, window))
         output[:, segment.offset : segment.offset + segment.count] = out
     return output, None
 

@@ -3,7 +3,7 @@
 A decode step of ``B`` sequences whose longest context is ``W`` tokens runs in the bucket
 ``(B', L)``: ``B'`` the smallest batch bucket ≥ ``B``, ``L`` the smallest context bucket ≥ ``W``
 (powers of two from 64, up to the context length). Each bucket owns static input buffers — token
-ids, positions, KV slots, the ``[B', L]`` slots of every row's context — and its output logits.
+ids, positions, KV slots, the block table of every row's first ``L`` tokens — and its output logits.
 Padding rows write their KV to the scratch block and read only it, so they touch no sequence's
 blocks; their logits are dropped. On CUDA each bucket's forward is captured once as a CUDA graph
 (the first time it is needed) and replayed; elsewhere the same buffers run eagerly, so the path is
@@ -73,7 +73,8 @@ class DecodeSteps:
     def _new(self, batch: int, width: int) -> _Bucket:
         device = self.runner.device
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
-        step = StepMetadata(self.runner.cache, zeros(batch), decode_gather=zeros(batch, width),
+        blocks = -(-width // self.runner.cache.block_size)
+        step = StepMetadata(self.runner.cache, zeros(batch), decode_blocks=zeros(batch, blocks),
                             decode_positions=zeros(batch), decode_only=True)  # fmt: skip
         return _Bucket(batch, width, zeros(1, batch), zeros(1, batch), step)
 
@@ -116,7 +117,7 @@ class DecodeSteps:
 
     def run(self, works: list[Work]) -> torch.Tensor | None:
         """The ``[len(works), V]`` fp32 next-token logits of a decode step (None: no bucket fits)."""
-        from gyrfalcon.engine.model.runner import block_table_slots
+        from gyrfalcon.engine.model.runner import block_tables
 
         key = self.bucket(len(works), max(w.start + 1 for w in works))
         if key is None:
@@ -130,14 +131,14 @@ class DecodeSteps:
             ids[0, row] = work.tokens[0]
             positions[0, row] = work.start
             slots[row] = work.blocks[work.start // bs] * bs + work.start % bs
-        gather = block_table_slots([w.blocks for w in works], bucket.width, bs, torch.device("cpu"))
+        tables = block_tables([w.blocks for w in works], bucket.step.decode_blocks.shape[1])
         step = bucket.step
         bucket.ids.copy_(ids, non_blocking=True)
         bucket.positions.copy_(positions, non_blocking=True)
         step.slot_mapping.copy_(slots, non_blocking=True)
         step.decode_positions.copy_(positions[0], non_blocking=True)
-        step.decode_gather.zero_()
-        step.decode_gather[:n].copy_(gather, non_blocking=True)
+        step.decode_blocks.zero_()
+        step.decode_blocks[:n].copy_(tables, non_blocking=True)
         bucket.runs += 1
         if bucket.graph is not None:
             bucket.graph.replay()

@@ -40,17 +40,11 @@ def _slots(blocks: list[int], start: int, stop: int, block_size: int) -> list[in
     return [blocks[p // block_size] * block_size + p % block_size for p in range(start, stop)]
 
 
-def block_table_slots(tables: list[list[int]], width: int, block_size: int, device: torch.device) -> torch.Tensor:
-    """``[len(tables), width]`` slots of each table's first ``width`` positions (past a table's
-    end: the scratch block's slots, which masks hide)."""
-    blocks_needed = -(-width // block_size)
-    padded = torch.zeros((len(tables), blocks_needed), dtype=torch.long)
-    for row, table in enumerate(tables):
-        used = table[:blocks_needed]
-        if used:
-            padded[row, : len(used)] = torch.as_tensor(used, dtype=torch.long)
-    slots = padded.unsqueeze(2) * block_size + torch.arange(block_size).view(1, 1, -1)
-    return slots.reshape(len(tables), -1)[:, :width].to(device)
+def block_tables(tables: list[list[int]], blocks: int) -> torch.Tensor:
+    """``[len(tables), blocks]`` (CPU): each table's first ``blocks`` blocks, padded with the
+    scratch block (0), whose columns lie past every row's position and are masked."""
+    padded = [table[:blocks] + [0] * (blocks - len(table[:blocks])) for table in tables]
+    return torch.tensor(padded, dtype=torch.long)
 
 
 class ModelRunner:
@@ -108,14 +102,14 @@ class ModelRunner:
         device = self.device
         step = StepMetadata(self.cache, torch.tensor(slots, dtype=torch.long, device=device))
         if decode:
-            width = max(w.start + 1 for _, w in decode)
+            blocks = -(-max(w.start + 1 for _, w in decode) // bs)
             step.decode_rows = torch.tensor([o for o, _ in decode], dtype=torch.long, device=device)
-            step.decode_gather = block_table_slots([w.blocks for _, w in decode], width, bs, device)
+            step.decode_blocks = block_tables([w.blocks for _, w in decode], blocks).to(device)
             step.decode_positions = torch.tensor([w.start for _, w in decode], dtype=torch.long, device=device)
         for offset, work in prefill:
-            stop = work.start + len(work.tokens)
-            span = block_table_slots([work.blocks], stop, bs, device)[0]
-            step.prefills.append(Segment(offset, work.start, len(work.tokens), span))
+            blocks = -(-(work.start + len(work.tokens)) // bs)
+            table = torch.tensor(work.blocks[:blocks], dtype=torch.long, device=device)
+            step.prefills.append(Segment(offset, work.start, len(work.tokens), table))
         logits = self.run_model(
             torch.tensor([ids], dtype=torch.long, device=device),
             torch.tensor([positions], dtype=torch.long, device=device),
