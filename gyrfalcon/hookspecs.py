@@ -21,8 +21,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import falcon
 
     from gyrfalcon.config import Settings
-    from gyrfalcon.engine.interface import Engine
-    from gyrfalcon.engine.types import EngineInfo, EngineRequest
+    from gyrfalcon.engine_api.interface import Engine
+    from gyrfalcon.engine_api.types import EngineInfo, EngineRequest
     from gyrfalcon.policies import LogitsProcessor, LogprobGatherer
 
 PROJECT = "gyrfalcon"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gyrfalcon.engine.types import EngineInfo, SamplingParams
+from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -29,7 +29,7 @@ from gyrfalcon.api.resources import (
     VersionResource,
 )
 from gyrfalcon.config import Settings
-from gyrfalcon.engine.interface import Engine
+from gyrfalcon.engine_api.interface import Engine
 from gyrfalcon.plugins import merged_dict, plugin_manager
 
 #: routes that answer without an API key

@@ -12,8 +12,8 @@ import pluggy
 from gyrfalcon.api.errors import APIError
 from gyrfalcon.api.spec import bounded_extensions, chat_template_overhead, deployment_spec, template_renders_names
 from gyrfalcon.config import Settings
-from gyrfalcon.engine.interface import Engine
-from gyrfalcon.engine.types import EngineInfo
+from gyrfalcon.engine_api.interface import Engine
+from gyrfalcon.engine_api.types import EngineInfo
 from gyrfalcon.plugins import merged_dict
 from gyrfalcon.protocol.translate import Translator
 

@@ -7,11 +7,13 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import falcon
 import orjson
 
+from gyrfalcon.engine_api.errors import EngineUnavailable
 from gyrfalcon.errors import RequestError
 
 log = logging.getLogger("gyrfalcon.api")
@@ -63,6 +65,11 @@ def handle_request_error(req: falcon.Request, resp: falcon.Response, ex: Request
     raise APIError.from_request_error(ex)
 
 
+def handle_engine_unavailable(req: falcon.Request, resp: falcon.Response, ex: EngineUnavailable, params: dict) -> None:
+    retry = str(max(1, math.ceil(ex.retry_after)))
+    raise APIError(503, ex.message, "server_overloaded", None, {"Retry-After": retry})
+
+
 def handle_unexpected(req: falcon.Request, resp: falcon.Response, ex: Exception, params: dict) -> None:
     if isinstance(ex, falcon.HTTPError):
         raise ex
@@ -74,3 +81,4 @@ def install(app: falcon.App) -> None:
     app.set_error_serializer(serialize_error)
     app.add_error_handler(Exception, handle_unexpected)
     app.add_error_handler(RequestError, handle_request_error)
+    app.add_error_handler(EngineUnavailable, handle_engine_unavailable)

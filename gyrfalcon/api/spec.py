@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from gyrfalcon.engine.interface import Engine
-from gyrfalcon.engine.types import EngineInfo
+from gyrfalcon.engine_api.interface import Engine
+from gyrfalcon.engine_api.types import EngineInfo
 from gyrfalcon.openapi.served import ServedLimits, bundle, request_field_names, served_spec, walk_schemas
 from gyrfalcon.protocol.capabilities import unsupported_fields
 

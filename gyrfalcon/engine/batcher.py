@@ -33,7 +33,7 @@ from gyrfalcon.engine.outputs import RequestState
 from gyrfalcon.engine.sampler import Sampler, SamplerOutput
 from gyrfalcon.engine.scheduler import Scheduled, Scheduler
 from gyrfalcon.engine.sequence import Sequence
-from gyrfalcon.engine.types import EngineError, EngineRequest, TokenLogprobs
+from gyrfalcon.engine_api.types import EngineError, EngineRequest, TokenLogprobs
 from gyrfalcon.policies import BatchRows
 
 log = logging.getLogger(__name__)

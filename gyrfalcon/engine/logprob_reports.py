@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gyrfalcon.engine.types import LOGPROB_FLOOR, TokenLogprobs
+from gyrfalcon.engine_api.types import LOGPROB_FLOOR, TokenLogprobs
 from gyrfalcon.policies import BatchRows, LogprobGatherer
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gyrfalcon.engine.interface import OutputStream
+from gyrfalcon.engine_api.interface import OutputStream
 from gyrfalcon.engine.sequence import Sequence
-from gyrfalcon.engine.types import CompletionOutput, EngineError, EngineRequest, OutputKind, RequestOutput, TokenLogprobs
+from gyrfalcon.engine_api.types import CompletionOutput, EngineError, EngineRequest, OutputKind, RequestOutput, TokenLogprobs
 
 
 def _slice_logprobs(logprobs: TokenLogprobs | None, start: int) -> TokenLogprobs | None:

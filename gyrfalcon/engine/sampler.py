@@ -27,7 +27,7 @@ import torch
 
 from gyrfalcon.engine.logprob_reports import merge_gathered
 from gyrfalcon.engine.prompt_logprobs import compute_prompt_logprobs
-from gyrfalcon.engine.types import EngineError, EngineRequest, SamplingParams, TokenLogprobs
+from gyrfalcon.engine_api.types import EngineError, EngineRequest, SamplingParams, TokenLogprobs
 from gyrfalcon.policies import BatchRows, LogitsProcessor, LogprobGatherer
 
 #: the request fields that can exclude tokens, most specific first (the in-band error's ``param``)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from gyrfalcon.engine.kv.blocks import BlockPool, chain_hash
 from gyrfalcon.engine.outputs import RequestState
 from gyrfalcon.engine.sequence import Sequence
+from gyrfalcon.engine_api.errors import QueueFull
 from gyrfalcon.errors import RequestError
 
 
@@ -74,16 +75,10 @@ class Scheduler:
     # ----------------------------------------------------------------- the queue (any thread)
 
     def add(self, state: RequestState) -> None:
-        """Enqueue, or raise a 503 ``RequestError`` (with ``Retry-After``) when the queue is full."""
+        """Enqueue, or raise :class:`QueueFull` (a 503 with ``Retry-After``) when the queue is full."""
         with self._cond:
             if len(self._waiting) >= self.max_queue_len:
-                raise RequestError(
-                    f"the server is busy: {self.max_queue_len} requests are already waiting",
-                    None,
-                    status=503,
-                    type="server_overloaded",
-                    headers={"Retry-After": "1"},
-                )
+                raise QueueFull(f"the server is busy: {self.max_queue_len} requests are already waiting")
             self._waiting.append(state)
             self._cond.notify()
 

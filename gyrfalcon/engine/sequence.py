@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gyrfalcon.engine.detokenizer import IncrementalDetokenizer
 from gyrfalcon.engine.stopping import StopChecker
-from gyrfalcon.engine.types import SamplingParams, TokenLogprobs
+from gyrfalcon.engine_api.types import SamplingParams, TokenLogprobs
 
 
 class Sequence:

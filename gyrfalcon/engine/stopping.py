@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 
-from gyrfalcon.engine.types import SamplingParams
+from gyrfalcon.engine_api.types import SamplingParams
 
 
 @functools.lru_cache(maxsize=4096)

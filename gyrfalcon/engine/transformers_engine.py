@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 
-from gyrfalcon.config import Settings
 from gyrfalcon.engine.batcher import Batcher
 from gyrfalcon.engine.detokenizer import IncrementalDetokenizer
-from gyrfalcon.engine.interface import Engine, OutputStream
+from gyrfalcon.engine_api.interface import Engine, OutputStream
 from gyrfalcon.engine.kv.blocks import BlockPool
 from gyrfalcon.engine.kv.cache import KVShape, PagedKVCache, plan_cache
 from gyrfalcon.engine.model.runner import ModelRunner, Work
@@ -30,9 +29,11 @@ from gyrfalcon.engine.sampler import Sampler
 from gyrfalcon.engine.scheduler import Scheduler
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine.stopping import StopChecker
-from gyrfalcon.engine.streams import CoalescingOutputStream
-from gyrfalcon.engine.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind, TokenLogprobs
+from gyrfalcon.engine_api.streams import CoalescingOutputStream
+from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind, TokenLogprobs
 from gyrfalcon.engine.validation import NATIVE_CAPABILITIES, validate_request
+from gyrfalcon.engine_api.config import EngineConfig
+from gyrfalcon.engine_api.errors import ShuttingDown
 from gyrfalcon.errors import RequestError
 from gyrfalcon.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 
@@ -46,49 +47,40 @@ PREFILL_CHUNK_TOKENS = 512
 class TransformersEngine(Engine):
     """An :class:`Engine` over a local Hugging Face causal-LM folder.
 
-    ``settings``: model folder (``model_path`` overrides ``settings.model``, e.g. a converted GGUF
-    folder), limits, seed, dtype, device, threads. ``pm``: the plugin manager whose engine hooks
-    (logits processors, logprob gatherers) are resolved once here; None builds one from
-    ``settings.plugins_allow`` / ``settings.plugins_block``. ``start=False`` leaves the background
-    thread to :meth:`start` (tests).
+    ``config``: the model folder, limits, seed, dtype, device, threads, KV cache. ``pm``: the plugin
+    manager whose engine hooks (logits processors, logprob gatherers) are resolved once here.
+    ``start=False`` leaves the background thread to :meth:`start` (tests).
     """
 
-    def __init__(self, settings: Settings, pm: Any = None, *, model_path: str | None = None, start: bool = True):
+    def __init__(self, config: EngineConfig, pm: Any, *, start: bool = True):
         from transformers import AutoConfig, GenerationConfig
 
-        self.settings = settings
-        path = model_path or settings.model
-        if not path:
-            raise ValueError("TransformersEngine needs a model folder (settings.model or model_path)")
-        self.model_path = str(path)
-        self.device = resolve_device(settings.device)
-        self.dtype = resolve_dtype(settings.dtype, self.device)
+        self.engine_config = cfg = config
+        self.model_path = str(config.model)
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         self.tokenizer = load_tokenizer(self.model_path)
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self._token_bytes = None  # gyrfalcon.engine.token_bytes.TokenBytes, built on first use
         self.eos_token_ids = self._eos_ids(GenerationConfig)
 
-        model_max = int(getattr(self.config, "max_position_embeddings", 0) or settings.max_model_len or 2048)
-        max_model_len = min(settings.max_model_len or model_max, model_max)
-        if settings.max_model_len and settings.max_model_len > model_max:
+        model_max = int(getattr(self.config, "max_position_embeddings", 0) or cfg.max_model_len or 2048)
+        max_model_len = min(cfg.max_model_len or model_max, model_max)
+        if cfg.max_model_len and cfg.max_model_len > model_max:
             log.warning("max_model_len %d exceeds the model's %d positions; using %d",
-                        settings.max_model_len, model_max, model_max)  # fmt: skip
+                        cfg.max_model_len, model_max, model_max)  # fmt: skip
         base = EngineInfo(
             model_path=self.model_path,
             vocab_size=int(self.config.vocab_size),
             max_model_len=max_model_len,
             eos_token_ids=self.eos_token_ids,
-            max_logprobs=settings.max_logprobs,
-            max_num_seqs=settings.max_num_seqs,
+            max_logprobs=cfg.max_logprobs,
+            max_num_seqs=cfg.max_num_seqs,
             capabilities=NATIVE_CAPABILITIES,
             dtype=str(self.dtype).removeprefix("torch."),
             device=self.device,
         )
-        if pm is None:
-            from gyrfalcon.plugins import plugin_manager
-
-            pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
         self.processors = [p for result in pm.hook.gyrfalcon_logits_processors(info=base) for p in (result or [])]
         self.gatherers = [g for result in pm.hook.gyrfalcon_logprob_gatherers(info=base) for g in (result or [])]
         capabilities = set(NATIVE_CAPABILITIES)
@@ -97,10 +89,10 @@ class TransformersEngine(Engine):
         base.capabilities = frozenset(capabilities)
         self._info = base
 
-        self.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
-        self._seeds = torch.Generator().manual_seed(settings.seed)  # seeds of unseeded choices (CPU)
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self._seeds = torch.Generator().manual_seed(cfg.seed)  # seeds of unseeded choices (CPU)
         self.sampler = Sampler(self.processors, self.gatherers, self.eos_token_ids, self.generator)
-        self.scheduler = Scheduler(settings.max_queue_len, settings.max_num_seqs, settings.max_num_batched_tokens,
+        self.scheduler = Scheduler(cfg.max_queue_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    PREFILL_CHUNK_TOKENS)  # fmt: skip
         self.runner: ModelRunner | None = None
         self.cache_plan = None  # gyrfalcon.engine.kv.cache.CachePlan, once loaded
@@ -157,7 +149,7 @@ class TransformersEngine(Engine):
         with self._lock:
             if not self._accepting:
                 why = self._health.message or "the engine is shutting down"
-                raise RequestError(why, None, status=503, type="server_overloaded", headers={"Retry-After": "1"})
+                raise ShuttingDown(why)
             if request.request_id in self._live:
                 raise RequestError(f"request id {request.request_id!r} is already running", "request_id")
             self.scheduler.add(state)
@@ -331,21 +323,21 @@ class TransformersEngine(Engine):
         self._forget(state, "requests_failed")
 
     def _load(self) -> None:
-        settings = self.settings
+        cfg = self.engine_config
         if self.device == "cpu":
-            torch.set_num_threads(settings.num_threads)
-        model = load_model(self.model_path, settings.dtype, self.device)
+            torch.set_num_threads(cfg.num_threads)
+        model = load_model(self.model_path, cfg.dtype, self.device)
         shape = KVShape.of(model.config, next(model.parameters()).dtype)
-        plan = plan_cache(shape, self.device, settings.block_size, settings.max_num_seqs, self._info.max_model_len,
-                          settings.kv_cache_memory, settings.gpu_memory_utilization)  # fmt: skip
+        plan = plan_cache(shape, self.device, cfg.block_size, cfg.max_num_seqs, self._info.max_model_len,
+                          cfg.kv_cache_memory, cfg.gpu_memory_utilization)  # fmt: skip
         log.warning("%s", plan.describe(self._info.max_model_len))
         self.cache_plan = plan
         cache = PagedKVCache(shape, plan.num_blocks, plan.block_size, self.device)
-        pool = BlockPool(plan.num_blocks, plan.block_size, settings.enable_prefix_caching)
+        pool = BlockPool(plan.num_blocks, plan.block_size, cfg.enable_prefix_caching)
         capture = "off"
-        if self.device.startswith("cuda") and not settings.enforce_eager:
+        if self.device.startswith("cuda") and not cfg.enforce_eager:
             capture = "cuda-graphs"
-        runner = ModelRunner(model, cache, capture=capture, max_batch=settings.max_num_seqs,
+        runner = ModelRunner(model, cache, capture=capture, max_batch=cfg.max_num_seqs,
                              max_model_len=self._info.max_model_len)  # fmt: skip
         # Warm-up through the same kernels as requests, on the scratch block only (no request's KV).
         with torch.inference_mode():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gyrfalcon.engine.types import EngineInfo, EngineRequest, OutputKind
+from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind
 from gyrfalcon.errors import RequestError
 from gyrfalcon.policies import LogitsProcessor, LogprobGatherer
 

@@ -11,22 +11,28 @@ if TYPE_CHECKING:  # pragma: no cover
     from gyrfalcon.engine.transformers_engine import TransformersEngine
 
 
-def create_transformers_engine(settings: Settings, pm: Any = None, **kwargs: Any) -> TransformersEngine:
-    """Build and start a :class:`TransformersEngine`.
+def create_transformers_engine(
+    settings: Settings, pm: Any = None, *, model_path: str | None = None, start: bool = True
+) -> TransformersEngine:
+    """Build (and with ``start``, start) a :class:`TransformersEngine` from the server's settings.
 
-    ``pm``: the app's plugin manager, whose engine hooks are resolved once now; when None the
-    engine builds its own from ``settings.plugins_allow`` / ``settings.plugins_block``. Extra
-    keyword arguments (``model_path``, ``start``) go to the engine. Without ``model_path``, a
-    ``.gguf`` or unset ``settings.model`` is resolved to its converted cache folder
-    (:func:`gyrfalcon.models.default.resolve_model`; a folder is used as it is).
+    ``pm``: the app's plugin manager, whose engine hooks are resolved once now; None builds one
+    from ``settings.plugins_allow`` / ``settings.plugins_block`` (standalone use and tests).
+    Without ``model_path``, a ``.gguf`` or unset ``settings.model`` is resolved to its converted
+    cache folder (:func:`gyrfalcon.models.default.resolve_model`; a folder is used as it is).
     """
     from gyrfalcon.engine.transformers_engine import TransformersEngine
+    from gyrfalcon.engine_api.config import EngineConfig
 
-    if kwargs.get("model_path") is None:
+    if model_path is None:
         from gyrfalcon.models.default import resolve_model
 
-        kwargs["model_path"] = resolve_model(settings.model, settings.cache_dir)
-    return TransformersEngine(settings, pm, **kwargs)
+        model_path = resolve_model(settings.model, settings.cache_dir)
+    if pm is None:
+        from gyrfalcon.plugins import plugin_manager
+
+        pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
+    return TransformersEngine(EngineConfig.from_settings(settings, model_path), pm, start=start)
 
 
 @hookimpl

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gyrfalcon.engine.types import EngineInfo, SamplingParams
+from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.hookspecs import hookimpl
 from gyrfalcon.policies import BatchRows, LogprobGatherer

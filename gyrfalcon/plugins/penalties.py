@@ -23,7 +23,7 @@ import functools
 import math
 from typing import TYPE_CHECKING, Any
 
-from gyrfalcon.engine.types import EngineInfo, SamplingParams
+from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.hookspecs import hookimpl
 from gyrfalcon.policies import BatchRows, LogitsProcessor, row_index

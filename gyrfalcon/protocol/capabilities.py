@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from gyrfalcon.engine.types import SamplingParams
+from gyrfalcon.engine_api.types import SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.rules import RequestFields
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gyrfalcon.engine.types import EngineRequest
+from gyrfalcon.engine_api.types import EngineRequest
 
 
 @dataclass

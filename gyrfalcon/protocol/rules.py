@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gyrfalcon.engine.types import GREEDY_TEMPERATURE
+from gyrfalcon.engine_api.types import GREEDY_TEMPERATURE
 from gyrfalcon.errors import RequestError
 
 #: endpoints that accept a request body

@@ -18,8 +18,8 @@ import pydantic
 import pydantic_core
 
 from gyrfalcon import generated
-from gyrfalcon.engine.interface import Engine
-from gyrfalcon.engine.types import EngineInfo, EngineRequest, OutputKind, SamplingParams
+from gyrfalcon.engine_api.interface import Engine
+from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.capabilities import check_supported
 from gyrfalcon.protocol.requests import ServingRequest

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gyrfalcon.engine.interface import Engine
-from gyrfalcon.engine.types import CompletionOutput, RequestOutput, TokenLogprobs
+from gyrfalcon.engine_api.interface import Engine
+from gyrfalcon.engine_api.types import CompletionOutput, RequestOutput, TokenLogprobs
 from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.serving.logprob_formats import (
     Listing,

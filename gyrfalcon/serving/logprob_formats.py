@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gyrfalcon.engine.interface import Engine
-from gyrfalcon.engine.types import TokenLogprobs
+from gyrfalcon.engine_api.interface import Engine
+from gyrfalcon.engine_api.types import TokenLogprobs
 
 
 @dataclass(frozen=True)

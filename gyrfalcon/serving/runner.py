@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gyrfalcon.engine.interface import Engine, OutputStream
-from gyrfalcon.engine.streams import follow
-from gyrfalcon.engine.types import RequestOutput
+from gyrfalcon.engine_api.interface import Engine, OutputStream
+from gyrfalcon.engine_api.streams import follow
+from gyrfalcon.engine_api.types import RequestOutput
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.protocol.rules import wire_param

@@ -7,7 +7,7 @@ import requests
 import torch
 
 from gyrfalcon.config import Settings
-from gyrfalcon.engine.types import EngineRequest, SamplingParams
+from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
 from gyrfalcon.models.default import resolve_model
 from gyrfalcon.plugins.engines import create_transformers_engine
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from gyrfalcon.engine.types import OutputKind
+from gyrfalcon.engine_api.types import OutputKind
 from tests.unit.test_batching import PROMPTS, alone, finals, request, run, stepped  # noqa: F401 - fixture
 
 
@@ -101,7 +101,7 @@ def test_close_from_another_thread_frees_a_running_request(tiny_model_dir):
 
 
 def test_follow_closes_the_stream_when_the_client_is_gone(stepped):
-    from gyrfalcon.engine.streams import follow
+    from gyrfalcon.engine_api.streams import follow
 
     engine = stepped()
     stream = engine.submit(request(PROMPTS[0], temperature=0.0, max_tokens=40, ignore_eos=True))

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from gyrfalcon.engine.transformers_engine import TransformersEngine
-from gyrfalcon.engine.types import EngineRequest, OutputKind, SamplingParams
+from gyrfalcon.plugins.engines import create_transformers_engine
+from gyrfalcon.engine_api.types import EngineRequest, OutputKind, SamplingParams
 from tests.conftest import tiny_settings
 
 _ids = iter(range(10**9))
@@ -30,7 +31,7 @@ def stepped(tiny_model_dir):
     engines = []
 
     def make(**overrides) -> TransformersEngine:
-        engine = TransformersEngine(tiny_settings(tiny_model_dir, **overrides), start=False)
+        engine = create_transformers_engine(tiny_settings(tiny_model_dir, **overrides), start=False)
         assert engine.prepare()
         engines.append(engine)
         return engine

@@ -6,8 +6,8 @@ import queue
 
 import pytest
 
-from gyrfalcon.engine.streams import CoalescingOutputStream, merge_deltas
-from gyrfalcon.engine.types import CompletionOutput, OutputKind, RequestOutput, TokenLogprobs
+from gyrfalcon.engine_api.streams import CoalescingOutputStream, merge_deltas
+from gyrfalcon.engine_api.types import CompletionOutput, OutputKind, RequestOutput, TokenLogprobs
 from tests.unit.test_batching import PROMPTS, alone, request, run, stepped  # noqa: F401 - fixture
 
 

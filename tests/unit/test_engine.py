@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from gyrfalcon import hookimpl
-from gyrfalcon.engine.transformers_engine import TransformersEngine
-from gyrfalcon.engine.types import EngineRequest, OutputKind, SamplingParams
+from gyrfalcon.plugins.engines import create_transformers_engine
+from gyrfalcon.engine_api.types import EngineRequest, OutputKind, SamplingParams
+from gyrfalcon.engine_api.errors import QueueFull, ShuttingDown
 from gyrfalcon.errors import RequestError
 from gyrfalcon.policies import LogprobGatherer
 from tests.conftest import tiny_settings
@@ -43,7 +44,7 @@ def test_info_and_capabilities(tiny_engine):
 
 
 def test_max_model_len_is_capped_by_the_model(tiny_model_dir):
-    engine = TransformersEngine(tiny_settings(tiny_model_dir, max_model_len=10_000), start=False)
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir, max_model_len=10_000), start=False)
     assert engine.info().max_model_len == 256
     assert engine.health().ready is False and engine.health().message == "loading model"
     engine.shutdown(0)
@@ -168,19 +169,18 @@ def test_unknown_extension_is_rejected(tiny_engine):
 
 
 def test_queue_full_is_503_with_retry_after(tiny_model_dir):
-    engine = TransformersEngine(tiny_settings(tiny_model_dir, max_queue_len=2), start=False)
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir, max_queue_len=2), start=False)
     streams = [engine.submit(request()) for _ in range(2)]
-    with pytest.raises(RequestError) as err:
+    with pytest.raises(QueueFull) as err:
         engine.submit(request())
-    assert err.value.status == 503 and err.value.headers == {"Retry-After": "1"}
+    assert err.value.retry_after == 1
     assert engine.stats()["waiting"] == 2
     engine.shutdown(0)
     for stream in streams:
         (last,) = list(stream)
         assert last.finished and last.outputs[0].finish_reason == "abort"
-    with pytest.raises(RequestError) as err:
+    with pytest.raises(ShuttingDown):
         engine.submit(request())
-    assert err.value.status == 503
 
 
 def wait_for(predicate, timeout=10.0):
@@ -273,14 +273,14 @@ def test_load_failure_is_reported_by_health_and_in_band(tiny_model_dir, tmp_path
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, broken)
     (broken / "model.safetensors").unlink()
-    engine = TransformersEngine(tiny_settings(str(broken)), start=False)
+    engine = create_transformers_engine(tiny_settings(str(broken)), start=False)
     stream = engine.submit(request())
     engine.start()
     (last,) = list(stream)
     assert last.finished and last.error is not None and "failed to load" in last.error.message
     health = engine.wait_ready(10)
     assert not health.ready and health.message.startswith("model failed to load")
-    with pytest.raises(RequestError) as err:
+    with pytest.raises(ShuttingDown) as err:
         engine.submit(request())
-    assert err.value.status == 503
+    assert err.value.message.startswith("model failed to load")
     engine.shutdown(0)

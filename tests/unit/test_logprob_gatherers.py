@@ -10,7 +10,7 @@ import torch
 from gyrfalcon.engine.logprob_reports import merge_gathered
 from gyrfalcon.engine.prompt_logprobs import compute_prompt_logprobs
 from gyrfalcon.engine.sampler import Sampler
-from gyrfalcon.engine.types import LOGPROB_FLOOR, EngineInfo, EngineRequest, SamplingParams
+from gyrfalcon.engine_api.types import LOGPROB_FLOOR, EngineInfo, EngineRequest, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.plugins.logprobs import (
     PromptLogprobsGatherer,

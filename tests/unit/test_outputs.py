@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from gyrfalcon.engine.detokenizer import IncrementalDetokenizer
-from gyrfalcon.engine.interface import OutputStream
+from gyrfalcon.engine_api.interface import OutputStream
 from gyrfalcon.engine.outputs import RequestState
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine.stopping import StopChecker
-from gyrfalcon.engine.types import EngineError, EngineRequest, OutputKind, SamplingParams, TokenLogprobs
+from gyrfalcon.engine_api.types import EngineError, EngineRequest, OutputKind, SamplingParams, TokenLogprobs
 
 EOS = 2
 PROMPT = [1, 87, 85, 264, 201]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gyrfalcon.engine.types import EngineInfo, SamplingParams
+from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.plugins import penalties as P
 from gyrfalcon.policies import BatchRows

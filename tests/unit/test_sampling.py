@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gyrfalcon.engine.sampler import Sampler
-from gyrfalcon.engine.types import EngineInfo, SamplingParams
+from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.plugins.sampling import (
     MinPProcessor,

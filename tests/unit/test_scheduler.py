@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from gyrfalcon.engine.interface import OutputStream
+from gyrfalcon.engine_api.interface import OutputStream
 from gyrfalcon.engine.kv.blocks import BlockPool
 from gyrfalcon.engine.outputs import RequestState
 from gyrfalcon.engine.scheduler import Scheduler
 from gyrfalcon.engine.sequence import Sequence
-from gyrfalcon.engine.types import EngineRequest, SamplingParams
+from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
+from gyrfalcon.engine_api.errors import QueueFull
 from gyrfalcon.errors import RequestError
 
 
@@ -117,9 +118,9 @@ def test_full_queue_is_503_and_remove_frees_a_place():
     s = scheduler(max_queue_len=2)
     s.add(state("a", 3))
     s.add(state("b", 3))
-    with pytest.raises(RequestError) as err:
+    with pytest.raises(QueueFull) as err:
         s.add(state("c", 3))
-    assert err.value.status == 503 and err.value.headers == {"Retry-After": "1"}
+    assert err.value.retry_after == 1
     assert s.remove("a").request_id == "a" and s.remove("a") is None
     s.add(state("c", 3))
     assert [st.request_id for st in s.drain()] == ["b", "c"]

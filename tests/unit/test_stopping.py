@@ -7,7 +7,7 @@ import pytest
 from gyrfalcon.engine.detokenizer import IncrementalDetokenizer
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine.stopping import StopChecker
-from gyrfalcon.engine.types import SamplingParams
+from gyrfalcon.engine_api.types import SamplingParams
 
 EOS = 2
 PROMPT = [1, 87, 85, 264, 201]  # "<|im_start|>user\n" in the tiny tokenizer

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gyrfalcon.engine.interface import OutputStream
-from gyrfalcon.engine.types import CompletionOutput, OutputKind, RequestOutput
+from gyrfalcon.engine_api.interface import OutputStream
+from gyrfalcon.engine_api.types import CompletionOutput, OutputKind, RequestOutput
 
 
 def merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:

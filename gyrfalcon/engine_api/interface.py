@@ -1,7 +1,7 @@
 """The engine interface: what the HTTP frontend may ask of an engine, and nothing more.
 
 The frontend only ever talks to an :class:`Engine` through these methods with the plain data of
-:mod:`gyrfalcon.engine.types`, so the engine may live in the same process (the transformers runner)
+:mod:`gyrfalcon.engine_api.types`, so the engine may live in the same process (the transformers runner)
 or behind a proxy in another (a Ray deployment, a vLLM adapter).
 """
 
@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from gyrfalcon.engine.types import EngineHealth, EngineInfo, EngineRequest, RequestOutput
+from gyrfalcon.engine_api.types import EngineHealth, EngineInfo, EngineRequest, RequestOutput
 from gyrfalcon.errors import RequestError
 
 __all__ = ["Engine", "OutputStream", "RequestError"]

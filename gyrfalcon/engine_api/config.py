@@ -1,0 +1,39 @@
+"""What an engine is built from: plain data, no server settings (the engine may live elsewhere)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's configuration, with vLLM's names; defaults live in the server's ``Settings``.
+
+    ``model`` is a local Hugging Face folder (a GGUF is converted before the engine is built);
+    ``max_model_len`` None means the model's own context length; ``kv_cache_memory`` None means
+    enough blocks for ``max_num_seqs`` full-length sequences, as the device allows.
+    """
+
+    model: str
+    dtype: str
+    device: str
+    max_model_len: int | None
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_queue_len: int
+    max_logprobs: int
+    seed: int
+    num_threads: int
+    block_size: int
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    enforce_eager: bool
+
+    @classmethod
+    def from_settings(cls, settings: Any, model: str) -> EngineConfig:
+        """The engine's share of the server's settings (same field names), serving ``model``."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "model"]
+        return cls(model=str(model), **{name: getattr(settings, name) for name in names})

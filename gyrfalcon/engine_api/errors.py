@@ -1,0 +1,30 @@
+"""Typed errors an engine raises at submit; only ``gyrfalcon.api`` turns them into HTTP answers.
+
+An invalid request is a :class:`gyrfalcon.errors.RequestError` with the offending ``param`` (the
+same type plugin validators raise). An engine that cannot take a valid request now raises an
+:class:`EngineUnavailable` with the seconds after which a retry may succeed.
+"""
+
+from __future__ import annotations
+
+from gyrfalcon.errors import RequestError
+
+#: an invalid request, naming its ``param``
+InvalidRequest = RequestError
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot take the request now; a retry after ``retry_after`` seconds may succeed."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+
+class QueueFull(EngineUnavailable):
+    """Every place of the engine's waiting queue is taken."""
+
+
+class ShuttingDown(EngineUnavailable):
+    """The engine is stopping (or failed to start) and takes no new requests."""

@@ -1,0 +1,29 @@
+"""A full engine queue is a 503 with ``Retry-After`` and the error envelope (typed engine errors
+become HTTP answers in the API layer only)."""
+
+from __future__ import annotations
+
+import falcon.testing
+
+from gyrfalcon.api.app import create_app
+from gyrfalcon.config import Settings
+from gyrfalcon.plugins.engines import create_transformers_engine
+from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
+from gyrfalcon.plugins import plugin_manager
+from tests.conftest import tiny_settings
+
+
+def test_a_full_queue_is_503_with_retry_after(tiny_model_dir):
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir, max_queue_len=1), start=False)
+    assert engine.prepare()  # ready, but no loop runs: what is queued stays queued
+    try:
+        waiting = engine.submit(EngineRequest("filler", [1, 2, 3], SamplingParams(max_tokens=2)))
+        app = create_app(engine, Settings(model=tiny_model_dir, served_model_name=["tiny"]), plugin_manager())
+        client = falcon.testing.TestClient(app)
+        r = client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json["error"]["type"] == "server_overloaded" and r.json["error"]["code"] == 503
+        assert "busy" in r.json["error"]["message"]
+    finally:
+        engine.shutdown(0)
+    assert list(waiting)[-1].outputs[0].finish_reason == "abort"
