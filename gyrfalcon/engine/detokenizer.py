@@ -2,8 +2,10 @@
 
 Normal tokens are decoded in a small sliding window (``prefix``/``read`` offsets, as in TGI and
 vLLM): a delta is released only once the window decodes to more text than before and does not end
-in U+FFFD (an incomplete byte sequence). The window starts with up to five prompt tokens so that
-tokenizers that drop a leading space on a lone token (SentencePiece) still get it right.
+in U+FFFD (an incomplete byte sequence), or once more tokens wait than any character needs (bytes
+that never form a character are then released as U+FFFD: the window stays small, so each token
+costs the same). The window starts with up to five prompt tokens so that tokenizers that drop a
+leading space on a lone token (SentencePiece) still get it right.
 
 Special tokens split the text into segments: with ``skip_special_tokens`` they vanish; otherwise
 their literal text is emitted, and with ``spaces_between_special_tokens`` the segments are joined
@@ -14,6 +16,10 @@ from __future__ import annotations
 
 _PROMPT_CONTEXT = 5
 _REPLACEMENT = "\ufffd"
+#: tokens held while they do not complete a character: a UTF-8 character is at most 4 bytes, so
+#: beyond this the bytes never will (invalid sequences) and are released as U+FFFD — otherwise
+#: every new token would re-decode an ever-growing window
+_MAX_PENDING = 6
 
 
 class IncrementalDetokenizer:
@@ -69,7 +75,8 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
+        complete = len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT)
+        if complete or len(self._ids) - self._read > _MAX_PENDING:
             self._prefix, self._read = self._read, len(self._ids)
             return self._release(new_text[len(prefix_text) :])
         return ""

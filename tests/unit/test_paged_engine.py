@@ -61,3 +61,23 @@ def test_prefix_cache_hits_skip_the_shared_prompt_and_are_counted(stepped):
     assert finals(again) == finals(first)
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 3
     assert after["prompt_tokens"] - before["prompt_tokens"] == 60 - 48
+
+
+def test_the_static_decode_path_gives_the_engines_tokens(stepped):
+    """The path CUDA graphs replay (static buffers, bucket padding), run eagerly through the whole
+    engine: the same tokens as plain steps, alone and batched."""
+    from gyrfalcon.engine.model.captured import DecodeSteps
+    from tests.unit.test_batching import make_requests
+
+    plain = stepped()
+    expected = []
+    for req in make_requests():
+        streams = [plain.submit(req)]
+        run(plain, streams)
+        expected.extend(finals(streams))
+    static = stepped()
+    static.runner.decode_steps = DecodeSteps(static.runner, 8, 128, graphs=False)
+    streams = [static.submit(r) for r in make_requests()]
+    run(static, streams)
+    assert finals(streams) == expected
+    assert sum(b.runs for b in static.runner.decode_steps._buckets.values()) > 10

@@ -198,3 +198,16 @@ def test_incremental_stop_matching_equals_a_brute_force_search():
                 break
             assert found is None, (stops, text)
             assert checker.held() == _brute_holdback(stops, text) == checker.holdback(text)
+
+
+def test_bytes_that_never_form_a_character_are_released_and_the_window_stays_small(tokenizer):
+    """Byte tokens of an invalid UTF-8 sequence (lone continuation bytes) never complete a
+    character: they are released as U+FFFD after a few tokens instead of being held (and
+    re-decoded) for ever."""
+    continuation = [t for t in range(tokenizer.vocab_size)
+                    if tokenizer.convert_ids_to_tokens(t) in ("\\x80", "Ģ")]  # byte 0x80 in byte-level BPE
+    token = continuation[0]
+    detok = IncrementalDetokenizer(tokenizer, PROMPT, frozenset(tokenizer.all_special_ids))
+    released = [detok.add(token) for _ in range(40)]
+    assert sum(len(r) for r in released) > 0 and "\ufffd" in "".join(released)
+    assert len(detok._ids) - detok._prefix <= 2 * 7  # bounded window, whatever the number of tokens
