@@ -29,7 +29,7 @@ import torch
 
 from gyrfalcon.engine.kv.blocks import NoFreeBlocks
 from gyrfalcon.engine.model.runner import ModelRunner, Work
-from gyrfalcon.engine.outputs import RequestState
+from gyrfalcon.engine.request_state import RequestState
 from gyrfalcon.engine.sampler import Sampler, SamplerOutput
 from gyrfalcon.engine.scheduler import Scheduled, Scheduler
 from gyrfalcon.engine.sequence import Sequence
@@ -340,8 +340,17 @@ class Batcher:
             self.fail(state, error)
 
     def _reap_aborted(self) -> None:
+        """End aborted requests, and the choices the client finished (a stop string in their text)."""
         for state in self.states():
-            if state.abort_requested and not state.closed:
+            if state.closed:
+                continue
+            if state.abort_requested:
                 state.abort()
+            while state.finish_requested:
+                index, stop_reason = state.finish_requested.popitem()
+                seq = state.sequences[index]
+                seq.finish("stop", stop_reason)
+                self.scheduler.release(seq)
+            if state.finished:
                 self.scheduler.finish_request(state)
                 self.emit(state)

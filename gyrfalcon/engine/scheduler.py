@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass
 
 from gyrfalcon.engine.kv.blocks import BlockPool, chain_hash
-from gyrfalcon.engine.outputs import RequestState
+from gyrfalcon.engine.request_state import RequestState
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine_api.errors import QueueFull
 from gyrfalcon.errors import RequestError

@@ -1,17 +1,14 @@
-"""One choice being generated: its tokens, text, logprobs and finish state."""
+"""One choice being generated in the engine core: its token ids, logprobs, KV state and finish."""
 
 from __future__ import annotations
 
-from gyrfalcon.engine.detokenizer import IncrementalDetokenizer
 from gyrfalcon.engine.stopping import StopChecker
 from gyrfalcon.engine_api.types import SamplingParams, TokenLogprobs
 
 
 class Sequence:
-    """Choice ``index`` of a request. :meth:`append` applies detokenisation and the stop rules.
-
-    ``text`` is everything decoded so far (already cut at a stop string); ``visible_text`` is what
-    may be sent while the choice runs (a possible stop-string start is held back).
+    """Choice ``index`` of a request. :meth:`append` applies the token-id stop rules (stop strings
+    are the engine client's: it finishes the choice through the engine when one is hit).
 
     KV state (kept by the scheduler): ``blocks`` is the block table, ``computed`` how many of the
     sequence's tokens (prompt, then generated) have their KV in those blocks, ``block_hashes`` the
@@ -20,26 +17,20 @@ class Sequence:
     same tokens.
     """
 
-    def __init__(
-        self,
-        index: int,
-        params: SamplingParams,
-        prompt_token_ids: list[int],
-        detokenizer: IncrementalDetokenizer,
-        stopper: StopChecker,
-        seed: int = 0,
-    ) -> None:
+    #: the core produces no text: outputs carry token ids, the client decodes them
+    text = ""
+
+    def __init__(self, index: int, params: SamplingParams, prompt_token_ids: list[int], stopper: StopChecker,
+                 seed: int = 0) -> None:  # fmt: skip
         self.index = index
         self.params = params
         self.prompt_token_ids = prompt_token_ids
-        self.detokenizer = detokenizer
         self.stopper = stopper
         self.seed = seed
         self.blocks: list[int] = []
         self.computed = 0
         self.block_hashes: list[bytes] = []
         self.token_ids: list[int] = []
-        self.text = ""
         self.logprobs: TokenLogprobs | None = None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -68,10 +59,7 @@ class Sequence:
         return [*self.prompt_token_ids[start:], *self.token_ids[: stop - prompt]]
 
     def visible_text(self) -> str:
-        if self.finished:
-            return self.text
-        held = self.stopper.held()
-        return self.text[: len(self.text) - held] if held else self.text
+        return ""
 
     def append(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         """Add a generated token and decide whether the choice has finished."""
@@ -83,20 +71,6 @@ class Sequence:
         count = len(self.token_ids)
         token_stop = self.stopper.check_token(token_id, count)
         if token_stop is not None:
-            # vLLM: the stop token's own text is only part of the output with include_stop_str_in_output.
-            if self.params.include_stop_str_in_output:
-                self.text += self.detokenizer.add(token_id)
-            self.text += self.detokenizer.flush()
             self.finish(*token_stop)
-            return
-        delta = self.detokenizer.add(token_id)
-        self.text += delta
-        hit = self.stopper.check_text(self.text, count)
-        if hit is not None:
-            stop, cut = hit
-            self.text = self.text[:cut]
-            self.finish("stop", stop)
-            return
-        if self.stopper.check_length(count):
-            self.text += self.detokenizer.flush()
+        elif self.stopper.check_length(count):
             self.finish("length")

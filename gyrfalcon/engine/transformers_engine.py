@@ -19,12 +19,11 @@ from typing import Any
 import torch
 
 from gyrfalcon.engine.batcher import Batcher
-from gyrfalcon.engine.detokenizer import IncrementalDetokenizer
-from gyrfalcon.engine_api.interface import Engine, OutputStream
+from gyrfalcon.engine_api.interface import EngineCore, OutputStream
 from gyrfalcon.engine.kv.blocks import BlockPool
 from gyrfalcon.engine.kv.cache import KVShape, PagedKVCache, plan_cache
 from gyrfalcon.engine.model.runner import ModelRunner, Work
-from gyrfalcon.engine.outputs import RequestState
+from gyrfalcon.engine.request_state import RequestState
 from gyrfalcon.engine.sampler import Sampler
 from gyrfalcon.engine.scheduler import Scheduler
 from gyrfalcon.engine.sequence import Sequence
@@ -44,8 +43,9 @@ log = logging.getLogger(__name__)
 PREFILL_CHUNK_TOKENS = 512
 
 
-class TransformersEngine(Engine):
-    """An :class:`Engine` over a local Hugging Face causal-LM folder.
+class TransformersEngine(EngineCore):
+    """An :class:`EngineCore` over a local Hugging Face causal-LM folder (token ids only; the
+    factory wraps it in an :class:`gyrfalcon.client.EngineClient` for the frontend).
 
     ``config``: the model folder, limits, seed, dtype, device, threads, KV cache. ``pm``: the plugin
     manager whose engine hooks (logits processors, logprob gatherers) are resolved once here.
@@ -61,8 +61,6 @@ class TransformersEngine(Engine):
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.special_ids = frozenset(self.tokenizer.all_special_ids)
-        self._token_bytes = None  # gyrfalcon.engine.token_bytes.TokenBytes, built on first use
         self.eos_token_ids = self._eos_ids(GenerationConfig)
 
         model_max = int(getattr(self.config, "max_position_embeddings", 0) or cfg.max_model_len or 2048)
@@ -168,6 +166,12 @@ class TransformersEngine(Engine):
             waiting.abort()
             self._emit(waiting)
 
+    def finish_choice(self, request_id: str, index: int, stop_reason: str | int | None = None) -> None:
+        with self._lock:
+            state = self._live.get(request_id)
+            if state is not None and 0 <= index < len(state.sequences):
+                state.finish_requested[index] = stop_reason
+
     def stats(self) -> dict[str, Any]:
         batcher = self.batcher
         with self._lock:
@@ -207,27 +211,6 @@ class TransformersEngine(Engine):
             self._emit(state)
         self._health = EngineHealth(ready=False, message="shut down")
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)  # fmt: skip
-
-    def token_strings(self, token_ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                for t in token_ids]  # fmt: skip
-
-    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
-        if self._token_bytes is None:  # logprob path: the tokenizer's own byte mapping
-            from gyrfalcon.engine.token_bytes import TokenBytes
-
-            self._token_bytes = TokenBytes(self.tokenizer)
-        return self._token_bytes(token_ids)
-
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
     # ------------------------------------------------------------------ internals
 
     def _make_sequences(self, request: EngineRequest) -> list[Sequence]:
@@ -237,10 +220,8 @@ class TransformersEngine(Engine):
             seed = params.child_seed(index)
             if seed is None:  # unseeded: a seed of its own, so a recomputed choice draws the same tokens
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, self.special_ids,
-                                                 params.skip_special_tokens, params.spaces_between_special_tokens)  # fmt: skip
             stopper = StopChecker(params, self.eos_token_ids, len(request.prompt_token_ids), self._info.max_model_len)
-            sequences.append(Sequence(index, params, request.prompt_token_ids, detokenizer, stopper, seed))
+            sequences.append(Sequence(index, params, request.prompt_token_ids, stopper, seed))
         return sequences
 
     def _emit(self, state: RequestState) -> None:

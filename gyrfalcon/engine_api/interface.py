@@ -16,7 +16,7 @@ from typing import Any
 from gyrfalcon.engine_api.types import EngineHealth, EngineInfo, EngineRequest, RequestOutput
 from gyrfalcon.errors import RequestError
 
-__all__ = ["Engine", "OutputStream", "RequestError"]
+__all__ = ["Engine", "EngineCore", "OutputStream", "RequestError"]
 
 
 class OutputStream:
@@ -83,17 +83,19 @@ class OutputStream:
         self.close()
 
 
-class Engine(abc.ABC):
-    """An inference engine behind the HTTP frontend.
+class EngineCore(abc.ABC):
+    """An inference engine core: token ids in, token ids out (no text).
 
     Contract:
     - :meth:`info` is cheap and constant after start.
-    - :meth:`submit` validates and enqueues synchronously: it raises :class:`RequestError`
-      (queue full → 503 with a ``Retry-After`` header; too long or invalid → 400 with ``param``) before the
+    - :meth:`submit` validates and enqueues synchronously: it raises
+      :class:`gyrfalcon.errors.RequestError` (invalid, with ``param``) or
+      :class:`gyrfalcon.engine_api.errors.EngineUnavailable` (queue full, shutting down) before the
       frontend commits a status, otherwise returns the request's :class:`OutputStream`.
-    - Outputs follow the request's ``output_kind``; FINAL_ONLY aggregation of every choice happens
-      in the engine. Errors after acceptance arrive in-band (``RequestOutput.error``).
-    - :meth:`abort` is idempotent and safe for unknown or finished ids.
+    - Outputs follow the request's ``output_kind`` and carry token ids (and logprobs); errors after
+      acceptance arrive in-band (``RequestOutput.error``).
+    - :meth:`abort` is idempotent and safe for unknown or finished ids; :meth:`finish_choice` ends
+      one choice (its text hit a stop string) at the next step.
     """
 
     @abc.abstractmethod
@@ -104,6 +106,9 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> None: ...
+
+    def finish_choice(self, request_id: str, index: int, stop_reason: str | int | None = None) -> None:
+        """End choice ``index`` with ``"stop"`` (default: nothing; the client drops what follows)."""
 
     @abc.abstractmethod
     def health(self) -> EngineHealth: ...
@@ -116,8 +121,12 @@ class Engine(abc.ABC):
     def shutdown(self, grace: float = 5.0) -> None:
         """Stop accepting, let running requests finish for up to ``grace`` seconds, abort the rest."""
 
-    # Text helpers: the engine owns the tokenizer (detokenisation and stop strings live here, as in
-    # vLLM), and the frontend uses these to turn prompts and messages into token ids.
+
+class Engine(EngineCore):
+    """What the HTTP frontend talks to: an engine core plus the text work of the API side
+    (:class:`gyrfalcon.client.EngineClient`): outputs carry text, and prompts and messages are
+    turned into token ids here."""
+
     @abc.abstractmethod
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -130,8 +139,7 @@ class Engine(abc.ABC):
 
     def token_bytes(self, token_ids: list[int]) -> list[bytes]:
         """The raw bytes of each token (chat logprob ``bytes``); a byte-level token may be part of
-        a character. Default: the UTF-8 of :meth:`token_strings`; engines with a tokenizer override
-        it with the tokenizer's byte mapping."""
+        a character. Default: the UTF-8 of :meth:`token_strings`."""
         return [text.encode("utf-8") for text in self.token_strings(token_ids)]
 
     @abc.abstractmethod

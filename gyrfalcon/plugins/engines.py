@@ -7,20 +7,22 @@ from typing import TYPE_CHECKING, Any
 from gyrfalcon.hookspecs import hookimpl
 
 if TYPE_CHECKING:  # pragma: no cover
+    from gyrfalcon.client import EngineClient
     from gyrfalcon.config import Settings
-    from gyrfalcon.engine.transformers_engine import TransformersEngine
 
 
 def create_transformers_engine(
     settings: Settings, pm: Any = None, *, model_path: str | None = None, start: bool = True
-) -> TransformersEngine:
-    """Build (and with ``start``, start) a :class:`TransformersEngine` from the server's settings.
+) -> EngineClient:
+    """Build (and with ``start``, start) a :class:`TransformersEngine` from the server's settings,
+    behind the :class:`EngineClient` that does its text work (``.core`` is the engine itself).
 
     ``pm``: the app's plugin manager, whose engine hooks are resolved once now; None builds one
     from ``settings.plugins_allow`` / ``settings.plugins_block`` (standalone use and tests).
     Without ``model_path``, a ``.gguf`` or unset ``settings.model`` is resolved to its converted
     cache folder (:func:`gyrfalcon.models.default.resolve_model`; a folder is used as it is).
     """
+    from gyrfalcon.client import EngineClient
     from gyrfalcon.engine.transformers_engine import TransformersEngine
     from gyrfalcon.engine_api.config import EngineConfig
 
@@ -32,7 +34,8 @@ def create_transformers_engine(
         from gyrfalcon.plugins import plugin_manager
 
         pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
-    return TransformersEngine(EngineConfig.from_settings(settings, model_path), pm, start=start)
+    core = TransformersEngine(EngineConfig.from_settings(settings, model_path), pm, start=start)
+    return EngineClient(core, core.tokenizer)
 
 
 @hookimpl

@@ -20,13 +20,13 @@ from tests.conftest import tiny_settings
 def slow_engine(tiny_model_dir):
     engine = create_transformers_engine(tiny_settings(tiny_model_dir, max_model_len=256))
     assert engine.wait_ready(60).ready
-    forward = engine.runner.forward
+    forward = engine.core.runner.forward
 
     def slowed(*args, **kwargs):  # a few ms per step, so requests are surely still running
         time.sleep(0.004)
         return forward(*args, **kwargs)
 
-    engine.runner.forward = slowed
+    engine.core.runner.forward = slowed
     yield engine
     engine.shutdown(0)
 

@@ -22,7 +22,7 @@ def test_503_until_ready_then_200(tiny_model_dir):
             assert r.status_code == 503, (path, r.text)
             assert r.headers["retry-after"] == "1" and r.json["error"]["code"] == 503
         assert client.simulate_get("/version").status_code == 200
-        engine.start()
+        engine.core.start()
         assert engine.wait_ready(60).ready
         assert client.simulate_get("/health").json == {"status": "ok"}
         assert client.simulate_post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200

@@ -15,7 +15,7 @@ from tests.conftest import tiny_settings
 
 def test_a_full_queue_is_503_with_retry_after(tiny_model_dir):
     engine = create_transformers_engine(tiny_settings(tiny_model_dir, max_queue_len=1), start=False)
-    assert engine.prepare()  # ready, but no loop runs: what is queued stays queued
+    assert engine.core.prepare()  # ready, but no loop runs: what is queued stays queued
     try:
         waiting = engine.submit(EngineRequest("filler", [1, 2, 3], SamplingParams(max_tokens=2)))
         app = create_app(engine, Settings(model=tiny_model_dir, served_model_name=["tiny"]), plugin_manager())

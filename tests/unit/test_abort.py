@@ -22,12 +22,12 @@ def test_closing_a_non_streaming_request_shrinks_the_batch_at_the_next_step(step
     expected = alone(engine, long_requests())
     keep_a, victim, keep_c = (engine.submit(r) for r in long_requests())
     for _ in range(6):
-        engine.batcher.step()
-    assert engine.batcher.running_sequences == 5
+        engine.core.batcher.step()
+    assert engine.core.batcher.running_sequences == 5
     victim.close()  # what the serving thread does when it sees the client is gone
-    engine.batcher.step()
-    assert engine.batcher.running_sequences == 2
-    assert victim.request_id not in engine._live and engine.stats()["requests_aborted"] == 1
+    engine.core.batcher.step()
+    assert engine.core.batcher.running_sequences == 2
+    assert victim.request_id not in engine.core._live and engine.stats()["requests_aborted"] == 1
     run(engine, [])
     got = finals([keep_a])
     assert got == [expected[0]]
@@ -39,24 +39,24 @@ def test_abort_reports_abort_and_partial_output(stepped):
     engine = stepped()
     stream = engine.submit(long_requests()[1])
     for _ in range(4):
-        engine.batcher.step()
+        engine.core.batcher.step()
     engine.abort(stream.request_id)
-    engine.batcher.step()
+    engine.core.batcher.step()
     (last,) = list(stream)
     assert last.finished and [c.finish_reason for c in last.outputs] == ["abort"] * 3
     assert all(len(c.token_ids) == 4 for c in last.outputs)  # one token per step, the first from the prefill
-    assert engine.batcher.idle
+    assert engine.core.batcher.idle
 
 
 def test_abort_during_a_chunked_prefill_drops_the_prefill(stepped):
     engine = stepped()
-    engine.scheduler.prefill_chunk_tokens = 4
+    engine.core.scheduler.prefill_chunk_tokens = 4
     stream = engine.submit(request(PROMPTS[4], temperature=0.0, max_tokens=5))
-    engine.batcher.step()
-    assert engine.batcher.prefilling_requests() == 1
+    engine.core.batcher.step()
+    assert engine.core.batcher.prefilling_requests() == 1
     stream.close()
-    engine.batcher.step()
-    assert engine.batcher.prefilling_requests() == 0 and engine.batcher.idle and not engine._live
+    engine.core.batcher.step()
+    assert engine.core.batcher.prefilling_requests() == 0 and engine.core.batcher.idle and not engine.core._live
     assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
 
 
@@ -65,7 +65,7 @@ def test_abort_of_a_waiting_request_answers_at_once(stepped):
     stream = engine.submit(request(PROMPTS[0], max_tokens=5))
     engine.abort(stream.request_id)
     (last,) = list(stream)
-    assert last.outputs[0].finish_reason == "abort" and len(engine.scheduler) == 0
+    assert last.outputs[0].finish_reason == "abort" and len(engine.core.scheduler) == 0
 
 
 def test_close_from_another_thread_frees_a_running_request(tiny_model_dir):
@@ -75,13 +75,13 @@ def test_close_from_another_thread_frees_a_running_request(tiny_model_dir):
     engine = create_transformers_engine(tiny_settings(tiny_model_dir, max_model_len=256))
     try:
         assert engine.wait_ready(60).ready
-        slow = engine.runner.forward
+        slow = engine.core.runner.forward
 
         def forward(*args, **kwargs):  # slow the steps down so the request is surely running
             time.sleep(0.005)
             return slow(*args, **kwargs)
 
-        engine.runner.forward = forward
+        engine.core.runner.forward = forward
         other = engine.submit(request(PROMPTS[3], temperature=0.0, max_tokens=30, ignore_eos=True))
         victim = engine.submit(request(PROMPTS[1], n=2, temperature=1.0, max_tokens=200, ignore_eos=True))
         deadline = time.monotonic() + 10
@@ -90,7 +90,7 @@ def test_close_from_another_thread_frees_a_running_request(tiny_model_dir):
             time.sleep(0.002)
         steps = engine.stats()["decode_forwards"]
         threading.Thread(target=victim.close).start()  # the serving thread noticing the client left
-        while victim.request_id in engine._live:
+        while victim.request_id in engine.core._live:
             assert time.monotonic() < deadline
             time.sleep(0.002)
         assert engine.stats()["decode_forwards"] - steps <= 3
@@ -105,11 +105,11 @@ def test_follow_closes_the_stream_when_the_client_is_gone(stepped):
 
     engine = stepped()
     stream = engine.submit(request(PROMPTS[0], temperature=0.0, max_tokens=40, ignore_eos=True))
-    engine.batcher.step()
+    engine.core.batcher.step()
     alive = iter([True, False])
     assert list(follow(stream, lambda: next(alive), poll_s=0.01)) == []  # FINAL_ONLY: nothing before the end
-    engine.batcher.step()
-    assert engine.batcher.idle and not engine._live
+    engine.core.batcher.step()
+    assert engine.core.batcher.idle and not engine.core._live
     done = engine.submit(request(PROMPTS[0], max_tokens=3))
     run(engine, [])
     assert [o.finished for o in follow(done, lambda: True, poll_s=0.01)] == [True]
@@ -118,15 +118,15 @@ def test_follow_closes_the_stream_when_the_client_is_gone(stepped):
 def test_abort_during_the_last_prefill_forward_still_ends_the_request(stepped):
     engine = stepped()
     stream = engine.submit(request(PROMPTS[0], n=2, temperature=1.0, max_tokens=5))
-    forward = engine.runner.forward
+    forward = engine.core.runner.forward
 
     def abort_meanwhile(*args, **kwargs):  # the client leaves while the prompt is being prefilled
         engine.abort(stream.request_id)
         return forward(*args, **kwargs)
 
-    engine.runner.forward = abort_meanwhile
-    engine.batcher.step()
+    engine.core.runner.forward = abort_meanwhile
+    engine.core.batcher.step()
     last = stream.get(timeout=5)  # without the fix the request leaked and this timed out
     assert last.finished and [c.finish_reason for c in last.outputs] == ["abort", "abort"]
     assert stream.get(timeout=5) is None
-    assert not engine._live and engine.batcher.idle and engine.stats()["requests_aborted"] == 1
+    assert not engine.core._live and engine.core.batcher.idle and engine.stats()["requests_aborted"] == 1

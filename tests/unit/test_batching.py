@@ -32,7 +32,7 @@ def stepped(tiny_model_dir):
 
     def make(**overrides) -> TransformersEngine:
         engine = create_transformers_engine(tiny_settings(tiny_model_dir, **overrides), start=False)
-        assert engine.prepare()
+        assert engine.core.prepare()
         engines.append(engine)
         return engine
 
@@ -48,8 +48,8 @@ def run(engine, streams, submit_later=(), every=3, limit=5000):
     while True:
         if pending and steps % every == 0:
             streams.append(engine.submit(pending.pop(0)))
-        worked = engine.batcher.step()
-        widest = max(widest, engine.batcher.running_sequences)
+        worked = engine.core.batcher.step()
+        widest = max(widest, engine.core.batcher.running_sequences)
         steps += 1
         assert steps < limit
         if not worked and not pending:
@@ -124,18 +124,18 @@ def test_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes(stepped):
     engine = stepped(enable_prefix_caching=False)  # the alone run must not leave cached blocks behind
     long_prompt = [1] + [_rng.randrange(3, 512) for _ in range(59)]
     (expected,) = alone(engine, [request(long_prompt, temperature=0.0, max_tokens=8, ignore_eos=True)])
-    engine.scheduler.prefill_chunk_tokens = 8
+    engine.core.scheduler.prefill_chunk_tokens = 8
     runner_stream = engine.submit(request(PROMPTS[0], temperature=0.0, max_tokens=60, ignore_eos=True,
                                           kind=OutputKind.DELTA))  # fmt: skip
     for _ in range(3):
-        engine.batcher.step()
+        engine.core.batcher.step()
     before = engine.stats()["prefill_forwards"]
     long_stream = engine.submit(request(long_prompt, temperature=0.0, max_tokens=8, ignore_eos=True))
-    running = engine.scheduler.running[0].sequences[0]
+    running = engine.core.scheduler.running[0].sequences[0]
     progress = []
-    while engine.batcher.prefilling_requests() or engine.stats()["prefill_forwards"] == before:
+    while engine.core.batcher.prefilling_requests() or engine.stats()["prefill_forwards"] == before:
         tokens = len(running.token_ids)
-        engine.batcher.step()
+        engine.core.batcher.step()
         progress.append(len(running.token_ids) - tokens)
     assert engine.stats()["prefill_forwards"] - before == 8  # ceil(60 / 8) chunks, each shared with a decode
     assert progress == [1] * 8  # the running stream got a token at every chunk
@@ -157,13 +157,13 @@ def test_max_num_seqs_bounds_the_batch(stepped):
 def _prompt_logprobs_run(engine, prompt, chunk, others=()):
     """Prompt logprobs of ``prompt`` (asked) prefilled ``chunk`` tokens at a time, sharing forwards
     with ``others`` (not asking); the gathered positions after each prefill step."""
-    engine.scheduler.prefill_chunk_tokens = chunk
+    engine.core.scheduler.prefill_chunk_tokens = chunk
     asks = dict(temperature=0.0, max_tokens=2, ignore_eos=True)
     streams = [engine.submit(request(prompt, prompt_logprobs=3, **asks))]
     streams += [engine.submit(request(p, **asks)) for p in others]
     gathered = []
-    while engine.batcher.step():
-        for state in engine.scheduler.running:
+    while engine.core.batcher.step():
+        for state in engine.core.scheduler.running:
             if state.request_id == streams[0].request_id and not state.forked:
                 assert not [v for v in vars(state).values() if isinstance(v, torch.Tensor)]  # no logits kept
                 gathered.append((state.prompt_logprobs_done, {0: len(state.prompt_logprobs.token_ids)}))

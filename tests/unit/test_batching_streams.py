@@ -57,7 +57,7 @@ def test_engine_lagging_reader_gets_the_same_text(stepped):
     (expected,) = alone(engine, [request(PROMPTS[1], **params)])
     stream = engine.submit(request(PROMPTS[1], kind=OutputKind.DELTA, **params))
     run(engine, [])  # nobody reads while the request runs
-    assert stream.pending() <= 2 and stream.coalesced > 0
+    assert stream.core_stream.pending() <= 2 and stream.core_stream.coalesced > 0  # the core's deltas merged
     tokens: dict[int, list[int]] = {0: [], 1: []}
     for item in stream:
         for choice in item.outputs:

@@ -197,7 +197,7 @@ def test_closing_the_stream_aborts_and_frees_the_request(tiny_engine):
     assert not first.finished
     stream.close()
     assert list(stream) == []
-    wait_for(lambda: stream.request_id not in tiny_engine._live)
+    wait_for(lambda: stream.request_id not in tiny_engine.core._live)
     assert tiny_engine.stats()["requests_aborted"] == before + 1
     tiny_engine.abort(stream.request_id)  # idempotent
     tiny_engine.abort("no-such-request")
@@ -275,7 +275,7 @@ def test_load_failure_is_reported_by_health_and_in_band(tiny_model_dir, tmp_path
     (broken / "model.safetensors").unlink()
     engine = create_transformers_engine(tiny_settings(str(broken)), start=False)
     stream = engine.submit(request())
-    engine.start()
+    engine.core.start()
     (last,) = list(stream)
     assert last.finished and last.error is not None and "failed to load" in last.error.message
     health = engine.wait_ready(10)

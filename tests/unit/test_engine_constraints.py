@@ -56,11 +56,11 @@ def test_every_token_excluded_at_the_first_token_ends_in_band_and_spares_the_bat
     (expected,) = alone(engine, [request(PROMPTS[0], **keep)])
     running = engine.submit(request(PROMPTS[0], **keep))
     for _ in range(3):
-        engine.batcher.step()
+        engine.core.batcher.step()
     victim = engine.submit(request(PROMPTS[2], n=2, temperature=temperature, seed=1, max_tokens=5,
                                    allowed_token_ids=[B], bad_words=["B"]))  # fmt: skip
-    engine.batcher.step()
-    assert engine.batcher.running_sequences == 1 and victim.request_id not in engine._live
+    engine.core.batcher.step()
+    assert engine.core.batcher.running_sequences == 1 and victim.request_id not in engine.core._live
     (item,) = list(victim)
     _assert_excluded(item, [[], []])
     run(engine, [])
@@ -79,4 +79,4 @@ def test_every_token_excluded_later_ends_in_band_with_the_tokens_so_far(stepped)
     (item,) = list(victim)
     _assert_excluded(item, [[B]])
     assert finals([running]) == [expected]
-    assert engine.stats()["requests_failed"] == 1 and not engine._live
+    assert engine.stats()["requests_failed"] == 1 and not engine.core._live

@@ -18,17 +18,17 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir)
     engine = create_transformers_engine(tiny_settings(tiny_model_dir))
     try:
         assert engine.wait_ready(60).ready
-        forward = engine.runner.forward
+        forward = engine.core.runner.forward
 
         def flaky(works):  # the victim's third decode position (PROMPTS[0] has 5 tokens)
             if any(w.start == 7 for w in works):
                 raise RuntimeError("boom")
             return forward(works)
 
-        engine.runner.forward = flaky
+        engine.core.runner.forward = flaky
         (last,) = list(engine.submit(request(PROMPTS[0], n=2, temperature=1.0, max_tokens=10, ignore_eos=True)))
         assert last.finished and last.error is not None and "boom" in last.error.message
-        assert engine.stats()["requests_failed"] == 1 and not engine._live
+        assert engine.stats()["requests_failed"] == 1 and not engine.core._live
         (ok,) = list(engine.submit(request(PROMPTS[1], temperature=0.0, max_tokens=5, ignore_eos=True)))
         assert ok.error is None and len(ok.outputs[0].token_ids) == 5
     finally:
@@ -52,15 +52,15 @@ def _decoding(engine):
     (expected,) = alone(engine, [request(PROMPTS[0], **req)])
     stream = engine.submit(request(PROMPTS[0], **req))
     for _ in range(3):
-        engine.batcher.step()
-    assert engine.batcher.running_sequences == 1 and engine.batcher.prefilling_requests() == 0
+        engine.core.batcher.step()
+    assert engine.core.batcher.running_sequences == 1 and engine.core.batcher.prefilling_requests() == 0
     return stream, expected
 
 
 def _assert_engine_goes_on(engine, running, expected, failed):
     run(engine, [])
     assert finals([running]) == [expected]
-    assert failed.request_id not in engine._live and engine._live == {}
+    assert failed.request_id not in engine.core._live and engine.core._live == {}
     assert engine.stats()["requests_failed"] == 1
     streams = [engine.submit(request(PROMPTS[1], temperature=0.0, max_tokens=5, ignore_eos=True))]
     run(engine, streams)
@@ -72,7 +72,7 @@ def test_a_fault_sampling_the_first_token_fails_that_request_only(stepped):
     the batch raises, the retry request by request raises for the victim only."""
     engine = stepped()
     running, expected = _decoding(engine)
-    sample = engine.sampler.sample
+    sample = engine.core.sampler.sample
     calls = {"first_token": 0}
 
     def flaky(logits, rows):
@@ -81,21 +81,21 @@ def test_a_fault_sampling_the_first_token_fails_that_request_only(stepped):
             raise RuntimeError("processor exploded")
         return sample(logits, rows)
 
-    engine.sampler.sample = flaky
+    engine.core.sampler.sample = flaky
     victim = engine.submit(request(PROMPTS[2], n=2, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
-    engine.batcher.step()  # the running request's decode and the victim's prefill share the step
-    assert calls["first_token"] == 2 and engine.batcher.prefilling_requests() == 0
+    engine.core.batcher.step()  # the running request's decode and the victim's prefill share the step
+    assert calls["first_token"] == 2 and engine.core.batcher.prefilling_requests() == 0
     last = _one_error(victim)
     assert "processor exploded" in last.error.message and last.error.status == 500
     assert [c.finish_reason for c in last.outputs] == ["abort", "abort"]
-    assert engine.batcher.running_sequences == 1  # the decoding request is still there
+    assert engine.core.batcher.running_sequences == 1  # the decoding request is still there
     _assert_engine_goes_on(engine, running, expected, victim)
 
 
 def test_a_fault_gathering_prompt_logprobs_fails_the_group_only(stepped):
     engine = stepped()
     running, expected = _decoding(engine)
-    gather = engine.sampler.gather_prompt_logprobs
+    gather = engine.core.sampler.gather_prompt_logprobs
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -104,9 +104,9 @@ def test_a_fault_gathering_prompt_logprobs_fails_the_group_only(stepped):
             raise RuntimeError("gather failed")
         return gather(*args, **kwargs)
 
-    engine.sampler.gather_prompt_logprobs = flaky
+    engine.core.sampler.gather_prompt_logprobs = flaky
     victim = engine.submit(request(PROMPTS[2], temperature=0.0, max_tokens=4, prompt_logprobs=2))
-    engine.batcher.step()
+    engine.core.batcher.step()
     assert "gather failed" in _one_error(victim).error.message
     _assert_engine_goes_on(engine, running, expected, victim)
 
@@ -116,7 +116,7 @@ def test_an_oom_in_a_shared_forward_fails_only_the_request_that_needs_the_memory
     victim's (its whole prompt) does not: the victim fails, the batch keeps its tokens."""
     engine = stepped()
     running, expected = _decoding(engine)
-    forward = engine.runner.forward
+    forward = engine.core.runner.forward
     calls = {"n": 0}
 
     def flaky(works):
@@ -125,11 +125,11 @@ def test_an_oom_in_a_shared_forward_fails_only_the_request_that_needs_the_memory
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return forward(works)
 
-    engine.runner.forward = flaky
+    engine.core.runner.forward = flaky
     victim = engine.submit(request(PROMPTS[2], temperature=0.0, max_tokens=8, ignore_eos=True))
-    engine.batcher.step()
+    engine.core.batcher.step()
     assert calls["n"] == 2 and "out of memory" in _one_error(victim).error.message
-    assert engine.batcher.running_sequences == 1
+    assert engine.core.batcher.running_sequences == 1
     free = engine.stats()["kv_blocks_free"]
     _assert_engine_goes_on(engine, running, expected, victim)
     assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"] >= free  # nothing leaked
@@ -140,8 +140,8 @@ def test_a_failed_prefill_chunk_spares_the_running_batch(stepped):
     are those of its alone run and a waiting request runs next."""
     engine = stepped()
     running, expected = _decoding(engine)
-    engine.scheduler.prefill_chunk_tokens = 8
-    forward = engine.runner.forward
+    engine.core.scheduler.prefill_chunk_tokens = 8
+    forward = engine.core.runner.forward
     calls = {"prefill": 0}
 
     def flaky(works):
@@ -150,18 +150,18 @@ def test_a_failed_prefill_chunk_spares_the_running_batch(stepped):
             raise RuntimeError("prefill forward failed")
         return forward(works)
 
-    engine.runner.forward = flaky
+    engine.core.runner.forward = flaky
     victim = engine.submit(request(PROMPTS[4], temperature=0.0, max_tokens=8))  # 30 tokens: 4 chunks
     waiting = engine.submit(request(PROMPTS[1], temperature=0.0, max_tokens=5, ignore_eos=True))
-    engine.batcher.step()
-    assert engine.batcher.prefilling_requests() >= 1
-    engine.batcher.step()  # its second chunk raises
+    engine.core.batcher.step()
+    assert engine.core.batcher.prefilling_requests() >= 1
+    engine.core.batcher.step()  # its second chunk raises
     assert calls["prefill"] == 2
     assert "prefill forward failed" in _one_error(victim).error.message
     run(engine, [])
     assert finals([running]) == [expected]
     assert [len(c) for c in finals([waiting])[0]] == [5]
-    assert engine.stats()["requests_failed"] == 1 and not engine._live
+    assert engine.stats()["requests_failed"] == 1 and not engine.core._live
 
 
 def test_the_threaded_loop_survives_a_prefill_fault_while_another_request_decodes(tiny_model_dir):
@@ -170,7 +170,7 @@ def test_the_threaded_loop_survives_a_prefill_fault_while_another_request_decode
         assert engine.wait_ready(60).ready
         req = dict(temperature=0.0, max_tokens=60, ignore_eos=True)
         (reference,) = list(engine.submit(request(PROMPTS[0], **req)))
-        forward = engine.runner.forward
+        forward = engine.core.runner.forward
         started = threading.Event()
         calls = {"prefill": 0}
 
@@ -182,14 +182,14 @@ def test_the_threaded_loop_survives_a_prefill_fault_while_another_request_decode
                 started.set()
             return forward(works)
 
-        engine.runner.forward = flaky
+        engine.core.runner.forward = flaky
         keeper = engine.submit(request(PROMPTS[0], **req))
         assert started.wait(30)
-        engine.scheduler.prefill_chunk_tokens = 8
+        engine.core.scheduler.prefill_chunk_tokens = 8
         victim = engine.submit(request(PROMPTS[4], temperature=0.0, max_tokens=8))
         assert "prefill forward failed" in _one_error(victim).error.message
         (done,) = list(keeper)
         assert done.error is None and done.outputs[0].token_ids == reference.outputs[0].token_ids
-        assert engine.stats()["requests_failed"] == 1 and not engine._live
+        assert engine.stats()["requests_failed"] == 1 and not engine.core._live
     finally:
         engine.shutdown(0)

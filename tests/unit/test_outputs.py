@@ -1,15 +1,22 @@
-"""Output aggregation for n > 1 with children finishing at different steps."""
+"""Output aggregation for n > 1 with children finishing at different steps: the client's choices
+(text, stop strings) fed token by token as the core reports them (token-id stops from the core's
+own stop checker), aggregated in each output kind."""
 
 from __future__ import annotations
 
 import pytest
 
-from gyrfalcon.engine.detokenizer import IncrementalDetokenizer
-from gyrfalcon.engine_api.interface import OutputStream
-from gyrfalcon.engine.outputs import RequestState
-from gyrfalcon.engine.sequence import Sequence
+from gyrfalcon.client.detokenizer import IncrementalDetokenizer
 from gyrfalcon.engine.stopping import StopChecker
-from gyrfalcon.engine_api.types import EngineError, EngineRequest, OutputKind, SamplingParams, TokenLogprobs
+from gyrfalcon.engine_api.outputs import OutputAggregator
+from gyrfalcon.engine_api.types import (
+    EngineError,
+    EngineRequest,
+    OutputKind,
+    SamplingParams,
+    TokenLogprobs,
+)
+from tests.unit.test_stopping import FedChoice
 
 EOS = 2
 PROMPT = [1, 87, 85, 264, 201]
@@ -22,15 +29,12 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
 
 
-def make_state(tokenizer, kind: OutputKind, params: SamplingParams) -> RequestState:
+def make_state(tokenizer, kind: OutputKind, params: SamplingParams) -> OutputAggregator:
     request = EngineRequest("req-1", PROMPT, params, kind)
     specials = frozenset(tokenizer.all_special_ids)
-    sequences = [
-        Sequence(i, params, PROMPT, IncrementalDetokenizer(tokenizer, PROMPT, specials),
-                 StopChecker(params, [EOS], len(PROMPT), 128))  # fmt: skip
-        for i in range(params.n)
-    ]
-    return RequestState(request, OutputStream("req-1"), sequences)
+    choices = [FedChoice(i, params, IncrementalDetokenizer(tokenizer, PROMPT, specials),
+                         StopChecker(params, [EOS], len(PROMPT), 128)) for i in range(params.n)]  # fmt: skip
+    return OutputAggregator(request, choices)
 
 
 def scripts(tokenizer) -> list[list[int]]:

@@ -14,12 +14,12 @@ BLOCK_BYTES = 16 * 512  # tiny model: 2 layers x (K + V) x 2 KV heads x 16 dims 
 
 def test_n_children_share_the_prompts_full_blocks_and_copy_the_partial_one(stepped):
     engine = stepped()
-    pool = engine.scheduler.pool
+    pool = engine.core.scheduler.pool
     free = pool.num_free
     prompt = [1] + [_rng.randrange(3, 512) for _ in range(39)]  # 40 tokens: 2 full blocks + 8
     stream = engine.submit(request(prompt, n=4, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True))
-    engine.batcher.step()  # one prefill, four first tokens, fork
-    (state,) = engine.scheduler.running
+    engine.core.batcher.step()  # one prefill, four first tokens, fork
+    (state,) = engine.core.scheduler.running
     tables = [seq.blocks for seq in state.sequences]
     assert all(table[:2] == tables[0][:2] for table in tables)  # shared, not copied
     assert len({table[2] for table in tables}) == 4  # the partial block: one copy per child
@@ -41,7 +41,7 @@ def test_a_burst_that_overflows_the_blocks_preempts_and_every_request_gets_its_a
         run(roomy, streams)
         expected.extend(finals(streams))
     tight = stepped(kv_cache_memory=12 * BLOCK_BYTES, enable_prefix_caching=False)  # 11 usable blocks
-    assert tight.scheduler.pool.usable_blocks == 11  # each request needs 4 blocks at its end
+    assert tight.core.scheduler.pool.usable_blocks == 11  # each request needs 4 blocks at its end
     streams = [tight.submit(r) for r in make()]
     run(tight, streams)
     assert finals(streams) == expected
@@ -76,8 +76,8 @@ def test_the_static_decode_path_gives_the_engines_tokens(stepped):
         run(plain, streams)
         expected.extend(finals(streams))
     static = stepped()
-    static.runner.decode_steps = DecodeSteps(static.runner, 8, 128, graphs=False)
+    static.core.runner.decode_steps = DecodeSteps(static.core.runner, 8, 128, graphs=False)
     streams = [static.submit(r) for r in make_requests()]
     run(static, streams)
     assert finals(streams) == expected
-    assert sum(b.runs for b in static.runner.decode_steps._buckets.values()) > 10
+    assert sum(b.runs for b in static.core.runner.decode_steps._buckets.values()) > 10

@@ -8,7 +8,7 @@ import pytest
 
 from gyrfalcon.engine_api.interface import OutputStream
 from gyrfalcon.engine.kv.blocks import BlockPool
-from gyrfalcon.engine.outputs import RequestState
+from gyrfalcon.engine.request_state import RequestState
 from gyrfalcon.engine.scheduler import Scheduler
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
@@ -20,7 +20,7 @@ def state(name: str, length: int, n: int = 1, first: int = 5, salt: str | None =
     params = SamplingParams(n=n, max_tokens=8)
     prompt = [first + i for i in range(length)]
     request = EngineRequest(name, prompt, params, cache_salt=salt)
-    sequences = [Sequence(i, params, prompt, None, None, seed=i) for i in range(n)]  # type: ignore[arg-type]
+    sequences = [Sequence(i, params, prompt, None, seed=i) for i in range(n)]  # type: ignore[arg-type]
     return RequestState(request, OutputStream(name), sequences)
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from gyrfalcon.engine.detokenizer import IncrementalDetokenizer
-from gyrfalcon.engine.sequence import Sequence
+from gyrfalcon.client.choice import ChoiceText
+from gyrfalcon.client.detokenizer import IncrementalDetokenizer
+from gyrfalcon.client.stop_strings import StopStrings
 from gyrfalcon.engine.stopping import StopChecker
+from gyrfalcon.engine_api.types import CompletionOutput
 from gyrfalcon.engine_api.types import SamplingParams
 
 EOS = 2
@@ -24,15 +26,30 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def make_sequence(tokenizer, max_model_len: int = 128, prompt=PROMPT, **kw) -> Sequence:
+class FedChoice(ChoiceText):
+    """A client choice fed one token at a time as the core reports it: the core's token-id stop
+    rules (eos, stop ids, length) decide the finish it sends with the token."""
+
+    def __init__(self, index, params, detokenizer, core_rules: StopChecker):
+        super().__init__(index, params, detokenizer)
+        self.core_rules = core_rules
+
+    def append(self, token_id, logprobs=None):
+        count = len(self.token_ids) + 1
+        stop = self.core_rules.check_token(token_id, count)
+        reason, stop_reason = stop if stop else (("length", None) if self.core_rules.check_length(count) else (None, None))
+        self.add(CompletionOutput(self.index, "", [token_id], logprobs, reason, stop_reason))
+
+
+def make_sequence(tokenizer, max_model_len: int = 128, prompt=PROMPT, **kw) -> FedChoice:
     params = SamplingParams(**{"max_tokens": 64, **kw})
     detok = IncrementalDetokenizer(tokenizer, prompt, frozenset(tokenizer.all_special_ids),
                                    params.skip_special_tokens, params.spaces_between_special_tokens)  # fmt: skip
     stopper = StopChecker(params, [EOS], len(prompt), max_model_len)
-    return Sequence(0, params, prompt, detok, stopper)
+    return FedChoice(0, params, detok, stopper)
 
 
-def feed(seq: Sequence, ids: list[int]) -> list[str]:
+def feed(seq: FedChoice, ids: list[int]) -> list[str]:
     """Append tokens until the sequence finishes; return the visible text after each token."""
     seen = []
     for token_id in ids:
@@ -162,12 +179,12 @@ def test_context_end_is_length(tokenizer):
 
 
 def test_holdback_is_the_longest_possible_stop_prefix():
-    checker = StopChecker(SamplingParams(stop=["abc", "xbz"]), [EOS], 1, 100)
+    checker = StopStrings(SamplingParams(stop=["abc", "xbz"]))
     assert checker.holdback("zzab") == 2
     assert checker.holdback("zzx") == 1
     assert checker.holdback("zzxb") == 2
     assert checker.holdback("zz") == 0
-    included = StopChecker(SamplingParams(stop=["abc"], include_stop_str_in_output=True), [EOS], 1, 100)
+    included = StopStrings(SamplingParams(stop=["abc"], include_stop_str_in_output=True))
     assert included.holdback("zzab") == 0
 
 
@@ -183,7 +200,7 @@ def test_incremental_stop_matching_equals_a_brute_force_search():
     rng = random.Random(3)
     for _ in range(300):
         stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
-        checker = StopChecker(SamplingParams(stop=stops), [EOS], 1, 1000)
+        checker = StopStrings(SamplingParams(stop=stops))
         text = ""
         while len(text) < 40:
             chunk = "".join(rng.choice("abc") for _ in range(rng.randint(1, 4)))

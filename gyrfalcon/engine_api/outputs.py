@@ -6,15 +6,34 @@
 - FINAL_ONLY: one item when all ``n`` choices have finished, choices indexed ``0..n-1`` in order.
 
 Text that could still turn into a stop string is held back until it cannot (DELTA, CUMULATIVE).
+The engine core aggregates its token ids with it (always DELTA towards the client), the client
+its text in the request's own output kind.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-from gyrfalcon.engine_api.interface import OutputStream
-from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine_api.types import CompletionOutput, EngineError, EngineRequest, OutputKind, RequestOutput, TokenLogprobs
+
+
+class Choice(Protocol):
+    """What aggregation reads of a choice (the core's sequences and the client's choices alike)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: TokenLogprobs | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+    @property
+    def finished(self) -> bool: ...
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None: ...
+
+    def visible_text(self) -> str: ...
 
 
 def _slice_logprobs(logprobs: TokenLogprobs | None, start: int) -> TokenLogprobs | None:
@@ -37,24 +56,16 @@ class _Sent:
     finished: bool = False
 
 
-class RequestState:
-    """A request inside the engine: its choices (``sequences``), its stream and what was sent."""
+class OutputAggregator:
+    """A request's choices (``sequences``) and what of them was sent, in ``kind``."""
 
-    def __init__(self, request: EngineRequest, stream: OutputStream, sequences: list[Sequence]) -> None:
+    def __init__(self, request: EngineRequest, sequences: list, kind: OutputKind | None = None) -> None:
         self.request = request
-        self.stream = stream
         self.sequences = sequences
-        self.kind = OutputKind(request.output_kind)
+        self.kind = OutputKind(kind if kind is not None else request.output_kind)
         self._sent = [_Sent() for _ in sequences]
-        self.abort_requested = False
-        self.closed = False
-        #: the prompt's logprobs, when asked for (gathered chunk by chunk while the prompt is prefilled)
+        #: the prompt's logprobs, when asked for
         self.prompt_logprobs: TokenLogprobs | None = None
-        #: prompt positions whose logprobs are gathered (the next chunk starts here)
-        self.prompt_logprobs_done = 0
-        #: True once the ``n`` children run on their own (after the first token); before, only
-        #: choice 0 is scheduled: the prompt is prefilled once for all of them
-        self.forked = False
 
     @property
     def request_id(self) -> str:
@@ -63,14 +74,6 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(seq.finished for seq in self.sequences)
-
-    def unfinished(self) -> list[Sequence]:
-        return [seq for seq in self.sequences if not seq.finished]
-
-    def live_sequences(self) -> list[Sequence]:
-        """The sequences the scheduler feeds: choice 0 alone until the children fork, then every
-        unfinished choice."""
-        return self.unfinished() if self.forked else self.sequences[:1]
 
     def num_generated_tokens(self) -> int:
         return sum(len(seq.token_ids) for seq in self.sequences)
@@ -86,7 +89,7 @@ class RequestState:
             error=error,
         )
 
-    def _full(self, seq: Sequence) -> CompletionOutput:
+    def _full(self, seq: Choice) -> CompletionOutput:
         text = seq.visible_text()
         return CompletionOutput(
             index=seq.index,

@@ -1,0 +1,138 @@
+"""``EngineClient``: the frontend's :class:`Engine` over an :class:`EngineCore` (see the package)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from gyrfalcon.client.choice import ChoiceText
+from gyrfalcon.client.detokenizer import IncrementalDetokenizer
+from gyrfalcon.engine_api.interface import Engine, EngineCore, OutputStream
+from gyrfalcon.engine_api.outputs import OutputAggregator
+from gyrfalcon.engine_api.types import EngineHealth, EngineInfo, EngineRequest, OutputKind, RequestOutput
+
+
+class ClientStream(OutputStream):
+    """A request's outputs with text, in its own output kind, made from the core's token-id deltas
+    in the consumer's thread. A choice whose text hits a stop string is finished at once here and
+    in the core (which drops it at its next step); closing the stream aborts the core request."""
+
+    def __init__(self, request: EngineRequest, core_stream: OutputStream, choices: list[ChoiceText], core: EngineCore) -> None:
+        super().__init__(request.request_id)
+        self.core_stream = core_stream
+        self._core = core
+        self._state = OutputAggregator(request, choices)
+        self._done = False
+
+    def get(self, timeout: float | None = None) -> RequestOutput | None:
+        """The next output, None at the end; raises ``queue.Empty`` after ``timeout`` seconds
+        without a core output."""
+        while not self._done:
+            item = self.core_stream.get(timeout)
+            if item is None:
+                self._done = True
+                return None
+            output = self._apply(item)
+            if output is not None:
+                return output
+        return None
+
+    def _apply(self, item: RequestOutput) -> RequestOutput | None:
+        state = self._state
+        if item.error is not None:
+            self._done = True
+            return state.fail(item.error)
+        if item.prompt_logprobs is not None:
+            state.prompt_logprobs = item.prompt_logprobs
+        for delta in item.outputs:
+            choice = state.sequences[delta.index]
+            if choice.add(delta):
+                self._core.finish_choice(self.request_id, delta.index, choice.stop_reason)
+        output = state.make_output()
+        if state.finished:
+            self._done = True
+        return output
+
+    def close(self) -> None:
+        self._done = True
+        self.core_stream.close()
+
+
+class EngineClient(Engine):
+    """Tokenizer, chat template, detokenizer and stop strings around ``core``; every other call
+    goes to the core. ``tokenizer``: the served model's (loaded from ``core.info().model_path``
+    when None)."""
+
+    def __init__(self, core: EngineCore, tokenizer: Any = None) -> None:
+        if tokenizer is None:
+            from gyrfalcon.models.loading import load_tokenizer
+
+            tokenizer = load_tokenizer(core.info().model_path)
+        self.core = core
+        self.tokenizer = tokenizer
+        self.special_ids = frozenset(tokenizer.all_special_ids)
+        self._token_bytes = None  # gyrfalcon.client.token_bytes.TokenBytes, built on first use
+
+    # ------------------------------------------------------------------ the core's calls
+
+    def info(self) -> EngineInfo:
+        return self.core.info()
+
+    def health(self) -> EngineHealth:
+        return self.core.health()
+
+    def stats(self) -> dict[str, Any]:
+        return self.core.stats()
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+
+    def finish_choice(self, request_id: str, index: int, stop_reason: str | int | None = None) -> None:
+        self.core.finish_choice(request_id, index, stop_reason)
+
+    def shutdown(self, grace: float = 5.0) -> None:
+        self.core.shutdown(grace)
+
+    def wait_ready(self, timeout: float = 60.0, poll_s: float = 0.01) -> EngineHealth:
+        """Block until the core is ready (or ``timeout`` seconds); returns its health."""
+        deadline = time.monotonic() + timeout
+        health = self.core.health()
+        while not health.ready and time.monotonic() < deadline and not health.message.startswith("model failed"):
+            time.sleep(poll_s)
+            health = self.core.health()
+        return health
+
+    def submit(self, request: EngineRequest) -> OutputStream:
+        core_stream = self.core.submit(dataclasses.replace(request, output_kind=OutputKind.DELTA))
+        params = request.sampling
+        choices = [
+            ChoiceText(index, params, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, self.special_ids,
+                                                             params.skip_special_tokens,
+                                                             params.spaces_between_special_tokens))  # fmt: skip
+            for index in range(params.n)
+        ]
+        return ClientStream(request, core_stream, choices, self.core)
+
+    # ------------------------------------------------------------------ text
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)  # fmt: skip
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                for t in token_ids]  # fmt: skip
+
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
+        if self._token_bytes is None:  # logprob path: the tokenizer's own byte mapping
+            from gyrfalcon.client.token_bytes import TokenBytes
+
+            self._token_bytes = TokenBytes(self.tokenizer)
+        return self._token_bytes(token_ids)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
