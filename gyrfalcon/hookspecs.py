@@ -38,7 +38,10 @@ def gyrfalcon_engines() -> dict[str, Any]:
     """Offer engine backends: return ``{name: factory}``.
 
     ``factory(settings: Settings, pm: pluggy.PluginManager) -> Engine`` builds and starts an engine;
-    ``pm`` is the app's plugin manager, whose engine hooks the engine resolves once at start. The backend that serves is
+    ``pm`` is the app's plugin manager, whose engine hooks the engine resolves once at start. A
+    backend that deals in token ids only implements :class:`gyrfalcon.engine_api.interface.EngineCore`
+    and returns it wrapped in :class:`gyrfalcon.client.EngineClient`, which does the text work
+    (tokenizer, chat template, detokenisation, stop strings) as the built-in backend does. The backend that serves is
     chosen by the ``--engine`` setting (default ``transformers``), never by plugin order; two plugins
     offering the same name is a start-up error.
     """
@@ -103,7 +106,11 @@ def gyrfalcon_logits_processors(info: EngineInfo) -> list[LogitsProcessor]:
 
     Called once when the engine starts. Each processor transforms ``[B, V]`` logits for the rows
     that want it, declares the request fields it honours (``fields``, reported by the engine as
-    capabilities) and validates them at submit time. Processors run in ascending ``order``.
+    capabilities) and validates them at submit time. Processors run in ascending ``order``. The
+    rows are whichever sequences draw a token in a step (decode rows and prompts that just finished
+    prefilling, side by side); a processor that needs randomness draws from the row's generator
+    in ``BatchRows.generators``, seeded per draw from (the choice's seed, the position), so a
+    preempted and recomputed sequence sees the same numbers.
     """
 
 

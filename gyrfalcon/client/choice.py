@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from gyrfalcon.client.detokenizer import IncrementalDetokenizer
 from gyrfalcon.client.stop_strings import StopStrings
+from gyrfalcon.engine_api.outputs import ChoiceProgress
 from gyrfalcon.engine_api.types import CompletionOutput, SamplingParams, TokenLogprobs
 
 
-class ChoiceText:
+class ChoiceText(ChoiceProgress):
     """Choice ``index`` of a request as the client sends it.
 
     ``text`` is everything decoded so far (cut at a stop string); :meth:`visible_text` is what may
@@ -16,24 +17,11 @@ class ChoiceText:
     """
 
     def __init__(self, index: int, params: SamplingParams, detokenizer: IncrementalDetokenizer) -> None:
-        self.index = index
+        super().__init__(index)
         self.params = params
         self.detokenizer = detokenizer
         self.stops = StopStrings(params)
-        self.token_ids: list[int] = []
         self.text = ""
-        self.logprobs: TokenLogprobs | None = None
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
-        if self.finish_reason is None:
-            self.finish_reason = reason
-            self.stop_reason = stop_reason
 
     def visible_text(self) -> str:
         if self.finished:
@@ -49,9 +37,7 @@ class ChoiceText:
         for i, token_id in enumerate(ids):
             self.token_ids.append(token_id)
             if delta.logprobs is not None and i < len(delta.logprobs.token_ids):
-                if self.logprobs is None:
-                    self.logprobs = TokenLogprobs()
-                self.logprobs.extend(_position(delta.logprobs, i))
+                self.add_logprobs(_position(delta.logprobs, i))
             if i == len(ids) - 1 and delta.finish_reason == "stop":  # a stop token or eos ended it
                 # vLLM: the stop token's own text is part of the output only with include_stop_str_in_output
                 if self.params.include_stop_str_in_output:

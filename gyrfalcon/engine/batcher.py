@@ -144,9 +144,10 @@ class Batcher:
             self.scheduler.register_full_blocks(item.state, item.seq)
         rows: list[int] = []
         sampled: list[tuple[Sequence, RequestState]] = []
+        running = set(self.scheduler.running)
         for item, work, (first, count), reaches_end in zip(plan, works, spans, ends):
             state = item.state
-            if state.closed or state.abort_requested or state not in self.scheduler.running:
+            if state.closed or state.abort_requested or state not in running:
                 continue
             if work.logits == "all":
                 try:

@@ -158,5 +158,7 @@ class Sampler:
                 logits = processor(logits, rows, selected)
         top = logits.amax(dim=-1)
         sampled = self.choose(logits, rows)
-        errors = self.unsampleable(top.tolist(), rows)  # read once the draw is queued: no extra stall
-        return SamplerOutput(sampled.tolist(), self.gather_logprobs(raw_logprobs, sampled, rows, gathered), errors)
+        # one host transfer for the ids and each row's largest logit (fp64 holds any token id exactly)
+        ids, tops = torch.stack([sampled.double(), top.double()]).tolist()
+        errors = self.unsampleable(tops, rows)
+        return SamplerOutput([int(i) for i in ids], self.gather_logprobs(raw_logprobs, sampled, rows, gathered), errors)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from gyrfalcon.engine.stopping import StopChecker
+from gyrfalcon.engine_api.outputs import ChoiceProgress
 from gyrfalcon.engine_api.types import SamplingParams, TokenLogprobs
 
 
-class Sequence:
+class Sequence(ChoiceProgress):
     """Choice ``index`` of a request. :meth:`append` applies the token-id stop rules (stop strings
     are the engine client's: it finishes the choice through the engine when one is hit).
 
@@ -22,7 +23,7 @@ class Sequence:
 
     def __init__(self, index: int, params: SamplingParams, prompt_token_ids: list[int], stopper: StopChecker,
                  seed: int = 0) -> None:  # fmt: skip
-        self.index = index
+        super().__init__(index)
         self.params = params
         self.prompt_token_ids = prompt_token_ids
         self.stopper = stopper
@@ -30,19 +31,6 @@ class Sequence:
         self.blocks: list[int] = []
         self.computed = 0
         self.block_hashes: list[bytes] = []
-        self.token_ids: list[int] = []
-        self.logprobs: TokenLogprobs | None = None
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
-        if self.finish_reason is None:
-            self.finish_reason = reason
-            self.stop_reason = stop_reason
 
     @property
     def num_tokens(self) -> int:
@@ -65,9 +53,7 @@ class Sequence:
         """Add a generated token and decide whether the choice has finished."""
         self.token_ids.append(token_id)
         if logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = TokenLogprobs()
-            self.logprobs.extend(logprobs)
+            self.add_logprobs(logprobs)
         count = len(self.token_ids)
         token_stop = self.stopper.check_token(token_id, count)
         if token_stop is not None:
