@@ -65,6 +65,35 @@ def test_greedy_matches_a_direct_forward_loop(engine, default_model_dir):
     assert ours_ids == reference
 
 
+def test_64_mixed_length_prompts_in_one_batch_give_the_eager_loops_tokens(default_model_dir):
+    """Batched over the paged cache (prefill chunks sharing forwards with decode rows), every prompt
+    gets the greedy tokens of a plain eager transformers loop run on it alone (fp32, CPU)."""
+    import random
+
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    rng = random.Random(5)
+    prompts = [[1] + [rng.randrange(100, 49152) for _ in range(rng.randrange(3, 60))] for _ in range(64)]
+    engine = create_transformers_engine(Settings(model=default_model_dir, max_model_len=512, max_num_seqs=64,
+                                                 max_queue_len=64))  # fmt: skip
+    try:
+        assert engine.wait_ready(timeout=180).ready
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        streams = [engine.submit(EngineRequest(f"p{i}", p, params)) for i, p in enumerate(prompts)]
+        ours = [list(stream)[-1].outputs[0].token_ids for stream in streams]
+    finally:
+        engine.shutdown(grace=1.0)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, local_files_only=True, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for prompt, got in zip(prompts, ours):
+            cache, ids, reference = DynamicCache(config=model.config), torch.tensor([prompt]), []
+            for _ in range(6):
+                next_id = int(model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].argmax())
+                reference.append(next_id)
+                ids = torch.tensor([[next_id]])
+            assert got == reference, prompt
+
+
 @pytest.mark.live
 def test_readme_serve_command_serves_the_default_model(default_model_dir, tmp_path):
     """`gyrfalcon serve` with no --model: the embedded default under gunicorn, as the README starts it."""
