@@ -8,9 +8,11 @@ from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind
 from gyrfalcon.errors import RequestError
 from gyrfalcon.policies import LogitsProcessor, LogprobGatherer
 
-#: ``SamplingParams`` fields the runner honours itself; processors and gatherers add theirs.
+#: ``SamplingParams`` fields (and ``cache_salt``) the engine honours itself; processors and
+#: gatherers add theirs.
 NATIVE_CAPABILITIES = frozenset(
     {
+        "cache_salt",
         "n",
         "max_tokens",
         "min_tokens",
@@ -35,6 +37,8 @@ def validate_request(
     params = request.sampling
     for name in sorted(params.asked_fields() - info.capabilities):
         raise RequestError(f"{name} is not supported by this server", name)
+    if request.cache_salt is not None and "cache_salt" not in info.capabilities:
+        raise RequestError("cache_salt is not supported by this server", "cache_salt")
     for name in sorted(set(request.extensions) - info.capabilities):
         raise RequestError(f"extension {name} is not supported by this server", f"extensions.{name}")
     try:

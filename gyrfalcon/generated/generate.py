@@ -184,4 +184,12 @@ class GenerateRequest(BaseModel):
             min_length=1,
         ),
     ] = MISSING
+    cache_salt: Annotated[
+        str | MISSING,
+        Field(
+            description="Isolates this request in the prefix cache: only requests with the same salt reuse each other's cached prompt blocks (vLLM's cache_salt).",
+            max_length=256,
+            min_length=1,
+        ),
+    ] = MISSING
     extensions: common.Extensions | MISSING = MISSING

@@ -217,6 +217,14 @@ class CompletionRequest(BaseModel):
             min_length=1,
         ),
     ] = MISSING
+    cache_salt: Annotated[
+        str | MISSING,
+        Field(
+            description="Isolates this request in the prefix cache: only requests with the same salt reuse each other's cached prompt blocks (vLLM's cache_salt).",
+            max_length=256,
+            min_length=1,
+        ),
+    ] = MISSING
     extensions: common.Extensions | MISSING = MISSING
 
 
@@ -364,6 +372,14 @@ class ChatCompletionRequest(BaseModel):
             min_length=1,
         ),
     ] = MISSING
+    cache_salt: Annotated[
+        str | MISSING,
+        Field(
+            description="Isolates this request in the prefix cache: only requests with the same salt reuse each other's cached prompt blocks (vLLM's cache_salt).",
+            max_length=256,
+            min_length=1,
+        ),
+    ] = MISSING
     extensions: common.Extensions | MISSING = MISSING
 
 
@@ -488,6 +504,14 @@ class BatchChatCompletionRequest(BaseModel):
         str | MISSING,
         Field(
             description="Used when there is no X-Request-Id header.",
+            max_length=256,
+            min_length=1,
+        ),
+    ] = MISSING
+    cache_salt: Annotated[
+        str | MISSING,
+        Field(
+            description="Isolates this request in the prefix cache: only requests with the same salt reuse each other's cached prompt blocks (vLLM's cache_salt).",
             max_length=256,
             min_length=1,
         ),

@@ -23,6 +23,7 @@ WIRE_CAPABILITY: dict[str, str] = {
     "return_tokens_as_token_ids": "logprobs",
     "max_completion_tokens": "max_tokens",
     "use_beam_search": "use_beam_search",
+    "cache_salt": "cache_salt",
 }
 
 

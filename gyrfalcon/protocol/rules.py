@@ -20,7 +20,9 @@ from gyrfalcon.errors import RequestError
 ENDPOINTS = ("generate", "completions", "chat", "chat_batch")
 
 #: fields that live under ``sampling_params`` in a generate request
-TOP_LEVEL_GENERATE_FIELDS = frozenset({"token_ids", "sampling_params", "model", "stream", "stream_options", "request_id", "extensions"})
+TOP_LEVEL_GENERATE_FIELDS = frozenset(
+    {"token_ids", "sampling_params", "model", "stream", "stream_options", "request_id", "cache_salt", "extensions"}
+)
 
 
 @dataclass(frozen=True)

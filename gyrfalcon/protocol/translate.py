@@ -125,6 +125,7 @@ class Translator:
                     sampling=params,
                     output_kind=kind,
                     extensions=dict(extensions or {}),
+                    cache_salt=fields.get("cache_salt"),
                 )
             )
         if self._validate_hook is not None:
