@@ -124,21 +124,19 @@ class DecodeSteps:
             return None
         bucket = self.get(*key)
         n, bs = len(works), self.runner.cache.block_size
-        ids = torch.zeros((1, bucket.batch), dtype=torch.long)
-        positions = torch.zeros((1, bucket.batch), dtype=torch.long)
-        slots = torch.zeros(bucket.batch, dtype=torch.long)
-        for row, work in enumerate(works):
-            ids[0, row] = work.tokens[0]
-            positions[0, row] = work.start
-            slots[row] = work.blocks[work.start // bs] * bs + work.start % bs
-        tables = block_tables([w.blocks for w in works], bucket.step.decode_blocks.shape[1])
+        pad = [0] * (bucket.batch - n)  # padding rows: token 0 at position 0 in the scratch slot 0
+        rows = torch.tensor([
+            [w.tokens[0] for w in works] + pad,
+            [w.start for w in works] + pad,
+            [w.blocks[w.start // bs] * bs + w.start % bs for w in works] + pad,
+        ], dtype=torch.long)  # fmt: skip
+        tables = block_tables([w.blocks for w in works] + [[]] * len(pad), bucket.step.decode_blocks.shape[1])
         step = bucket.step
-        bucket.ids.copy_(ids, non_blocking=True)
-        bucket.positions.copy_(positions, non_blocking=True)
-        step.slot_mapping.copy_(slots, non_blocking=True)
-        step.decode_positions.copy_(positions[0], non_blocking=True)
-        step.decode_blocks.zero_()
-        step.decode_blocks[:n].copy_(tables, non_blocking=True)
+        bucket.ids.copy_(rows[0:1], non_blocking=True)
+        bucket.positions.copy_(rows[1:2], non_blocking=True)
+        step.slot_mapping.copy_(rows[2], non_blocking=True)
+        step.decode_positions.copy_(rows[1], non_blocking=True)
+        step.decode_blocks.copy_(tables, non_blocking=True)
         bucket.runs += 1
         if bucket.graph is not None:
             bucket.graph.replay()
