@@ -39,7 +39,9 @@ class Settings:
     enable_prefix_caching: bool = True
     #: never capture decode steps (CUDA graphs); every step runs eagerly
     enforce_eager: bool = False
-    num_threads: int = 1
+    #: torch threads per worker (CPU). Measured on the 2-core machine (bench, c=16): 2 threads gave
+    #: 111.6 output tok/s against 93.5 with 1, with the same time per token at c=1
+    num_threads: int = 2
     max_body_bytes: int = 4 * 1024 * 1024
     api_keys: list[str] = field(default_factory=list)
     plugins_allow: list[str] | None = None  # None: every installed plugin

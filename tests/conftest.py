@@ -27,7 +27,7 @@ def tiny_settings(model_dir: str, **overrides):
     from gyrfalcon.config import Settings
 
     values = dict(model=model_dir, max_model_len=TINY_MAX_MODEL_LEN, max_num_seqs=TINY_MAX_NUM_SEQS,
-                  max_queue_len=16, dtype="float32", device="cpu", seed=0)  # fmt: skip
+                  max_queue_len=16, dtype="float32", device="cpu", seed=0, num_threads=1)  # fmt: skip
     values.update(overrides)
     return Settings(**values)
 
@@ -45,7 +45,8 @@ def tiny_engine(tiny_model_dir: str):
 
 
 #: limits of the live test server: small, so that every valid request (and fuzzing) stays fast
-LIVE_ARGS = ["--max-model-len", "64", "--max-num-seqs", "8", "--served-model-name", "tiny", "--max-queue-len", "32"]
+LIVE_ARGS = ["--max-model-len", "64", "--max-num-seqs", "8", "--served-model-name", "tiny", "--max-queue-len", "32",
+             "--num-threads", "1"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")

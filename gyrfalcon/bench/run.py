@@ -26,6 +26,7 @@ from typing import Any
 
 from gyrfalcon.bench.ceiling import CeilingResult
 from gyrfalcon.bench.client import Client, run_load
+from gyrfalcon.config import Settings
 
 MAX_CONCURRENCY = 128
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -60,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ceiling", action="store_true", help="skip both ceilings")
     p.add_argument("--compiled-ceiling", action=argparse.BooleanOptionalAction, default=None,
                    help="the static-cache torch.compile loop (default: on cuda only)")  # fmt: skip
-    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--num-threads", type=int, default=Settings.num_threads,
+                   help="torch threads of the launched server and of the ceilings (default: the server's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the figures to this file")
 
