@@ -20,6 +20,7 @@ sampler cannot sample (every token excluded) ends its request in-band too.
 
 from __future__ import annotations
 
+import collections.abc
 import ctypes
 import hashlib
 import logging
@@ -45,6 +46,29 @@ def noise_seed(seed: int, position: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+class DrawGenerators(collections.abc.Sequence):
+    """Per row, a ``torch.Generator`` seeded for this draw (None for greedy rows), made only when a
+    processor asks for it: most steps need none."""
+
+    def __init__(self, seeds: list[int | None], device: torch.device) -> None:
+        self._seeds = seeds
+        self._device = device
+        self._made: dict[int, torch.Generator] = {}
+
+    def __len__(self) -> int:
+        return len(self._seeds)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        seed = self._seeds[i]
+        if seed is None:
+            return None
+        if i not in self._made:
+            self._made[i] = torch.Generator(device=self._device).manual_seed(seed)
+        return self._made[i]
+
+
 def batch_rows(sequences: list[Sequence], owners: list[RequestState], device: torch.device) -> BatchRows:
     """The per-row view of a batch that processors and gatherers receive. A sampling row's draw
     (its uniform number, and the generator offered to processors) is keyed by (its sequence's
@@ -55,7 +79,7 @@ def batch_rows(sequences: list[Sequence], owners: list[RequestState], device: to
         prompt_token_ids=[seq.prompt_token_ids for seq in sequences],
         output_token_ids=[seq.token_ids for seq in sequences],
         extensions=[state.request.extensions for state in owners],
-        generators=[None if seed is None else torch.Generator(device=device).manual_seed(seed) for seed in seeds],
+        generators=DrawGenerators(seeds, device),  # type: ignore[arg-type]
         uniforms=[0.0 if seed is None else (seed >> 10) / 2.0**53 for seed in seeds],
     )
 
@@ -343,7 +367,8 @@ class Batcher:
     def _reap_aborted(self) -> None:
         """End aborted requests, and the choices the client finished (a stop string in their text)."""
         for state in self.states():
-            if state.closed:
+            if state.closed:  # ended elsewhere (an abort while it was being admitted): let it go
+                self.scheduler.finish_request(state)
                 continue
             if state.abort_requested:
                 state.abort()

@@ -233,6 +233,12 @@ class Scheduler:
                 if not self._waiting:
                     return
                 state = self._waiting[0]
+            for index, stop_reason in list(state.finish_requested.items()):  # choices the client ended meanwhile
+                state.sequences[index].finish("stop", stop_reason)
+            if state.abort_requested or state.finished:  # the step loop ends it: no work, no blocks
+                if self._take_head(state):
+                    self.running.append(state)
+                continue
             live = state.live_sequences()
             if self.running and rows + len(state.sequences) > self.max_num_seqs:
                 return
@@ -244,12 +250,20 @@ class Scheduler:
                     break
                 scheduled.append(Scheduled(state, seq, count))
                 budget -= count
-            if len(scheduled) < len(live) and not scheduled:
+            if not scheduled or not self._take_head(state):
                 for seq in live:
                     self.release(seq)
-                return  # the oldest waits for blocks or budget to free up
-            with self._cond:
-                self._waiting.popleft()
+                if not scheduled:
+                    return  # the oldest waits for blocks or budget to free up
+                continue  # it was aborted (taken out of the queue) meanwhile
             self.running.append(state)
             rows += len(state.sequences)
             plan.extend(scheduled)
+
+    def _take_head(self, state: RequestState) -> bool:
+        """Pop ``state`` from the head of the queue; False when another thread removed it (an abort)."""
+        with self._cond:
+            if self._waiting and self._waiting[0] is state:
+                self._waiting.popleft()
+                return True
+            return False

@@ -124,3 +124,33 @@ def test_full_queue_is_503_and_remove_frees_a_place():
     assert s.remove("a").request_id == "a" and s.remove("a") is None
     s.add(state("c", 3))
     assert [st.request_id for st in s.drain()] == ["b", "c"]
+
+
+def test_an_abort_while_the_head_is_being_admitted_loses_no_request_and_no_block():
+    """The HTTP thread takes the head out of the queue (an abort) after the step loop read it and
+    before it popped it: the loop must not pop the next request in its place."""
+    s = scheduler(blocks=16, block_size=4)
+    a, b = state("a", 6), state("b", 5, first=40)
+    s.add(a)
+    s.add(b)
+    looked_up = s._prefix_hit
+
+    def abort_meanwhile(st, seq):
+        if st is a:
+            assert s.remove("a") is a
+        looked_up(st, seq)
+
+    s._prefix_hit = abort_meanwhile
+    assert plan_of(s) == [("b", 0, 5)]
+    assert s.running == [b] and len(s) == 0
+    assert s.pool.num_free == s.pool.usable_blocks - 2  # only b's blocks are held
+
+
+def test_a_waiting_request_whose_choices_the_client_finished_is_not_recomputed():
+    s = scheduler(block_size=4)
+    st = state("a", 6, n=2)
+    generate(st)
+    st.finish_requested.update({0: "x", 1: "y"})  # both choices hit stop strings while it waited
+    s.add(st)
+    assert plan_of(s) == [] and s.running == [st]  # admitted with no work: the step loop ends it
+    assert [seq.finish_reason for seq in st.sequences] == ["stop", "stop"] and s.pool.num_free == s.pool.usable_blocks

@@ -91,7 +91,7 @@ def plan_cache(
 ) -> CachePlan:
     """The block count: ``kv_cache_memory`` bytes when given; otherwise enough for ``max_num_seqs``
     full-length sequences, capped by what the device allows (CUDA: ``gpu_memory_utilization`` of
-    the device minus what is allocated now; CPU: 4 GiB and a quarter of the available memory)."""
+    the device minus what is allocated now; CPU: 2 GiB and a quarter of the available memory)."""
     per_block = shape.bytes_per_token * block_size
     wanted = max_num_seqs * math.ceil(max_model_len / block_size) + 1
     if kv_cache_memory is not None:

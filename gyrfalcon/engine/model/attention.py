@@ -132,7 +132,8 @@ def paged_attention(
         k = k_cache.view(blocked).index_select(0, blocks.reshape(-1)).view(rows, width, *blocked[2:])
         v = v_cache.view(blocked).index_select(0, blocks.reshape(-1)).view(rows, width, *blocked[2:])
         k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
-        out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling, is_causal=False)
+        # the model's other attention arguments go along (sdpa refuses what it cannot do, e.g. softcap)
+        out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling, is_causal=False, **kwargs)
         return out  # [b, q, H, D]
 
     if step.decode_only:

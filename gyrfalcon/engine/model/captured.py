@@ -141,5 +141,6 @@ class DecodeSteps:
         if bucket.graph is not None:
             bucket.graph.replay()
             assert bucket.logits is not None
-            return bucket.logits[:n].float()
+            # a copy: the next replay (of any bucket: they share one memory pool) overwrites the output
+            return bucket.logits[:n].to(torch.float32, copy=True)
         return self._eager(bucket)[:n].float()
