@@ -1,4 +1,4 @@
-"""The token chooser: processors on the batch, then greedy argmax or a seeded exponential race.
+"""The token chooser: processors on the batch, then greedy argmax or one seeded draw per row (inverse CDF).
 
 One ``[B, V]`` pass per step:
 

@@ -168,7 +168,7 @@ def test_seeded_rows_are_reproducible_and_independent_of_company():
     assert len(set(alone)) > 1  # it really samples
 
 
-def test_exponential_race_follows_the_distribution():
+def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1] + [0.0] * (V - 3))
     logits = probs.log().unsqueeze(0)
     sampler = make_sampler()
