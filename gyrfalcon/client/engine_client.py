@@ -26,16 +26,21 @@ class ClientStream(OutputStream):
         self._done = False
 
     def get(self, timeout: float | None = None) -> RequestOutput | None:
-        """The next output, None at the end; raises ``queue.Empty`` after ``timeout`` seconds
-        without a core output."""
+        """The next output, None at the end. With a ``timeout``, it waits at most that long for
+        the core and then takes only what is already queued: ``queue.Empty`` means no output is
+        ready yet (the core's progress so far is applied), so a reader of several streams can take
+        turns even while a non-streaming request has nothing to return."""
+        wait = timeout
         while not self._done:
-            item = self.core_stream.get(timeout)
+            item = self.core_stream.get(wait)
             if item is None:
                 self._done = True
                 return None
             output = self._apply(item)
             if output is not None:
                 return output
+            if timeout is not None:
+                wait = 0
         return None
 
     def _apply(self, item: RequestOutput) -> RequestOutput | None:

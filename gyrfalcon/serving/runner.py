@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import queue
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,11 +60,7 @@ def complete(
         return formatter.prompt_only()
     finals: list[RequestOutput] = []
     try:
-        for stream in streams:
-            last = None
-            for output in stream if client_alive is None else follow(stream, client_alive, poll_s):
-                _raise_in_band(serving, output)
-                last = output
+        for last in _last_outputs(serving, streams, client_alive, poll_s):
             if last is None or not last.finished:
                 if client_alive is not None and not client_alive():
                     raise RequestError("The client closed the connection", None, status=CLIENT_CLOSED, type="client_closed")
@@ -72,6 +70,47 @@ def complete(
         for stream in streams:
             stream.close()
     return formatter.final(finals)
+
+
+def _last_outputs(
+    serving: ServingRequest, streams: list[OutputStream], client_alive: Callable[[], bool] | None, poll_s: float
+) -> list[RequestOutput | None]:
+    """Each stream's last output (None: it ended without one, or the client left).
+
+    Several streams (prompts) are read in turn, a short wait each, not one after the other: the
+    client side of the engine turns a stream's token ids into text (and checks its stop strings,
+    ending choices early) only as the stream is read.
+    """
+    if len(streams) == 1:
+        last = None
+        for output in streams[0] if client_alive is None else follow(streams[0], client_alive, poll_s):
+            _raise_in_band(serving, output)
+            last = output
+        return [last]
+    lasts: list[RequestOutput | None] = [None] * len(streams)
+    reading = list(range(len(streams)))
+    quiet_since = time.monotonic()
+    while reading:
+        for i in list(reading):
+            try:
+                output = streams[i].get(timeout=_TURN_S)
+            except queue.Empty:
+                continue
+            quiet_since = time.monotonic()
+            if output is None:
+                reading.remove(i)
+                continue
+            _raise_in_band(serving, output)
+            lasts[i] = output
+        if client_alive is not None and time.monotonic() - quiet_since > poll_s:
+            if not client_alive():
+                break
+            quiet_since = time.monotonic()
+    return lasts
+
+
+#: how long one stream is waited for before the next one's turn (several prompts in one request)
+_TURN_S = 0.005
 
 
 class StreamedResponse:
