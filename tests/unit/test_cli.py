@@ -15,6 +15,9 @@ BAD = [
     (["--port", "70000"], "--port must be in 1..65535"),
     (["--engine", "nope"], "--engine 'nope' is not installed"),
     (["--seed", "-1"], "--seed must be in"),
+    (["--block-size", "0"], "--block-size must be at least 1"),
+    (["--kv-cache-memory", "0"], "--kv-cache-memory must be a positive number of bytes"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
 ]
 
 
