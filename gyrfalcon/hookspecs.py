@@ -108,9 +108,18 @@ def gyrfalcon_logits_processors(info: EngineInfo) -> list[LogitsProcessor]:
     that want it, declares the request fields it honours (``fields``, reported by the engine as
     capabilities) and validates them at submit time. Processors run in ascending ``order``. The
     rows are whichever sequences draw a token in a step (decode rows and prompts that just finished
-    prefilling, side by side); a processor that needs randomness draws from the row's generator
-    in ``BatchRows.generators``, seeded per draw from (the choice's seed, the position), so a
-    preempted and recomputed sequence sees the same numbers.
+    prefilling, side by side).
+
+    The engine keeps a persistent batch: ``wants`` is asked once per sequence, when it joins (its
+    first draw, or its first after a preemption), and the processor hears ``add_row(slot, row)``
+    then and ``remove_row(slot)`` when the sequence leaves. Keep per-row state on the device,
+    indexed by slot (:class:`gyrfalcon.policies.SlotTensor`), and gather it in ``__call__`` with
+    ``BatchRows.slots``; never build tensors from Python lists per step, and never copy to the host
+    (the step makes one host transfer for everyone). A processor that sets ``uses_output_counts``
+    reads the generated-token counts the engine keeps (``BatchRows.output_counts``). A processor
+    that needs randomness draws from the row's generator in ``BatchRows.generators``, seeded per
+    draw from (the choice's seed, the position), so a preempted and recomputed sequence sees the
+    same numbers.
     """
 
 
@@ -120,8 +129,12 @@ def gyrfalcon_logprob_gatherers(info: EngineInfo) -> list[LogprobGatherer]:
 
     Called once when the engine starts. Each gatherer picks, from the same batched log-softmax the
     step sampled from (raw: before any processor), which token ids to report at each position
-    (top-k, explicit ids, …) and declares the fields it honours. A gatherer whose ``positions`` is
-    ``"prompt"`` runs once per request on its prefill's logits instead, one row per prompt
-    position (``prompt_logprobs``). The engine merges every gatherer's ids behind the position's
-    own token, without duplicates, and clamps values to -9999.0.
+    (top-k, explicit ids, …) and declares the fields it honours. It returns its picks as a
+    :class:`gyrfalcon.policies.Gathered` left on the device, so that they reach the host with the
+    step's sampled ids in one transfer (a list of host pairs still works, at the cost of a sync of
+    its own). Generated-position gatherers hear the persistent batch's ``add_row`` and
+    ``remove_row`` events as processors do. A gatherer whose ``positions`` is ``"prompt"`` runs
+    once per request on its prefill's logits instead, one row per prompt position
+    (``prompt_logprobs``). The engine merges every gatherer's ids behind the position's own
+    token, without duplicates, and clamps values to -9999.0.
     """

@@ -3,6 +3,10 @@
 It adds the request field ``extensions.suppress_token_ids`` (a frontend hook declares its JSON
 Schema, so it appears in the served spec and is validated) and honours it with a batch-shaped logits
 processor (an engine hook) that makes those tokens impossible to sample.
+
+The processor follows the engine's persistent batch: when a sequence that asks for the field joins,
+``add_row`` writes its mask into a per-slot device tensor once; each step gathers the masks of its
+rows by slot, with no tensor built from Python lists and no copy to the host.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from typing import Any
 
 from gyrfalcon import hookimpl
 from gyrfalcon.errors import RequestError
-from gyrfalcon.policies import LogitsProcessor
+from gyrfalcon.policies import LogitsProcessor, SlotTensor, put_rows, row_index, take_rows
 
 FIELD = "suppress_token_ids"
 
@@ -26,13 +30,23 @@ class SuppressTokens(LogitsProcessor):
             if token_id >= info.vocab_size:
                 raise RequestError(f"token id {token_id} is outside the vocabulary", f"extensions.{FIELD}")
 
+    def __init__(self) -> None:
+        self.masks: SlotTensor | None = None  # per slot: True for the tokens to suppress
+
     def wants(self, params: Any, extensions: dict[str, Any]) -> bool:
         return bool(extensions.get(FIELD))
 
+    def add_row(self, slot: int, row: Any) -> None:
+        if self.masks is None:
+            self.masks = SlotTensor((row.vocab_size,), "bool", False)
+        mask = self.masks.row(slot, row.device)
+        mask.zero_()
+        mask[list(row.extensions[FIELD])] = True
+
     def __call__(self, logits, rows, selected):
-        for row in selected:
-            logits[row, rows.extensions[row][FIELD]] = float("-inf")
-        return logits
+        index = row_index(selected, logits)
+        masks = self.masks.take(rows.slots_of(selected, index))
+        return put_rows(logits, index, take_rows(logits, index).masked_fill(masks, float("-inf")))
 
 
 @hookimpl

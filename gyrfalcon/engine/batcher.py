@@ -20,9 +20,7 @@ sampler cannot sample (every token excluded) ends its request in-band too.
 
 from __future__ import annotations
 
-import collections.abc
 import ctypes
-import hashlib
 import logging
 from collections.abc import Callable
 
@@ -31,57 +29,13 @@ import torch
 from gyrfalcon.engine.kv.blocks import NoFreeBlocks
 from gyrfalcon.engine.model.runner import ModelRunner, Work
 from gyrfalcon.engine.request_state import RequestState
-from gyrfalcon.engine.sampler import Sampler, SamplerOutput
+from gyrfalcon.engine.sample.persistent_batch import PersistentBatch
+from gyrfalcon.engine.sample.sampler import Sampler, SamplerOutput
 from gyrfalcon.engine.scheduler import Scheduled, Scheduler
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine_api.types import EngineError, EngineRequest, TokenLogprobs
-from gyrfalcon.policies import BatchRows
 
 log = logging.getLogger(__name__)
-
-
-def noise_seed(seed: int, position: int) -> int:
-    """The 63-bit seed of a sequence's draw at ``position`` (its generated-token index)."""
-    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-class DrawGenerators(collections.abc.Sequence):
-    """Per row, a ``torch.Generator`` seeded for this draw (None for greedy rows), made only when a
-    processor asks for it: most steps need none."""
-
-    def __init__(self, seeds: list[int | None], device: torch.device) -> None:
-        self._seeds = seeds
-        self._device = device
-        self._made: dict[int, torch.Generator] = {}
-
-    def __len__(self) -> int:
-        return len(self._seeds)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        seed = self._seeds[i]
-        if seed is None:
-            return None
-        if i not in self._made:
-            self._made[i] = torch.Generator(device=self._device).manual_seed(seed)
-        return self._made[i]
-
-
-def batch_rows(sequences: list[Sequence], owners: list[RequestState], device: torch.device) -> BatchRows:
-    """The per-row view of a batch that processors and gatherers receive. A sampling row's draw
-    (its uniform number, and the generator offered to processors) is keyed by (its sequence's
-    seed, the position it draws)."""
-    seeds = [None if seq.params.greedy else noise_seed(seq.seed, len(seq.token_ids)) for seq in sequences]
-    return BatchRows(
-        params=[seq.params for seq in sequences],
-        prompt_token_ids=[seq.prompt_token_ids for seq in sequences],
-        output_token_ids=[seq.token_ids for seq in sequences],
-        extensions=[state.request.extensions for state in owners],
-        generators=DrawGenerators(seeds, device),  # type: ignore[arg-type]
-        uniforms=[0.0 if seed is None else (seed >> 10) / 2.0**53 for seed in seeds],
-    )
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -112,13 +66,19 @@ class Batcher:
         count: Callable[[str, int], None],
         fail: Callable[[RequestState, EngineError], None],
         prompt_logprobs: Callable[[EngineRequest, torch.Tensor, int], TokenLogprobs] | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         """``emit`` sends a request's progress; ``fail`` ends a request in-band with an error (a
         no-op for a request already closed); ``prompt_logprobs(request, logits, start)`` returns
-        the prompt logprobs of the positions that ``[c, V]`` logits starting at ``start`` predict."""
+        the prompt logprobs of the positions that ``[c, V]`` logits starting at ``start`` predict.
+        The sampling state of the sequences lives in a :class:`PersistentBatch` that they join
+        when they first draw and leave when the scheduler releases their KV."""
         self.runner = runner
         self.sampler = sampler
         self.scheduler = scheduler
+        vocab = vocab_size or int(runner.model.config.vocab_size)
+        self.batch = PersistentBatch(sampler.processors, sampler.gatherers, vocab, runner.cache.device)
+        scheduler.release_listeners.append(self.batch.leave)
         self.emit = emit
         self.count = count
         self.fail = fail
@@ -265,20 +225,23 @@ class Batcher:
         sequences = [seq for seq, _ in rows]
         owners = [state for _, state in rows]
         try:
-            result = self.sampler.sample(logits.clone(), batch_rows(sequences, owners, logits.device))
+            batch_rows = self.batch.rows(sequences, [state.request.extensions for state in owners])
+            result = self.sampler.sample(logits.clone(), batch_rows)
         except Exception:  # noqa: BLE001 - find the request(s) at fault
             log.exception("sampling a batch failed; retrying request by request")
             for state in dict.fromkeys(owners):
                 mine = [i for i, owner in enumerate(owners) if owner is state]
                 index = torch.tensor(mine, dtype=torch.long, device=logits.device)
                 try:
-                    part = self.sampler.sample(logits.index_select(0, index),
-                                               batch_rows([sequences[i] for i in mine], [state] * len(mine), logits.device))  # fmt: skip
+                    own_rows = self.batch.rows([sequences[i] for i in mine], [state.request.extensions] * len(mine))
+                    part = self.sampler.sample(logits.index_select(0, index), own_rows)
                 except Exception as exc:  # noqa: BLE001
                     self._fail_states([state], exc)
                     continue
+                self.batch.record(own_rows, part.device_ids)
                 self._append([sequences[i] for i in mine], [state] * len(mine), part)
             return
+        self.batch.record(batch_rows, result.device_ids)
         self._append(sequences, owners, result)
 
     def _append(self, sequences: list[Sequence], owners: list[RequestState], sampled: SamplerOutput) -> None:

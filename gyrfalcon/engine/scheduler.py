@@ -23,6 +23,7 @@ alone.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 import threading
 from dataclasses import dataclass
 
@@ -68,6 +69,8 @@ class Scheduler:
         #: admitted requests, oldest first (engine thread only)
         self.running: list[RequestState] = []
         self.preemptions = 0
+        #: called with each sequence whose KV is released (engine thread)
+        self.release_listeners: list[Callable[[Sequence], None]] = []
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -138,10 +141,13 @@ class Scheduler:
         return True
 
     def release(self, seq: Sequence) -> None:
-        """Give back a sequence's blocks (finished, aborted or preempted); its KV is gone."""
+        """Give back a sequence's blocks (finished, aborted or preempted); its KV is gone. Every
+        ``release_listeners`` callable hears of it (the persistent batch frees the sequence's slot)."""
         if self.pool is not None and seq.blocks:
             self.pool.release(seq.blocks)
         seq.blocks, seq.computed, seq.block_hashes = [], 0, []
+        for listener in self.release_listeners:
+            listener(seq)
 
     def finish_request(self, state: RequestState) -> None:
         """A request leaves: its blocks are released and it is no longer running."""

@@ -24,7 +24,7 @@ from gyrfalcon.engine.kv.blocks import BlockPool
 from gyrfalcon.engine.kv.cache import KVShape, PagedKVCache, plan_cache
 from gyrfalcon.engine.model.runner import ModelRunner, Work
 from gyrfalcon.engine.request_state import RequestState
-from gyrfalcon.engine.sampler import Sampler
+from gyrfalcon.engine.sample.sampler import Sampler
 from gyrfalcon.engine.scheduler import Scheduler
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine.stopping import StopChecker
@@ -261,7 +261,7 @@ class TransformersEngine(EngineCore):
             return False
         assert self.runner is not None
         self.batcher = Batcher(self.runner, self.sampler, self.scheduler, self._emit, self._count, self._fail,
-                               self._prompt_logprobs)  # fmt: skip
+                               self._prompt_logprobs, self._info.vocab_size)  # fmt: skip
         self._health = EngineHealth(ready=True, message="")
         return True
 

@@ -2,8 +2,10 @@
 
 All three read the raw log-softmax of the very logits the step sampled from (before any
 processor), and each vectorises across the rows that want it — one ``topk`` or one ``gather`` per
-step for the whole batch. The engine merges their pairs behind the sampled token
-(:func:`gyrfalcon.engine.logprob_reports.merge_gathered`), so a position's report is:
+step for the whole batch — and leaves its result on the device (the step copies it to the host
+with the sampled ids, in one transfer). The explicit ids are written per slot when a sequence
+joins the persistent batch. The engine merges their pairs behind the sampled token
+(:func:`gyrfalcon.engine.sample.logprob_reports.merge_gathered`), so a position's report is:
 
 - ``logprobs: k`` alone: the sampled token, then the ``k`` most likely tokens;
 - with ``logprob_token_ids``: the sampled token, then exactly the requested ids — the ids
@@ -23,15 +25,13 @@ from typing import TYPE_CHECKING, Any
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.hookspecs import hookimpl
-from gyrfalcon.policies import BatchRows, LogprobGatherer
+from gyrfalcon.policies import BatchRows, Gathered, LogprobGatherer, NewRow, SlotTensor, row_index, take_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 #: most explicit ids per request (DESIGN §3 rule 2)
 MAX_LOGPROB_TOKEN_IDS = 128
-
-Pair = tuple[list[int], list[float]]
 
 
 def check_count(value: int, param: str, info: EngineInfo) -> None:
@@ -46,24 +46,14 @@ def check_count(value: int, param: str, info: EngineInfo) -> None:
         raise RequestError(f"{param} must be at most {info.max_logprobs} on this server", param)
 
 
-def top_k_pairs(logprobs: torch.Tensor, rows: list[int], counts: list[int], size: int) -> list[Pair | None]:
-    """``size`` slots; slot ``rows[j]`` gets the ``counts[j]`` most likely ids of that row (one topk)."""
-    import torch
-
-    out: list[Pair | None] = [None] * size
+def top_k_gathered(logprobs: torch.Tensor, rows: list[int], counts: list[int]) -> Gathered:
+    """Row ``rows[j]`` gets its ``counts[j]`` most likely ids (``-1``: the whole vocabulary); one
+    ``topk`` for all of them, left on the device."""
     vocab = logprobs.shape[-1]
     counts = [vocab if c < 0 else min(c, vocab) for c in counts]
-    widest = max(counts, default=0)
-    if widest == 0:
-        for i in rows:
-            out[i] = ([], [])
-        return out
-    index = torch.tensor(rows, dtype=torch.long, device=logprobs.device)
-    top = logprobs.index_select(0, index).topk(widest, dim=-1)
-    ids, values = top.indices.tolist(), top.values.tolist()
-    for j, (i, k) in enumerate(zip(rows, counts)):
-        out[i] = (ids[j][:k], values[j][:k])
-    return out
+    sub = take_rows(logprobs, row_index(rows, logprobs))
+    top = sub.topk(max(counts, default=0), dim=-1)
+    return Gathered(rows, top.indices, top.values, counts)
 
 
 class TopLogprobsGatherer(LogprobGatherer):
@@ -83,13 +73,9 @@ class TopLogprobsGatherer(LogprobGatherer):
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return params.logprobs is not None
 
-    def gather(self, logprobs: torch.Tensor, sampled: torch.Tensor, rows: BatchRows, selected: list[int]) -> list[Pair | None]:
-        ranked = [i for i in selected if not rows.params[i].logprob_token_ids]
-        out = top_k_pairs(logprobs, ranked, [rows.params[i].logprobs or 0 for i in ranked], len(rows))
-        for i in selected:
-            if out[i] is None:
-                out[i] = ([], [])
-        return out
+    def gather(self, logprobs: torch.Tensor, sampled: torch.Tensor, rows: BatchRows, selected: list[int]) -> Gathered:
+        counts = [0 if rows.params[i].logprob_token_ids else rows.params[i].logprobs or 0 for i in selected]
+        return top_k_gathered(logprobs, selected, counts)
 
 
 class TokenIdsLogprobGatherer(LogprobGatherer):
@@ -118,20 +104,29 @@ class TokenIdsLogprobGatherer(LogprobGatherer):
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return bool(params.logprob_token_ids)
 
-    def gather(self, logprobs: torch.Tensor, sampled: torch.Tensor, rows: BatchRows, selected: list[int]) -> list[Pair | None]:
+    def __init__(self) -> None:
+        self.ids = SlotTensor((MAX_LOGPROB_TOKEN_IDS,), "long")
+        self.widths: dict[int, int] = {}
+
+    def add_row(self, slot: int, row: NewRow) -> None:
         import torch
 
-        out: list[Pair | None] = [None] * len(rows)
-        sampled_ids = sampled.tolist()
-        wanted = [[sampled_ids[i], *rows.params[i].logprob_token_ids] for i in selected]
-        width = max(len(w) for w in wanted)
-        padded = [w + [w[0]] * (width - len(w)) for w in wanted]
-        index = torch.tensor(selected, dtype=torch.long, device=logprobs.device)
-        columns = torch.tensor(padded, dtype=torch.long, device=logprobs.device)
-        values = logprobs.index_select(0, index).gather(1, columns).tolist()
-        for j, i in enumerate(selected):
-            out[i] = (wanted[j], values[j][: len(wanted[j])])
-        return out
+        ids = row.params.logprob_token_ids
+        self.ids.row(slot, row.device)[: len(ids)] = torch.tensor(ids, dtype=torch.long)
+        self.widths[slot] = len(ids)
+
+    def remove_row(self, slot: int) -> None:
+        self.widths.pop(slot, None)
+
+    def gather(self, logprobs: torch.Tensor, sampled: torch.Tensor, rows: BatchRows, selected: list[int]) -> Gathered:
+        import torch
+
+        index = row_index(selected, logprobs)
+        widths = [self.widths[rows.slot_list[i]] for i in selected]
+        requested = self.ids.take(rows.slots_of(selected, index))[:, : max(widths)]
+        columns = torch.cat([take_rows(sampled, index).long().unsqueeze(1), requested], dim=1)
+        values = take_rows(logprobs, index).gather(1, columns)
+        return Gathered(selected, columns, values, [1 + w for w in widths])
 
 
 class PromptLogprobsGatherer(LogprobGatherer):
@@ -148,8 +143,8 @@ class PromptLogprobsGatherer(LogprobGatherer):
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return params.prompt_logprobs is not None
 
-    def gather(self, logprobs: torch.Tensor, sampled: torch.Tensor, rows: BatchRows, selected: list[int]) -> list[Pair | None]:
-        return top_k_pairs(logprobs, selected, [rows.params[i].prompt_logprobs or 0 for i in selected], len(rows))
+    def gather(self, logprobs: torch.Tensor, sampled: torch.Tensor, rows: BatchRows, selected: list[int]) -> Gathered:
+        return top_k_gathered(logprobs, selected, [rows.params[i].prompt_logprobs or 0 for i in selected])
 
 
 @hookimpl

@@ -1,7 +1,9 @@
 """Built-in sampling policies beyond temperature and truncation, with vLLM's semantics.
 
 Every policy is a batch-shaped :class:`~gyrfalcon.policies.LogitsProcessor` that changes only the
-rows asking for it, with per-row values gathered into tensors (one vectorised pass per policy):
+rows asking for it. Per-row values are written once per sequence into per-slot device tensors when
+it joins the persistent batch (``add_row``) and gathered by slot in a step (one vectorised pass per
+policy); generated-token counts are the engine's (``BatchRows.output_counts``):
 
 - ``allowed_token_ids``: every other token is masked;
 - ``bad_words``: a word's token sequence is banned by masking its last token wherever the tokens
@@ -26,7 +28,16 @@ from typing import TYPE_CHECKING, Any
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.hookspecs import hookimpl
-from gyrfalcon.policies import BatchRows, LogitsProcessor, row_index
+from gyrfalcon.policies import (
+    BatchRows,
+    LogitsProcessor,
+    NewRow,
+    SlotTensor,
+    long_tensor,
+    put_rows,
+    row_index,
+    take_rows,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -38,36 +49,23 @@ MAX_LOGIT_BIAS = 100.0
 MIN_REPETITION_PENALTY = 0.01
 
 
-def _token_counts(token_lists: list[list[int]], vocab: int, logits: torch.Tensor) -> torch.Tensor:
-    """``[len(token_lists), vocab]`` occurrence counts (one vectorised scatter)."""
-    import torch
-
-    width = max((len(ids) for ids in token_lists), default=0)
-    counts = torch.zeros((len(token_lists), vocab + 1), dtype=logits.dtype, device=logits.device)
-    if width:
-        padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
-        for row, ids in enumerate(token_lists):
-            if ids:
-                padded[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-        padded = padded.to(logits.device)
-        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=logits.dtype))
-    return counts[:, :vocab]
-
-
-def _column(values: list[float], logits: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    return torch.tensor(values, dtype=logits.dtype, device=logits.device).unsqueeze(1)
-
-
 class _Penalty(LogitsProcessor):
     field_name = ""
     neutral = 0.0
     low, high = -2.0, 2.0
     low_open = False
+    uses_output_counts = True
 
     def __init__(self) -> None:
         self.fields = frozenset({self.field_name})
+        self.values = SlotTensor((), "float32")
+
+    def add_row(self, slot: int, row: NewRow) -> None:
+        self.values.put(slot, self.clamp(float(getattr(row.params, self.field_name))), row.device)
+
+    def clamp(self, value: float) -> float:
+        """The value used: validated already, clamped again so nothing that slipped past overflows."""
+        return value
 
     def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
         value = getattr(params, self.field_name)
@@ -79,6 +77,11 @@ class _Penalty(LogitsProcessor):
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return getattr(params, self.field_name) != self.neutral
 
+    def counts(self, rows: BatchRows, slots: torch.Tensor) -> torch.Tensor:
+        """``[k, V]`` generated-token counts of the rows at ``slots``."""
+        assert rows.output_counts is not None, "the engine keeps output counts for uses_output_counts processors"
+        return rows.output_counts.index_select(0, slots)
+
 
 class RepetitionPenaltyProcessor(_Penalty):
     """Divides positive (multiplies negative) logits of every token seen in the prompt or output."""
@@ -89,22 +92,37 @@ class RepetitionPenaltyProcessor(_Penalty):
     low, high = MIN_REPETITION_PENALTY, 2.0
     order = 40
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_prompt = SlotTensor((0,), "bool")
+
+    def clamp(self, value: float) -> float:
+        return min(max(value, MIN_REPETITION_PENALTY), self.high)
+
+    def add_row(self, slot: int, row: NewRow) -> None:
+        import torch
+
+        super().add_row(slot, row)
+        if self.in_prompt.row_shape != (row.vocab_size,):
+            self.in_prompt = SlotTensor((row.vocab_size,), "bool", False)
+        seen = self.in_prompt.row(slot, row.device)
+        seen.zero_()
+        if row.prompt_token_ids:
+            seen[torch.tensor(row.prompt_token_ids, dtype=torch.long, device=row.device)] = True
+
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
         import torch
 
         index = row_index(selected, logits)
-        vocab = logits.shape[-1]
-        seen = _token_counts([rows.prompt_token_ids[i] + rows.output_token_ids[i] for i in selected], vocab, logits) > 0
+        slots = rows.slots_of(selected, index)
+        seen = self.in_prompt.take(slots) | (self.counts(rows, slots) > 0)
+        penalty = self.values.take(slots).unsqueeze(1)
         # Safe whatever reached here: the penalty is clamped to the validated range and the result
         # computed in fp32, with positive logits capped at the dtype's largest finite value (a
         # masked -inf logit stays -inf, NaN never appears).
-        values = [min(max(float(rows.params[i].repetition_penalty), MIN_REPETITION_PENALTY), self.high)
-                  for i in selected]  # fmt: skip
-        penalty = torch.tensor(values, dtype=torch.float32, device=logits.device).unsqueeze(1)
-        sub = logits.index_select(0, index).float()
+        sub = take_rows(logits, index).float()
         penalised = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
-        logits[index] = penalised.clamp_max(torch.finfo(logits.dtype).max).to(logits.dtype)
-        return logits
+        return put_rows(logits, index, penalised.clamp_max(torch.finfo(logits.dtype).max).to(logits.dtype))
 
 
 class _GeneratedCountPenalty(_Penalty):
@@ -115,10 +133,10 @@ class _GeneratedCountPenalty(_Penalty):
 
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
         index = row_index(selected, logits)
-        counts = _token_counts([rows.output_token_ids[i] for i in selected], logits.shape[-1], logits)
-        penalty = _column([getattr(rows.params[i], self.field_name) for i in selected], logits)
-        logits[index] = logits.index_select(0, index) - penalty * self.amount(counts).to(logits.dtype)
-        return logits
+        slots = rows.slots_of(selected, index)
+        penalty = self.values.take(slots).to(logits.dtype).unsqueeze(1)
+        amount = self.amount(self.counts(rows, slots)).to(logits.dtype)
+        return put_rows(logits, index, take_rows(logits, index) - penalty * amount)
 
 
 class FrequencyPenaltyProcessor(_GeneratedCountPenalty):
@@ -164,22 +182,24 @@ class LogitBiasProcessor(LogitsProcessor):
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return bool(params.logit_bias)
 
-    def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
+    def __init__(self) -> None:
+        self.bias = SlotTensor((0,), "float32")
+
+    def add_row(self, slot: int, row: NewRow) -> None:
         import torch
 
-        rows_hit, token_index, values = [], [], []
-        for i in selected:
-            for token_id, bias in rows.params[i].logit_bias.items():
-                rows_hit.append(i)
-                token_index.append(int(token_id))
-                values.append(max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(bias))))
-        device = logits.device
-        logits.index_put_(
-            (torch.tensor(rows_hit, device=device), torch.tensor(token_index, device=device)),
-            torch.tensor(values, dtype=logits.dtype, device=device),
-            accumulate=True,
-        )
-        return logits
+        if self.bias.row_shape != (row.vocab_size,):
+            self.bias = SlotTensor((row.vocab_size,), "float32")
+        bias = self.bias.row(slot, row.device)
+        bias.zero_()
+        ids = [int(token_id) for token_id in row.params.logit_bias]
+        values = [max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(v))) for v in row.params.logit_bias.values()]
+        bias[torch.tensor(ids, dtype=torch.long, device=row.device)] = torch.tensor(values, device=row.device)
+
+    def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
+        index = row_index(selected, logits)
+        bias = self.bias.take(rows.slots_of(selected, index)).to(logits.dtype)
+        return put_rows(logits, index, take_rows(logits, index) + bias)
 
 
 class AllowedTokenIdsProcessor(LogitsProcessor):
@@ -207,15 +227,22 @@ class AllowedTokenIdsProcessor(LogitsProcessor):
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return params.allowed_token_ids is not None
 
-    def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
+    def __init__(self) -> None:
+        self.keep = SlotTensor((0,), "bool")
+
+    def add_row(self, slot: int, row: NewRow) -> None:
         import torch
 
-        keep = torch.zeros((len(selected), logits.shape[-1]), dtype=torch.bool, device=logits.device)
-        for row, i in enumerate(selected):
-            keep[row, rows.params[i].allowed_token_ids] = True
+        if self.keep.row_shape != (row.vocab_size,):
+            self.keep = SlotTensor((row.vocab_size,), "bool", False)
+        keep = self.keep.row(slot, row.device)
+        keep.zero_()
+        keep[torch.tensor(row.params.allowed_token_ids, dtype=torch.long, device=row.device)] = True
+
+    def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
         index = row_index(selected, logits)
-        logits[index] = logits.index_select(0, index).masked_fill(~keep, -math.inf)
-        return logits
+        keep = self.keep.take(rows.slots_of(selected, index))
+        return put_rows(logits, index, take_rows(logits, index).masked_fill(~keep, -math.inf))
 
 
 class BadWordsProcessor(LogitsProcessor):
@@ -232,6 +259,7 @@ class BadWordsProcessor(LogitsProcessor):
     def __init__(self, model_path: str, tokenizer: Any = None) -> None:
         self.model_path = model_path
         self._tokenizer = tokenizer
+        self.by_slot: dict[int, tuple[tuple[int, ...], ...]] = {}
 
     @property
     def tokenizer(self) -> Any:
@@ -268,20 +296,25 @@ class BadWordsProcessor(LogitsProcessor):
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return bool(params.bad_words)
 
-    def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
-        import torch
+    def add_row(self, slot: int, row: NewRow) -> None:
+        self.by_slot[slot] = self.token_sequences(tuple(row.params.bad_words))
 
+    def remove_row(self, slot: int) -> None:
+        self.by_slot.pop(slot, None)
+
+    def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
+        # Which words' last tokens to ban depends on the newest generated tokens: a host check per
+        # selected row, against the token sequences tokenised once when the row joined.
         rows_hit, token_index = [], []
         for i in selected:
             generated = rows.output_token_ids[i]
-            for sequence in self.token_sequences(tuple(rows.params[i].bad_words)):
+            for sequence in self.by_slot[rows.slot_list[i]]:
                 prefix = sequence[:-1]
                 if not prefix or (len(generated) >= len(prefix) and tuple(generated[-len(prefix) :]) == prefix):
                     rows_hit.append(i)
                     token_index.append(sequence[-1])
         if rows_hit:
-            device = logits.device
-            logits[torch.tensor(rows_hit, device=device), torch.tensor(token_index, device=device)] = -math.inf
+            logits[long_tensor(rows_hit, logits.device), long_tensor(token_index, logits.device)] = -math.inf
         return logits
 
 

@@ -13,8 +13,8 @@ def test_a_stop_string_ends_the_choice_in_the_core_too(stepped):
     engine = stepped()
     asks = dict(n=2, temperature=1.0, seed=21, max_tokens=30, ignore_eos=True)
     (choices,) = alone(engine, [request(PROMPTS[1], **asks)])
-    text = engine.detokenize(choices[0])
-    stop = engine.detokenize(choices[0][4:7])  # text choice 0 reaches after a few tokens
+    text = engine.detokenize(choices[0], skip_special_tokens=True)  # as the output's text is decoded
+    stop = engine.detokenize(choices[0][4:7], skip_special_tokens=True)  # text choice 0 reaches after a few tokens
     assert stop and stop in text
     before = engine.stats()["generation_tokens"]
     stream = engine.submit(request(PROMPTS[1], kind=OutputKind.FINAL_ONLY, stop=[stop], **asks))

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from gyrfalcon.engine.logprob_reports import merge_gathered
-from gyrfalcon.engine.prompt_logprobs import compute_prompt_logprobs
-from gyrfalcon.engine.sampler import Sampler
+from gyrfalcon.engine.sample import persistent_batch
+from gyrfalcon.engine.sample.logprob_reports import merge_gathered
+from gyrfalcon.engine.sample.prompt_logprobs import compute_prompt_logprobs
+from gyrfalcon.engine.sample.sampler import Sampler
 from gyrfalcon.engine_api.types import LOGPROB_FLOOR, EngineInfo, EngineRequest, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.plugins.logprobs import (
@@ -25,8 +26,9 @@ INFO = EngineInfo("m", vocab_size=V, max_model_len=64, eos_token_ids=[2], max_lo
                   capabilities=frozenset())  # fmt: skip
 
 
-def rows_of(*params: SamplingParams) -> BatchRows:
-    return BatchRows(params=list(params), prompt_token_ids=[[1]] * len(params), output_token_ids=[[] for _ in params])
+def rows_of(*params: SamplingParams, policies=()) -> BatchRows:
+    """Rows joined to a persistent batch of ``policies``, as the engine builds them."""
+    return persistent_batch.rows_for(list(policies), V, list(params))
 
 
 def known_logprobs() -> torch.Tensor:
@@ -47,9 +49,10 @@ def gatherers():
 
 def merged(params: list[SamplingParams], sampled: list[int]):
     lp = known_logprobs()[: len(params)]
-    rows = rows_of(*params)
     gs = gatherers()
-    selected = [[i for i, p in enumerate(params) if g.wants(p, {})] for g in gs]
+    rows = rows_of(*params, policies=gs)
+    selected = [rows.selected.get(id(g), []) for g in gs]
+    assert selected == [[i for i, p in enumerate(params) if g.wants(p, {})] for g in gs]
     return lp, merge_gathered(gs, lp, torch.tensor(sampled), rows, selected)
 
 
@@ -91,9 +94,11 @@ def test_values_are_finite():
 
 def test_whole_vocabulary_count_when_uncapped():
     lp = known_logprobs()[:1]
-    rows = rows_of(SamplingParams(logprobs=-1))
-    pairs = TopLogprobsGatherer().gather(lp, torch.tensor([0]), rows, [0])
-    assert pairs[0][0] == [7, 6, 5, 4, 3, 2, 1, 0]
+    gatherer = TopLogprobsGatherer()
+    rows = rows_of(SamplingParams(logprobs=-1), policies=[gatherer])
+    gathered = gatherer.gather(lp, torch.tensor([0]), rows, [0])
+    assert gathered.rows == [0] and gathered.widths == [V]
+    assert gathered.ids[0].tolist() == [7, 6, 5, 4, 3, 2, 1, 0]
 
 
 @pytest.mark.parametrize(
@@ -165,7 +170,8 @@ def test_sampler_splits_prompt_and_generated_gatherers_and_reports_once_per_step
     assert [g.name for g in sampler.gatherers] == ["top_logprobs", "logprob_token_ids"]
     assert [g.name for g in sampler.prompt_gatherers] == ["prompt_logprobs"]
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]] * 2)
-    rows = rows_of(SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1), SamplingParams(temperature=0.0))
+    rows = rows_of(SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1), SamplingParams(temperature=0.0),
+                   policies=sampler.gatherers)  # fmt: skip
     out = sampler.sample(logits.clone(), rows)
     assert out.token_ids == [7, 7]
     assert out.logprobs[0].token_ids == [7] and out.logprobs[0].top_token_ids == [[7, 6]]

@@ -33,7 +33,10 @@ def test_n_children_share_the_prompts_full_blocks_and_copy_the_partial_one(stepp
 
 def test_a_burst_that_overflows_the_blocks_preempts_and_every_request_gets_its_alone_tokens(stepped, tiny_model_dir):
     roomy = stepped()
+    # penalties too: a preempted sequence rejoins the persistent batch with its generated-token counts
     asks = [dict(temperature=1.0, seed=i, top_k=50) if i % 2 else dict(temperature=0.0) for i in range(6)]
+    for ask in asks[::3]:
+        ask.update(frequency_penalty=0.7, repetition_penalty=1.3)
     make = lambda: [request(p, max_tokens=20, ignore_eos=True, **a) for p, a in zip(LONG, asks)]  # noqa: E731
     expected = []
     for req in make():
@@ -47,6 +50,7 @@ def test_a_burst_that_overflows_the_blocks_preempts_and_every_request_gets_its_a
     assert finals(streams) == expected
     stats = tight.stats()
     assert stats["preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert len(tight.core.batcher.batch) == 0  # every slot given back
 
 
 def test_prefix_cache_hits_skip_the_shared_prompt_and_are_counted(stepped):

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from gyrfalcon.engine.sample import persistent_batch
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.plugins import penalties as P
@@ -16,14 +17,17 @@ V = 40
 INFO = EngineInfo("tiny", V, 128, [2], 20, 8, frozenset())
 
 
-def rows_of(*specs) -> BatchRows:
+def rows_of(*specs) -> list[tuple]:
     """specs: (params, prompt ids, output ids)."""
-    return BatchRows(params=[s[0] for s in specs], prompt_token_ids=[s[1] for s in specs],
-                     output_token_ids=[s[2] for s in specs], extensions=[{} for _ in specs])  # fmt: skip
+    return list(specs)
 
 
-def apply(processor, logits, rows):
-    selected = [i for i in range(len(rows)) if processor.wants(rows.params[i], {})]
+def apply(processor, logits, specs):
+    """Run ``processor`` on rows joined to a persistent batch, as the engine does."""
+    rows: BatchRows = persistent_batch.rows_for([processor], V, [s[0] for s in specs], [s[1] for s in specs],
+                                                [list(s[2]) for s in specs])  # fmt: skip
+    selected = rows.selected.get(id(processor), [])
+    assert selected == [i for i, s in enumerate(specs) if processor.wants(s[0], {})]
     return processor(logits.clone(), rows, selected), selected
 
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from gyrfalcon.engine.sampler import Sampler
+from gyrfalcon.engine.sample import persistent_batch
+from gyrfalcon.engine.sample.sampler import Sampler
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.plugins.sampling import (
@@ -23,14 +24,12 @@ V = 16
 INFO = EngineInfo("m", V, 64, [2], 20, 8, frozenset())
 
 
-def rows_for(params: list[SamplingParams], generators=None) -> BatchRows:
-    return BatchRows(
-        params=params,
-        prompt_token_ids=[[1, 2]] * len(params),
-        output_token_ids=[[] for _ in params],
-        extensions=[{} for _ in params],
-        generators=generators or [None] * len(params),
-    )
+def rows_for(params: list[SamplingParams], policies=(), *, outputs=None, extensions=None, seeds=None) -> BatchRows:
+    """The rows as the engine builds them: joined to a persistent batch of ``policies`` (a
+    sampler's processors and gatherers, or single processors)."""
+    if isinstance(policies, Sampler):
+        policies = [*policies.processors, *policies.gatherers]
+    return persistent_batch.rows_for(list(policies), V, params, [[1, 2]] * len(params), outputs, extensions, seeds)
 
 
 def known_logits(rows: int) -> torch.Tensor:
@@ -39,8 +38,9 @@ def known_logits(rows: int) -> torch.Tensor:
 
 
 def apply(processor, logits, params):
-    rows = rows_for(params)
-    selected = [i for i, p in enumerate(params) if processor.wants(p, {})]
+    rows = rows_for(params, [processor])
+    selected = rows.selected.get(id(processor), [])
+    assert selected == [i for i, p in enumerate(params) if processor.wants(p, {})]
     return processor(logits.clone(), rows, selected), selected
 
 
@@ -146,24 +146,28 @@ def seeded(seed: int) -> torch.Generator:
 def test_greedy_is_argmax():
     logits = known_logits(3)
     params = [SamplingParams(temperature=0.0)] * 3
-    out = make_sampler().sample(logits.clone(), rows_for(params))
+    sampler = make_sampler()
+    out = sampler.sample(logits.clone(), rows_for(params, sampler))
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None, None, None]
 
 
 def test_seeded_rows_are_reproducible_and_independent_of_company():
+    """A row's draw is a function of (its seed, its position): the same alone, in any company,
+    and on every repeat; successive positions draw different numbers."""
     logits = known_logits(4)
     me = SamplingParams(temperature=0.9, top_k=8, seed=7)
     alone = []
-    gen = seeded(7)
-    for _ in range(5):
-        alone.append(make_sampler().sample(logits[1:2].clone(), rows_for([me], [gen])).token_ids[0])
+    for position in range(6):
+        sampler = make_sampler()
+        alone.append(sampler.sample(logits[1:2].clone(), rows_for([me], sampler, outputs=[[0] * position], seeds=[7])).token_ids[0])
     company = [SamplingParams(temperature=1.3), me, SamplingParams(temperature=0.0), SamplingParams(top_p=0.4, seed=3)]
-    gens = [None, seeded(7), None, seeded(3)]
     together = []
     sampler = make_sampler(seed=99)
-    for _ in range(5):
-        together.append(sampler.sample(logits.clone(), rows_for(company, gens)).token_ids[1])
+    for position in range(6):
+        outputs = [[0] * position for _ in company]
+        rows = rows_for(company, sampler, outputs=outputs, seeds=[11, 7, 12, 3])
+        together.append(sampler.sample(logits.clone(), rows).token_ids[1])
     assert alone == together
     assert len(set(alone)) > 1  # it really samples
 
@@ -172,11 +176,10 @@ def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1] + [0.0] * (V - 3))
     logits = probs.log().unsqueeze(0)
     sampler = make_sampler()
-    rows = rows_for([SamplingParams()])
     counts = torch.zeros(V)
     trials = 3000
-    for _ in range(trials):
-        counts[sampler.sample(logits.clone(), rows).token_ids[0]] += 1
+    for seed in range(trials):
+        counts[sampler.sample(logits.clone(), rows_for([SamplingParams()], sampler, seeds=[seed])).token_ids[0]] += 1
     freq = counts / trials
     assert torch.allclose(freq[:3], probs[:3], atol=0.04)
     assert counts[3:].sum() == 0
@@ -191,9 +194,9 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
         SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[5], ignore_eos=True),
         SamplingParams(temperature=0.0, min_tokens=1),
     ]
-    rows = rows_for(params)
-    rows.output_token_ids = [[9], [9], [9]]  # one token generated so far
-    out = make_sampler().sample(logits.clone(), rows)
+    sampler = make_sampler()
+    rows = rows_for(params, sampler, outputs=[[9], [9], [9]])  # one token generated so far
+    out = sampler.sample(logits.clone(), rows)
     # row 0: eos and 5 masked; row 1: eos not masked under ignore_eos (vLLM); row 2: min_tokens reached
     assert out.token_ids[0] not in (2, 5)
     assert out.token_ids[1] == 2
@@ -225,8 +228,8 @@ def test_logprob_hook_point_gets_raw_log_softmax_and_sampled_ids():
     gatherer = RecordingGatherer()
     sampler = make_sampler([gatherer])
     logits = known_logits(2)
-    rows = rows_for([SamplingParams(temperature=0.5, top_k=2), SamplingParams(temperature=0.0)])
-    rows.extensions = [{"test_logprobs": True}, {}]
+    rows = rows_for([SamplingParams(temperature=0.5, top_k=2), SamplingParams(temperature=0.0)], sampler,
+                    extensions=[{"test_logprobs": True}, {}])  # fmt: skip
     out = sampler.sample(logits.clone(), rows)
     (raw, sampled, selected), = gatherer.calls
     torch.testing.assert_close(raw, logits.log_softmax(-1))  # before temperature and top-k
@@ -240,7 +243,8 @@ def test_logprob_hook_point_gets_raw_log_softmax_and_sampled_ids():
 
 def test_no_gatherer_wanting_means_no_log_softmax():
     gatherer = RecordingGatherer()
-    out = make_sampler([gatherer]).sample(known_logits(2), rows_for([SamplingParams()] * 2))
+    sampler = make_sampler([gatherer])
+    out = sampler.sample(known_logits(2), rows_for([SamplingParams()] * 2, sampler))
     assert gatherer.calls == [] and out.logprobs == [None, None]
 
 
@@ -256,12 +260,11 @@ def test_rows_with_no_token_left_get_an_error_not_a_token(temperature):
         SamplingParams(temperature=temperature, seed=3, allowed_token_ids=[2], min_tokens=2),
         SamplingParams(temperature=temperature, seed=4),
     ]
-    gens = [seeded(1), seeded(2), seeded(3), seeded(4)]
-    rows = rows_for(params, gens)
     from gyrfalcon.plugins import penalties
 
     processors = gyrfalcon_logits_processors(INFO) + penalties.gyrfalcon_logits_processors(INFO)
-    out = Sampler(processors, [], [2], seeded(0)).sample(logits.clone(), rows)
+    sampler = Sampler(processors, [], [2], seeded(0))
+    out = sampler.sample(logits.clone(), rows_for(params, sampler, seeds=[1, 2, 3, 4]))
     assert sorted(out.errors) == [1, 2, 3]
     # row 1: nothing named the cause; row 2: allowed_token_ids = [eos] while min_tokens bans eos
     assert (out.errors[1].status, out.errors[1].type, out.errors[1].param) == (400, "invalid_request_error", None)
@@ -270,5 +273,6 @@ def test_rows_with_no_token_left_get_an_error_not_a_token(temperature):
     assert "every token is excluded by the request's constraints (allowed_token_ids, min_tokens)" in message
     assert out.errors[3].status == 500 and "NaN" in out.errors[3].message
     # the healthy row samples as it would alone
-    alone = make_sampler().sample(logits[:1].clone(), rows_for(params[:1], [seeded(1)]))
+    lone = make_sampler()
+    alone = lone.sample(logits[:1].clone(), rows_for(params[:1], lone, seeds=[1]))
     assert out.token_ids[0] == alone.token_ids[0] and alone.errors == {}

@@ -1,21 +1,23 @@
 """The token chooser: processors on the batch, then greedy argmax or one seeded draw per row (inverse CDF).
 
-One ``[B, V]`` pass per step:
+One ``[B, V]`` pass per step, over rows that come from the persistent batch
+(:mod:`gyrfalcon.engine.sample.persistent_batch`: which rows want which policy was decided when
+each sequence joined):
 
 1. the raw log-softmax (before any processor) goes to the logprob gatherers — the single hook
-   point :meth:`Sampler.gather_logprobs`, which also receives the sampled ids;
+   point :meth:`Sampler.gather_logprobs`, which also receives the sampled ids; their results stay
+   on the device;
 2. ``min_tokens``: stop token ids (and eos unless ``ignore_eos``) are masked until enough tokens
-   have been generated (vLLM's rule);
+   have been generated (vLLM's rule), on the rows that asked for it;
 3. the plugin processors run in ascending ``order``, each on the rows that want it;
-4. a row left with no token to choose (every logit ``-inf``: the request's constraints exclude
-   everything) or with NaN logits gets no token but an in-band error (:attr:`SamplerOutput.errors`);
-   the other rows are sampled as usual;
-5. greedy rows (temperature < 1e-5) take the argmax; the others invert their distribution's CDF
-   at one uniform number per row (``BatchRows.uniforms``: a function of the choice's seed and the
-   position it draws; without it, one draw from the row's generator or the engine's), so a seeded
-   row samples the same token whatever its batch company, and again when it is recomputed after a
-   preemption. One random number per row instead of one per vocabulary entry: the draw costs a
-   cumulative sum, not a random vector of the vocabulary's size per row.
+4. greedy rows (temperature < 1e-5) take the argmax; the others invert their distribution's CDF
+   at one uniform number per row (``BatchRows.uniforms``: a device-side function of the choice's
+   seed and the position it draws), so a seeded row samples the same token whatever its batch
+   company, and again when it is recomputed after a preemption;
+5. one host transfer carries the sampled ids, each row's largest processed logit and every
+   gathered logprob. A row left with no token to choose (every logit ``-inf``: the request's
+   constraints exclude everything) or with NaN logits gets no token but an in-band error
+   (:attr:`SamplerOutput.errors`); the other rows are sampled as usual.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gyrfalcon.engine.logprob_reports import merge_gathered
-from gyrfalcon.engine.prompt_logprobs import compute_prompt_logprobs
+from gyrfalcon.engine.sample.logprob_reports import PendingReports, gather_pending, to_host
+from gyrfalcon.engine.sample.persistent_batch import MIN_TOKENS_ROWS, SAMPLING_ROWS
+from gyrfalcon.engine.sample.prompt_logprobs import compute_prompt_logprobs
 from gyrfalcon.engine_api.types import EngineError, EngineRequest, SamplingParams, TokenLogprobs
-from gyrfalcon.policies import BatchRows, LogitsProcessor, LogprobGatherer
+from gyrfalcon.policies import BatchRows, LogitsProcessor, LogprobGatherer, put_rows, row_index, take_rows
 
 #: the request fields that can exclude tokens, most specific first (the in-band error's ``param``)
 _EXCLUDING_FIELDS = ("allowed_token_ids", "bad_words")
@@ -62,6 +65,8 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     errors: dict[int, EngineError] = field(default_factory=dict)
+    #: the same ids, still on the device (``[B]``)
+    device_ids: torch.Tensor | None = None
 
 
 class Sampler:
@@ -82,11 +87,15 @@ class Sampler:
         self.default_generator = default_generator
 
     def _selected(self, policy, rows: BatchRows) -> list[int]:
+        if rows.selected is not None:
+            return rows.selected.get(id(policy), [])
         extensions = rows.extensions or [{}] * len(rows)
         return [i for i in range(len(rows)) if policy.wants(rows.params[i], extensions[i])]
 
     def _mask_min_tokens(self, logits: torch.Tensor, rows: BatchRows) -> None:
-        for i, params in enumerate(rows.params):
+        candidates = range(len(rows)) if rows.selected is None else rows.selected.get(MIN_TOKENS_ROWS, ())
+        for i in candidates:
+            params = rows.params[i]
             if len(rows.output_token_ids[i]) >= params.min_tokens:
                 continue
             banned = list(params.stop_token_ids)
@@ -106,40 +115,47 @@ class Sampler:
                 errors[i] = excluded_error(rows.params[i], len(rows.output_token_ids[i]))
         return errors
 
-    def _uniform(self, rows: BatchRows, i: int) -> float:
-        if rows.uniforms:
-            return rows.uniforms[i]
-        generator = (rows.generators[i] if rows.generators else None) or self.default_generator
-        return float(torch.rand(1, generator=generator, device=generator.device, dtype=torch.float64))
+    def _uniforms(self, rows: BatchRows, random_rows: list[int], index: torch.Tensor | None,
+                  device: torch.device) -> torch.Tensor:  # fmt: skip
+        if rows.uniforms is not None:
+            return rows.uniforms if index is None else rows.uniforms.index_select(0, index)
+        values = []  # rows built by hand: one draw from each row's generator, or the engine's
+        for i in random_rows:
+            generator = (rows.generators[i] if rows.generators else None) or self.default_generator
+            values.append(float(torch.rand(1, generator=generator, device=generator.device, dtype=torch.float64)))
+        return torch.tensor(values, dtype=torch.float64, device=device)
 
     def choose(self, logits: torch.Tensor, rows: BatchRows) -> torch.Tensor:
         """``[B]`` token ids from processed logits: argmax for greedy rows, inverse CDF otherwise."""
         chosen = logits.argmax(dim=-1)
-        random_rows = [i for i, params in enumerate(rows.params) if not params.greedy]
+        if rows.selected is not None:
+            random_rows = rows.selected.get(SAMPLING_ROWS, [])
+        else:
+            random_rows = [i for i, params in enumerate(rows.params) if not params.greedy]
         if random_rows:
             device = logits.device
-            index = torch.tensor(random_rows, dtype=torch.long, device=device)
-            uniforms = torch.tensor([self._uniform(rows, i) for i in random_rows], dtype=torch.float64, device=device)
+            index = row_index(random_rows, logits)
+            uniforms = self._uniforms(rows, random_rows, index, device)
             # fp64 sums: the CDF's last entries stay exact enough over a large vocabulary
-            cdf = logits.index_select(0, index).float().softmax(dim=-1).double().cumsum(dim=-1)
+            cdf = take_rows(logits, index).float().softmax(dim=-1).double().cumsum(dim=-1)
             target = (uniforms * cdf[:, -1]).unsqueeze(1)
             picked = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max(logits.shape[-1] - 1)
-            chosen[index] = picked
+            put_rows(chosen, index, picked)
         return chosen
 
     def gather_logprobs(
         self, raw_logprobs: torch.Tensor | None, sampled: torch.Tensor, rows: BatchRows, selected: list[list[int]]
-    ) -> list[TokenLogprobs | None]:
-        """The logprob hook point: one position's report per row (None where no gatherer wants it).
+    ) -> PendingReports | None:
+        """The logprob hook point: every gatherer on the rows it wants, results left on the device.
 
         ``raw_logprobs`` is the log-softmax of the step's unprocessed logits; ``selected[g]`` lists
-        the rows gatherer ``g`` wants. A row's report holds the sampled token and its logprob, then
-        every gatherer's ``(ids, logprobs)`` pairs in gatherer order without duplicate ids (see
-        :func:`gyrfalcon.engine.logprob_reports.merge_gathered`); values are finite.
+        the rows gatherer ``g`` wants. A row's report will hold the sampled token and its logprob,
+        then every gatherer's ids in gatherer order without duplicates (see
+        :class:`gyrfalcon.engine.sample.logprob_reports.PendingReports`); values are finite.
         """
         if raw_logprobs is None:
-            return [None] * len(rows)
-        return merge_gathered(self.gatherers, raw_logprobs, sampled, rows, selected)
+            return None
+        return gather_pending(self.gatherers, raw_logprobs, sampled, rows, selected)
 
     def gather_prompt_logprobs(self, logits: torch.Tensor, request: EngineRequest, start: int = 0) -> TokenLogprobs:
         """Prompt logprobs from a prefill chunk's ``[c, V]`` logits, prompt positions ``start ..``
@@ -158,7 +174,10 @@ class Sampler:
                 logits = processor(logits, rows, selected)
         top = logits.amax(dim=-1)
         sampled = self.choose(logits, rows)
-        # one host transfer for the ids and each row's largest logit (fp64 holds any token id exactly)
-        ids, tops = torch.stack([sampled.double(), top.double()]).tolist()
+        pending = self.gather_logprobs(raw_logprobs, sampled, rows, gathered)
+        # the step's one host transfer: ids, each row's largest logit and the gathered logprobs
+        host = to_host([sampled, top, *(pending.tensors if pending is not None else ())])
+        ids, tops = host[0], host[1]
         errors = self.unsampleable(tops, rows)
-        return SamplerOutput([int(i) for i in ids], self.gather_logprobs(raw_logprobs, sampled, rows, gathered), errors)
+        reports = pending.finish(host[2:]) if pending is not None else [None] * len(rows)
+        return SamplerOutput([int(i) for i in ids], reports, errors, sampled)

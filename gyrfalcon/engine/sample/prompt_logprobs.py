@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gyrfalcon.engine.logprob_reports import finite, merge_gathered
+from gyrfalcon.engine.sample.logprob_reports import finite, merge_gathered
 from gyrfalcon.engine_api.types import EngineRequest, TokenLogprobs
 from gyrfalcon.policies import BatchRows, LogprobGatherer
 

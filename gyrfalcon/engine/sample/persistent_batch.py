@@ -1,0 +1,173 @@
+"""The persistent batch: each live sequence's sampling state, kept on the device between steps.
+
+A sequence takes a *slot* when it first draws a token (:meth:`PersistentBatch.join`) and gives it
+back when its KV is released (:meth:`PersistentBatch.leave`: it finished, its request ended, or it
+was preempted — a preempted sequence joins again, with the tokens it has, when it next draws).
+Joining decides once which policies the row wants and tells each of them (``add_row``), writes the
+row's seed and, where a processor counts generated tokens, its counts; leaving tells them again
+(``remove_row``). A step then only looks rows up by slot (:meth:`PersistentBatch.rows`): one small
+host-to-device copy of the slots and positions, no per-row tensors rebuilt from Python lists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gyrfalcon.engine.sample.noise import DrawGenerators, as_int64, draw_uniforms
+from gyrfalcon.engine.sequence import Sequence
+from gyrfalcon.policies import BatchRows, LogitsProcessor, LogprobGatherer, NewRow, SlotTensor, long_tensor
+
+#: ``BatchRows.selected`` keys of the rows the sampler itself treats apart (besides policies' ids)
+SAMPLING_ROWS = "sampling"
+MIN_TOKENS_ROWS = "min_tokens"
+
+
+class PersistentBatch:
+    """Slots for the live sequences of the engine; see the module docstring.
+
+    ``processors`` and ``gatherers`` are the engine's policies (generated-position gatherers only);
+    ``vocab_size`` and ``device`` those of the logits.
+    """
+
+    def __init__(self, processors: list[LogitsProcessor], gatherers: list[LogprobGatherer],
+                 vocab_size: int, device: torch.device | str) -> None:  # fmt: skip
+        self.policies: list[Any] = [*processors, *gatherers]
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._slot_of: dict[int, int] = {}  # id(sequence) -> slot
+        self._holder: list[Sequence | None] = []  # slot -> sequence
+        self._free: list[int] = []
+        self._joined: list[list[Any]] = []  # slot -> the keys of ``selected`` it is listed under
+        self._wanted: dict[Any, set[int]] = {}  # key -> slots
+        self._seeds = SlotTensor((), "long", 0)
+        self._counts = SlotTensor((vocab_size,), "int32", 0)
+        self._counted: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def slot(self, seq: Sequence) -> int | None:
+        """``seq``'s slot, None when it holds none."""
+        return self._slot_of.get(id(seq))
+
+    # ----------------------------------------------------------------- events
+
+    def join(self, seq: Sequence, extensions: dict[str, Any]) -> int:
+        """Give ``seq`` a slot (its own again if it holds one) and tell the policies it wants."""
+        slot = self._slot_of.get(id(seq))
+        if slot is not None:
+            return slot
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot = len(self._holder)
+            self._holder.append(None)
+            self._joined.append([])
+        self._slot_of[id(seq)] = slot
+        self._holder[slot] = seq
+        params = seq.params
+        row = NewRow(params, extensions, seq.prompt_token_ids, list(seq.token_ids), self.vocab_size, self.device)
+        keys: list[Any] = []
+        counts = False
+        for policy in self.policies:
+            if policy.wants(params, extensions):
+                policy.add_row(slot, row)
+                keys.append(id(policy))
+                counts = counts or getattr(policy, "uses_output_counts", False)
+        if not params.greedy:
+            keys.append(SAMPLING_ROWS)
+        if params.min_tokens > len(seq.token_ids):
+            keys.append(MIN_TOKENS_ROWS)
+        for key in keys:
+            self._wanted.setdefault(key, set()).add(slot)
+        self._joined[slot] = keys
+        self._seeds.put(slot, as_int64(seq.seed), self.device)
+        if counts:
+            counted = self._counts.row(slot, self.device)
+            counted.zero_()
+            if seq.token_ids:
+                ids = torch.tensor(seq.token_ids, dtype=torch.long, device=self.device)
+                counted.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+            self._counted.add(slot)
+        return slot
+
+    def leave(self, seq: Sequence) -> None:
+        """``seq`` gives its slot back (a no-op when it holds none)."""
+        slot = self._slot_of.pop(id(seq), None)
+        if slot is None:
+            return
+        for key in self._joined[slot]:
+            self._wanted[key].discard(slot)
+        for policy in self.policies:
+            if id(policy) in self._joined[slot]:
+                policy.remove_row(slot)
+        self._joined[slot] = []
+        self._holder[slot] = None
+        self._counted.discard(slot)
+        self._free.append(slot)
+
+    # ----------------------------------------------------------------- a step's view
+
+    def rows(self, sequences: list[Sequence], extensions: list[dict[str, Any]]) -> BatchRows:
+        """The :class:`BatchRows` of a step drawing one token for each of ``sequences`` (in order),
+        joining those that hold no slot yet."""
+        slot_list = [self.join(seq, ext) for seq, ext in zip(sequences, extensions)]
+        positions = [len(seq.token_ids) for seq in sequences]
+        slots, position_tensor = long_tensor([slot_list, positions], self.device)
+        selected: dict[Any, list[int]] = {}
+        for key, wanted in self._wanted.items():
+            if wanted:
+                selected[key] = [i for i, slot in enumerate(slot_list) if slot in wanted]
+        sampling = selected.get(SAMPLING_ROWS)
+        uniforms = None
+        if sampling:
+            assert self._seeds.tensor is not None
+            uniforms = draw_uniforms(self._seeds.tensor.index_select(0, slots), position_tensor)
+        sampling_set = set(sampling or ())
+        keys = [(seq.seed, len(seq.token_ids)) if i in sampling_set else None for i, seq in enumerate(sequences)]
+        return BatchRows(
+            params=[seq.params for seq in sequences],
+            prompt_token_ids=[seq.prompt_token_ids for seq in sequences],
+            output_token_ids=[seq.token_ids for seq in sequences],
+            extensions=extensions,
+            generators=DrawGenerators(keys, self.device),
+            uniforms=uniforms,
+            slots=slots,
+            slot_list=slot_list,
+            output_counts=self._counts.tensor if self._counted else None,
+            selected=selected,
+        )
+
+    def record(self, rows: BatchRows, token_ids: torch.Tensor) -> None:
+        """The step drew ``token_ids`` (``[B]``, on the device) for ``rows``: count them."""
+        if self._counted and rows.slots is not None and self._counts.tensor is not None:
+            ones = torch.ones_like(token_ids, dtype=torch.int32)
+            self._counts.tensor.index_put_((rows.slots, token_ids.long()), ones, accumulate=True)
+
+
+class _Row:
+    """A sequence's sampling view, for rows built outside the engine (:func:`rows_for`)."""
+
+    def __init__(self, params, prompt_token_ids: list[int], token_ids: list[int], seed: int) -> None:
+        self.params, self.prompt_token_ids, self.token_ids, self.seed = params, prompt_token_ids, token_ids, seed
+
+
+def rows_for(policies: list[Any], vocab_size: int, params: list[Any],
+             prompt_token_ids: list[list[int]] | None = None, output_token_ids: list[list[int]] | None = None,
+             extensions: list[dict[str, Any]] | None = None, seeds: list[int] | None = None,
+             device: torch.device | str = "cpu") -> BatchRows:  # fmt: skip
+    """The :class:`BatchRows` of a batch that joined a fresh :class:`PersistentBatch` of
+    ``policies``, as the engine builds them: for tests, and for plugin authors exercising their
+    processors through the engine's own path. Omitted lists default to ``[1]`` prompts, no output,
+    no extensions and seeds ``0, 1, ...``."""
+    count = len(params)
+    batch = PersistentBatch([p for p in policies if isinstance(p, LogitsProcessor)],
+                            [p for p in policies if not isinstance(p, LogitsProcessor)], vocab_size, device)  # fmt: skip
+    sequences = [
+        _Row(params[i], (prompt_token_ids or [[1]] * count)[i], (output_token_ids or [[] for _ in params])[i],
+             (seeds or list(range(count)))[i])  # fmt: skip
+        for i in range(count)
+    ]
+    return batch.rows(sequences, extensions or [{} for _ in params])  # type: ignore[arg-type]
