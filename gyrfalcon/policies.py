@@ -46,7 +46,9 @@ class BatchRows:
       a processor asks for it (None for greedy rows) — so a choice preempted and recomputed, or
       batched with any company, draws the same noise.
 
-    Rows built by hand (tests, prompt positions) may leave these empty.
+    Rows built by hand (prompt positions) may leave these empty, but the built-in processors read
+    their per-slot state through ``slots``: build rows for them with
+    :func:`gyrfalcon.engine.sample.persistent_batch.rows_for`, as the engine does.
     """
 
     params: list[SamplingParams]
@@ -82,18 +84,20 @@ class NewRow(NamedTuple):
 
 def row_index(selected: list[int], logits: torch.Tensor) -> torch.Tensor | None:
     """The rows listed in ``selected`` (distinct, ascending) as an index tensor on the logits'
-    device, or None when that is every row (then no gather or scatter is needed)."""
+    device, or None when that is every row (then no gather or scatter is needed): pass it to
+    :func:`take_rows` and :func:`put_rows`, which understand both."""
     if len(selected) == logits.shape[0]:  # ``selected`` lists distinct rows in ascending order
         return None
-    return long_tensor(selected, logits.device)
+    return to_device(selected, logits.device)
 
 
-def long_tensor(values: list, device: Any) -> torch.Tensor:
-    """``values`` as a long tensor on ``device``; to a GPU through pinned memory without waiting
-    (the copy is queued behind the step's kernels instead of synchronising with them)."""
+def to_device(values: list, device: Any, dtype: str = "long") -> torch.Tensor:
+    """``values`` as a tensor (``dtype``: a torch dtype's name) on ``device``; to a GPU through
+    pinned memory without waiting (the copy is queued behind the step's kernels instead of
+    synchronising with them)."""
     import torch
 
-    host = torch.tensor(values, dtype=torch.long)
+    host = torch.tensor(values, dtype=getattr(torch, dtype))
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

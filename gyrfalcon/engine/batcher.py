@@ -66,7 +66,6 @@ class Batcher:
         count: Callable[[str, int], None],
         fail: Callable[[RequestState, EngineError], None],
         prompt_logprobs: Callable[[EngineRequest, torch.Tensor, int], TokenLogprobs] | None = None,
-        vocab_size: int | None = None,
     ) -> None:
         """``emit`` sends a request's progress; ``fail`` ends a request in-band with an error (a
         no-op for a request already closed); ``prompt_logprobs(request, logits, start)`` returns
@@ -76,8 +75,7 @@ class Batcher:
         self.runner = runner
         self.sampler = sampler
         self.scheduler = scheduler
-        vocab = vocab_size or int(runner.model.config.vocab_size)
-        self.batch = PersistentBatch(sampler.processors, sampler.gatherers, vocab, runner.cache.device)
+        self.batch = PersistentBatch(sampler.processors, sampler.gatherers, runner.logits_width, runner.cache.device)
         scheduler.release_listeners.append(self.batch.leave)
         self.emit = emit
         self.count = count
@@ -297,7 +295,7 @@ class Batcher:
             if state.abort_requested:  # the client left during this step
                 state.abort()
             for seq in state.sequences:
-                if seq.finished and seq.blocks:
+                if seq.finished and (seq.blocks or self.batch.slot(seq) is not None):
                     self.scheduler.release(seq)
             self.emit(state)
             if state.finished:

@@ -261,7 +261,7 @@ class TransformersEngine(EngineCore):
             return False
         assert self.runner is not None
         self.batcher = Batcher(self.runner, self.sampler, self.scheduler, self._emit, self._count, self._fail,
-                               self._prompt_logprobs, self._info.vocab_size)  # fmt: skip
+                               self._prompt_logprobs)  # fmt: skip
         self._health = EngineHealth(ready=True, message="")
         return True
 

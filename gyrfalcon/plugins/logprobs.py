@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.hookspecs import hookimpl
-from gyrfalcon.policies import BatchRows, Gathered, LogprobGatherer, NewRow, SlotTensor, row_index, take_rows
+from gyrfalcon.policies import BatchRows, Gathered, LogprobGatherer, NewRow, SlotTensor, to_device, row_index, take_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -109,10 +109,8 @@ class TokenIdsLogprobGatherer(LogprobGatherer):
         self.widths: dict[int, int] = {}
 
     def add_row(self, slot: int, row: NewRow) -> None:
-        import torch
-
         ids = row.params.logprob_token_ids
-        self.ids.row(slot, row.device)[: len(ids)] = torch.tensor(ids, dtype=torch.long)
+        self.ids.row(slot, row.device)[: len(ids)] = to_device(ids, row.device)
         self.widths[slot] = len(ids)
 
     def remove_row(self, slot: int) -> None:

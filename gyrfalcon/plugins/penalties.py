@@ -33,7 +33,7 @@ from gyrfalcon.policies import (
     LogitsProcessor,
     NewRow,
     SlotTensor,
-    long_tensor,
+    to_device,
     put_rows,
     row_index,
     take_rows,
@@ -100,15 +100,13 @@ class RepetitionPenaltyProcessor(_Penalty):
         return min(max(value, MIN_REPETITION_PENALTY), self.high)
 
     def add_row(self, slot: int, row: NewRow) -> None:
-        import torch
-
         super().add_row(slot, row)
         if self.in_prompt.row_shape != (row.vocab_size,):
             self.in_prompt = SlotTensor((row.vocab_size,), "bool", False)
         seen = self.in_prompt.row(slot, row.device)
         seen.zero_()
         if row.prompt_token_ids:
-            seen[torch.tensor(row.prompt_token_ids, dtype=torch.long, device=row.device)] = True
+            seen[to_device(row.prompt_token_ids, row.device)] = True
 
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
         import torch
@@ -186,15 +184,13 @@ class LogitBiasProcessor(LogitsProcessor):
         self.bias = SlotTensor((0,), "float32")
 
     def add_row(self, slot: int, row: NewRow) -> None:
-        import torch
-
         if self.bias.row_shape != (row.vocab_size,):
             self.bias = SlotTensor((row.vocab_size,), "float32")
         bias = self.bias.row(slot, row.device)
         bias.zero_()
         ids = [int(token_id) for token_id in row.params.logit_bias]
         values = [max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(v))) for v in row.params.logit_bias.values()]
-        bias[torch.tensor(ids, dtype=torch.long, device=row.device)] = torch.tensor(values, device=row.device)
+        bias[to_device(ids, row.device)] = to_device(values, row.device, "float32")
 
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
         index = row_index(selected, logits)
@@ -231,13 +227,11 @@ class AllowedTokenIdsProcessor(LogitsProcessor):
         self.keep = SlotTensor((0,), "bool")
 
     def add_row(self, slot: int, row: NewRow) -> None:
-        import torch
-
         if self.keep.row_shape != (row.vocab_size,):
             self.keep = SlotTensor((row.vocab_size,), "bool", False)
         keep = self.keep.row(slot, row.device)
         keep.zero_()
-        keep[torch.tensor(row.params.allowed_token_ids, dtype=torch.long, device=row.device)] = True
+        keep[to_device(row.params.allowed_token_ids, row.device)] = True
 
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
         index = row_index(selected, logits)
@@ -314,7 +308,7 @@ class BadWordsProcessor(LogitsProcessor):
                     rows_hit.append(i)
                     token_index.append(sequence[-1])
         if rows_hit:
-            logits[long_tensor(rows_hit, logits.device), long_tensor(token_index, logits.device)] = -math.inf
+            logits[to_device(rows_hit, logits.device), to_device(token_index, logits.device)] = -math.inf
         return logits
 
 

@@ -9,6 +9,7 @@ import threading
 
 import torch
 
+from gyrfalcon.policies import LogitsProcessor
 from gyrfalcon.plugins.engines import create_transformers_engine
 from tests.conftest import tiny_settings
 from tests.unit.test_batching import PROMPTS, alone, finals, request, run, stepped  # noqa: F401 - fixture
@@ -89,6 +90,37 @@ def test_a_fault_sampling_the_first_token_fails_that_request_only(stepped):
     assert "processor exploded" in last.error.message and last.error.status == 500
     assert [c.finish_reason for c in last.outputs] == ["abort", "abort"]
     assert engine.core.batcher.running_sequences == 1  # the decoding request is still there
+    _assert_engine_goes_on(engine, running, expected, victim)
+
+
+class FailsToJoin(LogitsProcessor):
+    """A plugin processor whose per-row set-up raises for the rows that want it."""
+
+    name = "fails_to_join"
+    order = 1
+
+    def wants(self, params, extensions):
+        return params.temperature == 0.9
+
+    def add_row(self, slot, row):
+        raise RuntimeError("add_row exploded")
+
+    def __call__(self, logits, rows, selected):
+        return logits
+
+
+def test_a_processor_that_cannot_take_a_row_fails_that_request_only(stepped):
+    """The row is never sampled half set up (it would have been drawn without its processors)."""
+    engine = stepped()
+    running, expected = _decoding(engine)
+    broken = FailsToJoin()
+    engine.core.sampler.processors.insert(0, broken)
+    engine.core.batcher.batch.policies.insert(0, broken)
+    victim = engine.submit(request(PROMPTS[2], temperature=0.9, seed=3, max_tokens=8, ignore_eos=True))
+    engine.core.batcher.step()
+    last = _one_error(victim)
+    assert "add_row exploded" in last.error.message and last.error.status == 500
+    assert len(engine.core.batcher.batch) == 1  # only the decoding request holds a slot
     _assert_engine_goes_on(engine, running, expected, victim)
 
 

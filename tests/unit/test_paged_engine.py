@@ -85,3 +85,19 @@ def test_the_static_decode_path_gives_the_engines_tokens(stepped):
     run(static, streams)
     assert finals(streams) == expected
     assert sum(b.runs for b in static.core.runner.decode_steps._buckets.values()) > 10
+
+
+def test_penalised_and_plain_rows_share_steps_at_any_slot(stepped):
+    """Generated-token counts are kept for every slot a step draws for, not only the penalised ones."""
+    engine = stepped(max_num_seqs=16, max_queue_len=16)
+    asks = [dict(max_tokens=6, frequency_penalty=0.5, ignore_eos=True, temperature=0.0),
+            dict(n=8, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True)]  # fmt: skip
+    expected = []
+    for prompt, ask in zip(LONG, asks):
+        streams = [engine.submit(request(prompt, **ask))]
+        run(engine, streams)
+        expected.extend(finals(streams))
+    streams = [engine.submit(request(prompt, **ask)) for prompt, ask in zip(LONG, asks)]
+    run(engine, streams)
+    assert finals(streams) == expected
+    assert len(engine.core.batcher.batch) == 0

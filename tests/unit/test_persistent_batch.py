@@ -75,6 +75,54 @@ def test_output_counts_follow_the_draws_and_are_rebuilt_when_a_sequence_rejoins(
     assert back.output_counts[back.slot_list[0], [4, 9]].tolist() == [2, 2]
 
 
+class Refuses(Recorder):
+    """Records like :class:`Recorder`, and raises where told to."""
+
+    def __init__(self, on_add=False, on_remove=False) -> None:
+        super().__init__()
+        self.on_add, self.on_remove = on_add, on_remove
+
+    def add_row(self, slot, row):
+        if self.on_add:
+            raise RuntimeError("add_row failed")
+        super().add_row(slot, row)
+
+    def remove_row(self, slot):
+        super().remove_row(slot)
+        if self.on_remove:
+            raise RuntimeError("remove_row failed")
+
+
+def test_joining_is_all_or_nothing():
+    good, bad = Recorder(), Refuses(on_add=True)
+    batch = PersistentBatch([good, bad], [], V, "cpu")
+    seq = Seq(SamplingParams(frequency_penalty=1.0))
+    with pytest.raises(RuntimeError, match="add_row failed"):
+        batch.rows([seq], [{}])
+    assert good.events == [("add", 0), ("remove", 0)] and batch.slot(seq) is None and len(batch) == 0
+    bad.on_add = False
+    assert batch.rows([seq], [{}]).slot_list == [0]  # the slot went back; joining works again
+
+
+def test_a_failing_remove_row_still_frees_the_slot(caplog):
+    policy = Refuses(on_remove=True)
+    batch = PersistentBatch([policy], [], V, "cpu")
+    seq = Seq(SamplingParams(frequency_penalty=1.0))
+    batch.rows([seq], [{}])
+    batch.leave(seq)
+    assert len(batch) == 0 and "remove_row" in caplog.text
+    assert batch.rows([Seq(SamplingParams())], [{}]).slot_list == [0]
+
+
+def test_counts_reach_every_slot_of_the_step():
+    batch = PersistentBatch([penalties.PresencePenaltyProcessor()], [], V, "cpu")
+    counted = Seq(SamplingParams(presence_penalty=1.0))
+    plain = [Seq(SamplingParams()) for _ in range(12)]  # slots beyond the counts table's first rows
+    rows = batch.rows([counted, *plain], [{}] * 13)
+    batch.record(rows, torch.full((13,), 3))
+    assert batch.rows([counted], [{}]).output_counts[0, 3] == 1
+
+
 def _splitmix_reference(seed: int, position: int) -> float:
     mask = (1 << 64) - 1
 

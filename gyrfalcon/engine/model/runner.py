@@ -68,6 +68,13 @@ class ModelRunner:
         if capture != "off":
             self.decode_steps = DecodeSteps(self, max_batch, max_model_len, graphs=capture == "cuda-graphs")
 
+    @property
+    def logits_width(self) -> int:
+        """The width of the logits rows (the output embedding's rows; may exceed the tokenizer's
+        vocabulary where a model pads it)."""
+        head = self.model.get_output_embeddings()
+        return int(head.weight.shape[0]) if head is not None else int(self.model.config.vocab_size)
+
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata, keep) -> torch.Tensor:
         """One model call: ``[1, T]`` ids and positions; the kept positions' logits ``[K, V]``."""
         out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep,

@@ -31,7 +31,8 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
     token ids below 2**53 and float32 values exactly)."""
     if not tensors:
         return []
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).tolist()
+    device = tensors[0].device
+    flat = torch.cat([t.reshape(-1).to(device=device, dtype=torch.float64) for t in tensors]).tolist()
     out, start = [], 0
     for tensor in tensors:
         out.append(flat[start : start + tensor.numel()])
@@ -75,9 +76,9 @@ class PendingReports:
             if isinstance(part, Gathered):
                 ids, values = host[next_tensor], host[next_tensor + 1]
                 next_tensor += 2
-                width = part.ids.shape[1] if part.ids.dim() == 2 else 0
+                width = part.ids.shape[-1] if part.ids.dim() == 2 else 0  # [rows, width] by contract
                 for j, (row, count) in enumerate(zip(part.rows, part.widths)):
-                    start = j * width
+                    start, count = j * width, min(count, width)
                     add(row, ids[start : start + count], values[start : start + count])
             else:
                 for row, pair in enumerate(part):

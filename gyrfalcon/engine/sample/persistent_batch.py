@@ -11,13 +11,16 @@ host-to-device copy of the slots and positions, no per-row tensors rebuilt from 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from gyrfalcon.engine.sample.noise import DrawGenerators, as_int64, draw_uniforms
 from gyrfalcon.engine.sequence import Sequence
-from gyrfalcon.policies import BatchRows, LogitsProcessor, LogprobGatherer, NewRow, SlotTensor, long_tensor
+from gyrfalcon.policies import BatchRows, LogitsProcessor, LogprobGatherer, NewRow, SlotTensor, to_device
+
+log = logging.getLogger(__name__)
 
 #: ``BatchRows.selected`` keys of the rows the sampler itself treats apart (besides policies' ids)
 SAMPLING_ROWS = "sampling"
@@ -55,9 +58,14 @@ class PersistentBatch:
     # ----------------------------------------------------------------- events
 
     def join(self, seq: Sequence, extensions: dict[str, Any]) -> int:
-        """Give ``seq`` a slot (its own again if it holds one) and tell the policies it wants."""
+        """Give ``seq`` a slot (its own again if it holds one) and tell the policies it wants.
+
+        All or nothing: when a policy's ``wants`` or ``add_row`` raises, the policies already told
+        hear ``remove_row``, the slot goes back, and the exception propagates (the sampling of that
+        request fails; no row is ever sampled half-joined)."""
         slot = self._slot_of.get(id(seq))
         if slot is not None:
+            assert self._holder[slot] is seq
             return slot
         if self._free:
             slot = self._free.pop()
@@ -65,17 +73,19 @@ class PersistentBatch:
             slot = len(self._holder)
             self._holder.append(None)
             self._joined.append([])
-        self._slot_of[id(seq)] = slot
-        self._holder[slot] = seq
         params = seq.params
         row = NewRow(params, extensions, seq.prompt_token_ids, list(seq.token_ids), self.vocab_size, self.device)
-        keys: list[Any] = []
-        counts = False
-        for policy in self.policies:
-            if policy.wants(params, extensions):
-                policy.add_row(slot, row)
-                keys.append(id(policy))
-                counts = counts or getattr(policy, "uses_output_counts", False)
+        told: list[Any] = []
+        try:
+            for policy in self.policies:
+                if policy.wants(params, extensions):
+                    policy.add_row(slot, row)
+                    told.append(policy)
+        except BaseException:
+            self._tell_removed(told, slot)
+            self._free.append(slot)
+            raise
+        keys: list[Any] = [id(policy) for policy in told]
         if not params.greedy:
             keys.append(SAMPLING_ROWS)
         if params.min_tokens > len(seq.token_ids):
@@ -83,30 +93,40 @@ class PersistentBatch:
         for key in keys:
             self._wanted.setdefault(key, set()).add(slot)
         self._joined[slot] = keys
+        self._slot_of[id(seq)] = slot
+        self._holder[slot] = seq
         self._seeds.put(slot, as_int64(seq.seed), self.device)
-        if counts:
+        if any(getattr(policy, "uses_output_counts", False) for policy in told):
             counted = self._counts.row(slot, self.device)
             counted.zero_()
             if seq.token_ids:
-                ids = torch.tensor(seq.token_ids, dtype=torch.long, device=self.device)
+                ids = to_device(seq.token_ids, self.device)
                 counted.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
             self._counted.add(slot)
         return slot
 
     def leave(self, seq: Sequence) -> None:
-        """``seq`` gives its slot back (a no-op when it holds none)."""
+        """``seq`` gives its slot back (a no-op when it holds none). A policy whose ``remove_row``
+        raises is logged; the slot is freed all the same."""
         slot = self._slot_of.pop(id(seq), None)
         if slot is None:
             return
-        for key in self._joined[slot]:
+        keys = self._joined[slot]
+        for key in keys:
             self._wanted[key].discard(slot)
-        for policy in self.policies:
-            if id(policy) in self._joined[slot]:
-                policy.remove_row(slot)
+        self._tell_removed([p for p in self.policies if id(p) in keys], slot)
         self._joined[slot] = []
         self._holder[slot] = None
         self._counted.discard(slot)
         self._free.append(slot)
+
+    @staticmethod
+    def _tell_removed(policies: list[Any], slot: int) -> None:
+        for policy in policies:
+            try:
+                policy.remove_row(slot)
+            except Exception:  # noqa: BLE001 - a plugin's fault must not leak the slot or stop the engine
+                log.exception("%s.remove_row(%d) failed", type(policy).__name__, slot)
 
     # ----------------------------------------------------------------- a step's view
 
@@ -115,7 +135,7 @@ class PersistentBatch:
         joining those that hold no slot yet."""
         slot_list = [self.join(seq, ext) for seq, ext in zip(sequences, extensions)]
         positions = [len(seq.token_ids) for seq in sequences]
-        slots, position_tensor = long_tensor([slot_list, positions], self.device)
+        slots, position_tensor = to_device([slot_list, positions], self.device)
         selected: dict[Any, list[int]] = {}
         for key, wanted in self._wanted.items():
             if wanted:
@@ -142,9 +162,14 @@ class PersistentBatch:
 
     def record(self, rows: BatchRows, token_ids: torch.Tensor) -> None:
         """The step drew ``token_ids`` (``[B]``, on the device) for ``rows``: count them."""
-        if self._counted and rows.slots is not None and self._counts.tensor is not None:
+        if self._counted and rows.slots is not None and rows.slot_list:
+            # every row is counted (cheaper than picking the counted ones); a slot's counts are
+            # reset when a sequence joins it, so the table must reach the highest slot of the step
+            self._counts.row(max(rows.slot_list), self.device)
+            table = self._counts.tensor
+            assert table is not None
             ones = torch.ones_like(token_ids, dtype=torch.int32)
-            self._counts.tensor.index_put_((rows.slots, token_ids.long()), ones, accumulate=True)
+            table.index_put_((rows.slots, token_ids.long()), ones, accumulate=True)
 
 
 class _Row:

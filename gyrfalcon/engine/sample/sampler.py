@@ -31,7 +31,15 @@ from gyrfalcon.engine.sample.logprob_reports import PendingReports, gather_pendi
 from gyrfalcon.engine.sample.persistent_batch import MIN_TOKENS_ROWS, SAMPLING_ROWS
 from gyrfalcon.engine.sample.prompt_logprobs import compute_prompt_logprobs
 from gyrfalcon.engine_api.types import EngineError, EngineRequest, SamplingParams, TokenLogprobs
-from gyrfalcon.policies import BatchRows, LogitsProcessor, LogprobGatherer, put_rows, row_index, take_rows
+from gyrfalcon.policies import (
+    BatchRows,
+    LogitsProcessor,
+    LogprobGatherer,
+    to_device,
+    put_rows,
+    row_index,
+    take_rows,
+)
 
 #: the request fields that can exclude tokens, most specific first (the in-band error's ``param``)
 _EXCLUDING_FIELDS = ("allowed_token_ids", "bad_words")
@@ -94,6 +102,8 @@ class Sampler:
 
     def _mask_min_tokens(self, logits: torch.Tensor, rows: BatchRows) -> None:
         candidates = range(len(rows)) if rows.selected is None else rows.selected.get(MIN_TOKENS_ROWS, ())
+        masked_rows: list[int] = []
+        masked_ids: list[int] = []
         for i in candidates:
             params = rows.params[i]
             if len(rows.output_token_ids[i]) >= params.min_tokens:
@@ -101,8 +111,10 @@ class Sampler:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned.extend(self.eos_token_ids)
-            if banned:
-                logits[i, banned] = -math.inf
+            masked_rows.extend([i] * len(banned))
+            masked_ids.extend(banned)
+        if masked_rows:
+            logits[to_device(masked_rows, logits.device), to_device(masked_ids, logits.device)] = -math.inf
 
     def unsampleable(self, top: list[float], rows: BatchRows) -> dict[int, EngineError]:
         """The rows with nothing to choose, from each row's largest processed logit (``amax``,
