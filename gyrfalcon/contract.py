@@ -63,9 +63,10 @@ def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
     if not isinstance(body, dict):
         return False
     context = limits["max_model_len"]
-    params = body.get("sampling_params", {}) if path.endswith("/generate") else body
+    params = (body.get("sampling_params") or {}) if path.endswith("/generate") else body
     if not isinstance(params, dict):
         return False
+    params = {k: v for k, v in params.items() if v is not None}  # null is "not set"
     chat = limits["chat"] or {"fixed": 0, "per_message": 0}  # None: the server serves no chat
     prompts = prompt_token_bounds(path, body, chat)
     n = params.get("n", 1)
@@ -74,11 +75,9 @@ def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
         return True
     for prompt in prompts:
         if path.endswith("/completions"):
-            max_tokens = params.get("max_tokens")
-            max_tokens = 16 if max_tokens is None else max_tokens
+            max_tokens = params.get("max_tokens", 16)
         else:
-            max_tokens = params.get("max_completion_tokens", params.get("max_tokens"))
-            max_tokens = context - prompt if max_tokens is None else max_tokens
+            max_tokens = params.get("max_completion_tokens", params.get("max_tokens", context - prompt))
         if prompt + max(max_tokens, 1) > context or params.get("min_tokens", 0) > max_tokens:
             return True
     return False

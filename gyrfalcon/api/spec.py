@@ -100,9 +100,9 @@ def deployment_spec(
     spec = served_spec(limits)
     if chat is None:
         _without_chat(spec)
-    if not names:  # the template ignores message names: refused at run time, so absent here
+    if not names:  # the template ignores message names: refused at run time, so absent (or null) here
         spec["components"]["schemas"]["ChatMessage"]["properties"]["name"] = {
-            "not": {}, "description": "This model's chat template does not render names."
+            "type": "null", "description": "This model's chat template does not render names."
         }
     spec["x-limits"] = {
         "max_model_len": info.max_model_len,

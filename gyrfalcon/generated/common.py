@@ -40,7 +40,7 @@ class StreamOptions(BaseModel):
         extra="forbid",
     )
     include_usage: Annotated[
-        bool,
+        bool | None,
         Field(
             description="Send a final chunk with `usage` (and `choices: []`) before `data: [DONE]`."
         ),

@@ -38,20 +38,23 @@ class GenerateSamplingParams(BaseModel):
         extra="forbid",
     )
     n: Annotated[
-        int,
+        int | None,
         Field(
             description="Number of choices; every one is returned (at most the server's max_num_seqs).",
             ge=1,
         ),
     ] = 1
     temperature: Annotated[
-        float, Field(description="Below 1e-5 is greedy decoding.", ge=0.0, le=2.0)
+        float | None,
+        Field(description="Below 1e-5 is greedy decoding.", ge=0.0, le=2.0),
     ] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(description="-1 or 0 disable top-k.", ge=-1)] = -1
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int | None, Field(description="-1 or 0 disable top-k.", ge=-1)] = (
+        -1
+    )
+    min_p: Annotated[float | None, Field(ge=0.0, le=1.0)] = 0.0
     seed: Annotated[
-        int | MISSING,
+        int | None | MISSING,
         Field(
             description="Choice i uses seed + i (modulo 2^64).",
             ge=-9223372036854775808,
@@ -59,44 +62,46 @@ class GenerateSamplingParams(BaseModel):
         ),
     ] = MISSING
     max_tokens: Annotated[
-        int | MISSING,
+        int | None | MISSING,
         Field(description="Omitted means up to the model's context length.", ge=1),
     ] = MISSING
-    min_tokens: Annotated[int, Field(description="At most max_tokens.", ge=0)] = 0
-    stop: Annotated[list[StopItem] | MISSING, Field(max_length=16)] = MISSING
-    stop_token_ids: Annotated[list[StopTokenId] | MISSING, Field(max_length=64)] = (
-        MISSING
-    )
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(ge=0.01, le=2.0)] = 1.0
+    min_tokens: Annotated[
+        int | None, Field(description="At most max_tokens.", ge=0)
+    ] = 0
+    stop: Annotated[list[StopItem] | None | MISSING, Field(max_length=16)] = MISSING
+    stop_token_ids: Annotated[
+        list[StopTokenId] | None | MISSING, Field(max_length=64)
+    ] = MISSING
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    presence_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float | None, Field(ge=0.01, le=2.0)] = 1.0
     logit_bias: Annotated[
-        dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,8})$")], LogitBiasAdditionalProperty] | MISSING,
+        dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,8})$")], LogitBiasAdditionalProperty] | None | MISSING,
         Field(description="Token id (decimal string) to a bias added to its logit."),
     ] = MISSING
     allowed_token_ids: Annotated[
-        list[AllowedTokenId] | MISSING, Field(max_length=1024, min_length=1)
+        list[AllowedTokenId] | None | MISSING, Field(max_length=1024, min_length=1)
     ] = MISSING
-    bad_words: Annotated[list[BadWord] | MISSING, Field(max_length=64)] = MISSING
+    bad_words: Annotated[list[BadWord] | None | MISSING, Field(max_length=64)] = MISSING
     logprobs: Annotated[
-        int | MISSING,
+        int | None | MISSING,
         Field(
             description="Number of top log-probabilities per generated position (at most the server's max_logprobs): top_logprobs lists the k most likely tokens plus the sampled one. logprob_token_ids supersedes this count. Raw log-softmax values, -inf as -9999.0.",
             ge=0,
         ),
     ] = MISSING
     prompt_logprobs: Annotated[
-        int | MISSING,
+        int | None | MISSING,
         Field(
             description="Number of top log-probabilities per prompt position; not with streaming. The response's prompt_logprobs report, per prompt position (the first without a logprob), the prompt token and the k most likely tokens.",
             ge=0,
         ),
     ] = MISSING
     logprob_token_ids: Annotated[
-        list[LogprobTokenId] | MISSING,
+        list[LogprobTokenId] | None | MISSING,
         Field(
             description="Supersedes the top-k count (`logprobs`): at each generated position top_logprobs lists exactly the sampled token plus these ids, none displaced, none repeated. Requires `logprobs`. At most 128 distinct ids, each below the vocabulary size.",
             max_length=128,
@@ -167,17 +172,17 @@ class GenerateRequest(BaseModel):
             min_length=1,
         ),
     ]
-    sampling_params: GenerateSamplingParams | MISSING = MISSING
+    sampling_params: GenerateSamplingParams | None | MISSING = MISSING
     model: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="A served model name (GET /v1/models); default the first one."
         ),
     ] = MISSING
-    stream: bool = False
-    stream_options: common.StreamOptions | MISSING = MISSING
+    stream: bool | None = False
+    stream_options: common.StreamOptions | None | MISSING = MISSING
     request_id: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="Used when there is no X-Request-Id header.",
             max_length=256,
@@ -185,11 +190,11 @@ class GenerateRequest(BaseModel):
         ),
     ] = MISSING
     cache_salt: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="Isolates this request in the prefix cache: only requests with the same salt reuse each other's cached prompt blocks (vLLM's cache_salt).",
             max_length=256,
             min_length=1,
         ),
     ] = MISSING
-    extensions: common.Extensions | MISSING = MISSING
+    extensions: common.Extensions | None | MISSING = MISSING

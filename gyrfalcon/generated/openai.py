@@ -105,7 +105,7 @@ class CompletionRequest(BaseModel):
         extra="forbid",
     )
     model: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="A served model name (GET /v1/models); default the first one."
         ),
@@ -126,7 +126,7 @@ class CompletionRequest(BaseModel):
     ] = 1.0
     top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = 1.0
     n: Annotated[
-        int,
+        int | None,
         Field(
             description="Number of choices per prompt; every one is returned (at most the server's max_num_seqs). n >= 2 needs a non-greedy temperature.",
             ge=1,
@@ -147,14 +147,14 @@ class CompletionRequest(BaseModel):
         dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,8})$")], LogitBiasAdditionalProperty] | None | MISSING,
         Field(description="Token id (decimal string) to a bias added to its logit."),
     ] = MISSING
-    stream: bool = False
-    stream_options: common.StreamOptions | MISSING = MISSING
+    stream: bool | None = False
+    stream_options: common.StreamOptions | None | MISSING = MISSING
     user: Annotated[
         str | None | MISSING,
         Field(description="An end-user id; recorded, never used for sampling."),
     ] = MISSING
     echo: Annotated[
-        bool,
+        bool | None,
         Field(
             description="Prepend the prompt (detokenised) to the text. With logprobs, the prompt positions are reported first (the first one with null logprob and null top_logprobs); with max_tokens 0 the response holds the prompt and its logprobs only."
         ),
@@ -166,30 +166,34 @@ class CompletionRequest(BaseModel):
             ge=0,
         ),
     ] = None
-    top_k: Annotated[int, Field(description="-1 or 0 disable top-k.", ge=-1)] = -1
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(ge=0.01, le=2.0)] = 1.0
-    min_tokens: Annotated[int, Field(description="At most max_tokens.", ge=0)] = 0
-    stop_token_ids: Annotated[list[StopTokenId] | MISSING, Field(max_length=64)] = (
-        MISSING
+    top_k: Annotated[int | None, Field(description="-1 or 0 disable top-k.", ge=-1)] = (
+        -1
     )
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    allowed_token_ids: Annotated[
-        list[AllowedTokenId] | MISSING, Field(max_length=1024, min_length=1)
+    min_p: Annotated[float | None, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float | None, Field(ge=0.01, le=2.0)] = 1.0
+    min_tokens: Annotated[
+        int | None, Field(description="At most max_tokens.", ge=0)
+    ] = 0
+    stop_token_ids: Annotated[
+        list[StopTokenId] | None | MISSING, Field(max_length=64)
     ] = MISSING
-    bad_words: Annotated[list[BadWord] | MISSING, Field(max_length=64)] = MISSING
+    ignore_eos: bool | None = False
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    allowed_token_ids: Annotated[
+        list[AllowedTokenId] | None | MISSING, Field(max_length=1024, min_length=1)
+    ] = MISSING
+    bad_words: Annotated[list[BadWord] | None | MISSING, Field(max_length=64)] = MISSING
     prompt_logprobs: Annotated[
-        int | MISSING,
+        int | None | MISSING,
         Field(
             description="Number of top log-probabilities per prompt position; not with streaming. The response's prompt_logprobs report, per prompt position (the first without a logprob), the prompt token and the k most likely tokens.",
             ge=0,
         ),
     ] = MISSING
     logprob_token_ids: Annotated[
-        list[LogprobTokenId] | MISSING,
+        list[LogprobTokenId] | None | MISSING,
         Field(
             description="Supersedes the top-k count (logprobs / top_logprobs): at each generated position the response's top_logprobs list exactly the sampled token plus these ids, none displaced, none repeated. Requires logprobs; not with beam search; completions: not with echo and max_tokens 0. At most 128 distinct ids, each below the vocabulary size.",
             max_length=128,
@@ -197,20 +201,20 @@ class CompletionRequest(BaseModel):
         ),
     ] = MISSING
     return_tokens_as_token_ids: Annotated[
-        bool,
+        bool | None,
         Field(
             description='Every token in logprobs (including in top_logprobs) is written as "token_id:N"; requires logprobs (it changes nothing else).'
         ),
     ] = False
     return_token_ids: Annotated[
-        bool,
+        bool | None,
         Field(
             description="Each choice also carries `token_ids` and `prompt_token_ids`."
         ),
     ] = False
-    use_beam_search: bool = False
+    use_beam_search: bool | None = False
     request_id: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="Used when there is no X-Request-Id header.",
             max_length=256,
@@ -218,14 +222,14 @@ class CompletionRequest(BaseModel):
         ),
     ] = MISSING
     cache_salt: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="Isolates this request in the prefix cache: only requests with the same salt reuse each other's cached prompt blocks (vLLM's cache_salt).",
             max_length=256,
             min_length=1,
         ),
     ] = MISSING
-    extensions: common.Extensions | MISSING = MISSING
+    extensions: common.Extensions | None | MISSING = MISSING
 
 
 class ChatContentPartText(BaseModel):
@@ -250,7 +254,7 @@ class ChatMessage(BaseModel):
         Field(description="`developer` is treated as `system`."),
     ]
     content: str | Content
-    name: Annotated[str | MISSING, Field(min_length=1)] = MISSING
+    name: Annotated[str | None | MISSING, Field(min_length=1)] = MISSING
 
 
 Stop2 = TypeAliasType("Stop2", Annotated[str, Field(min_length=1)])
@@ -268,7 +272,7 @@ class ChatCompletionRequest(BaseModel):
     )
     messages: Annotated[list[ChatMessage], Field(max_length=256, min_length=1)]
     model: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="A served model name (GET /v1/models); default the first one."
         ),
@@ -286,7 +290,7 @@ class ChatCompletionRequest(BaseModel):
     ] = 1.0
     top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = 1.0
     n: Annotated[
-        int,
+        int | None,
         Field(
             description="Number of choices per prompt; every one is returned (at most the server's max_num_seqs). n >= 2 needs a non-greedy temperature.",
             ge=1,
@@ -307,49 +311,53 @@ class ChatCompletionRequest(BaseModel):
         dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,8})$")], LogitBiasAdditionalProperty] | None | MISSING,
         Field(description="Token id (decimal string) to a bias added to its logit."),
     ] = MISSING
-    stream: bool = False
-    stream_options: common.StreamOptions | MISSING = MISSING
+    stream: bool | None = False
+    stream_options: common.StreamOptions | None | MISSING = MISSING
     user: Annotated[
         str | None | MISSING,
         Field(description="An end-user id; recorded, never used for sampling."),
     ] = MISSING
     logprobs: Annotated[
-        bool,
+        bool | None,
         Field(
             description="Return the log-probability of each generated token (raw log-softmax of the model, before temperature and other processors; -inf reported as -9999.0)."
         ),
     ] = False
     top_logprobs: Annotated[
-        int | MISSING,
+        int | None | MISSING,
         Field(
             description="Number of top log-probabilities per position (at most the server's max_logprobs); needs logprobs true. top_logprobs then lists exactly the k most likely tokens; logprob_token_ids supersedes this count.",
             ge=0,
         ),
     ] = MISSING
-    top_k: Annotated[int, Field(description="-1 or 0 disable top-k.", ge=-1)] = -1
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(ge=0.01, le=2.0)] = 1.0
-    min_tokens: Annotated[int, Field(description="At most max_tokens.", ge=0)] = 0
-    stop_token_ids: Annotated[list[StopTokenId] | MISSING, Field(max_length=64)] = (
-        MISSING
+    top_k: Annotated[int | None, Field(description="-1 or 0 disable top-k.", ge=-1)] = (
+        -1
     )
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    allowed_token_ids: Annotated[
-        list[AllowedTokenId] | MISSING, Field(max_length=1024, min_length=1)
+    min_p: Annotated[float | None, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float | None, Field(ge=0.01, le=2.0)] = 1.0
+    min_tokens: Annotated[
+        int | None, Field(description="At most max_tokens.", ge=0)
+    ] = 0
+    stop_token_ids: Annotated[
+        list[StopTokenId] | None | MISSING, Field(max_length=64)
     ] = MISSING
-    bad_words: Annotated[list[BadWord] | MISSING, Field(max_length=64)] = MISSING
+    ignore_eos: bool | None = False
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    allowed_token_ids: Annotated[
+        list[AllowedTokenId] | None | MISSING, Field(max_length=1024, min_length=1)
+    ] = MISSING
+    bad_words: Annotated[list[BadWord] | None | MISSING, Field(max_length=64)] = MISSING
     prompt_logprobs: Annotated[
-        int | MISSING,
+        int | None | MISSING,
         Field(
             description="Number of top log-probabilities per prompt position; not with streaming. The response's prompt_logprobs report, per prompt position (the first without a logprob), the prompt token and the k most likely tokens.",
             ge=0,
         ),
     ] = MISSING
     logprob_token_ids: Annotated[
-        list[LogprobTokenId] | MISSING,
+        list[LogprobTokenId] | None | MISSING,
         Field(
             description="Supersedes the top-k count (logprobs / top_logprobs): at each generated position the response's top_logprobs list exactly the sampled token plus these ids, none displaced, none repeated. Requires logprobs; not with beam search; completions: not with echo and max_tokens 0. At most 128 distinct ids, each below the vocabulary size.",
             max_length=128,
@@ -357,15 +365,15 @@ class ChatCompletionRequest(BaseModel):
         ),
     ] = MISSING
     return_tokens_as_token_ids: Annotated[
-        bool,
+        bool | None,
         Field(
             description='Every token in logprobs (including in top_logprobs) is written as "token_id:N"; requires logprobs (it changes nothing else).'
         ),
     ] = False
-    use_beam_search: bool = False
-    add_generation_prompt: bool = True
+    use_beam_search: bool | None = False
+    add_generation_prompt: bool | None = True
     request_id: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="Used when there is no X-Request-Id header.",
             max_length=256,
@@ -373,14 +381,14 @@ class ChatCompletionRequest(BaseModel):
         ),
     ] = MISSING
     cache_salt: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="Isolates this request in the prefix cache: only requests with the same salt reuse each other's cached prompt blocks (vLLM's cache_salt).",
             max_length=256,
             min_length=1,
         ),
     ] = MISSING
-    extensions: common.Extensions | MISSING = MISSING
+    extensions: common.Extensions | None | MISSING = MISSING
 
 
 Message = TypeAliasType(
@@ -406,7 +414,7 @@ class BatchChatCompletionRequest(BaseModel):
         Field(description="A list of conversations.", max_length=64, min_length=1),
     ]
     model: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="A served model name (GET /v1/models); default the first one."
         ),
@@ -423,7 +431,7 @@ class BatchChatCompletionRequest(BaseModel):
         Field(description="Below 1e-5 is greedy decoding.", ge=0.0, le=2.0),
     ] = 1.0
     top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = 1.0
-    n: Annotated[int, Field(description="Always 1.", ge=1, le=1)] = 1
+    n: Annotated[int | None, Field(description="Always 1.", ge=1, le=1)] = 1
     seed: Annotated[
         int | None | MISSING,
         Field(
@@ -440,7 +448,7 @@ class BatchChatCompletionRequest(BaseModel):
         Field(description="Token id (decimal string) to a bias added to its logit."),
     ] = MISSING
     stream: Annotated[
-        bool,
+        bool | None,
         Field(
             description="Batch chat never streams: true is refused (x-rule batch_chat_not_streaming)."
         ),
@@ -450,42 +458,46 @@ class BatchChatCompletionRequest(BaseModel):
         Field(description="An end-user id; recorded, never used for sampling."),
     ] = MISSING
     logprobs: Annotated[
-        bool,
+        bool | None,
         Field(
             description="Return the log-probability of each generated token (raw log-softmax of the model, before temperature and other processors; -inf reported as -9999.0)."
         ),
     ] = False
     top_logprobs: Annotated[
-        int | MISSING,
+        int | None | MISSING,
         Field(
             description="Number of top log-probabilities per position (at most the server's max_logprobs); needs logprobs true. top_logprobs then lists exactly the k most likely tokens; logprob_token_ids supersedes this count.",
             ge=0,
         ),
     ] = MISSING
-    top_k: Annotated[int, Field(description="-1 or 0 disable top-k.", ge=-1)] = -1
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(ge=0.01, le=2.0)] = 1.0
-    min_tokens: Annotated[int, Field(description="At most max_tokens.", ge=0)] = 0
-    stop_token_ids: Annotated[list[StopTokenId] | MISSING, Field(max_length=64)] = (
-        MISSING
+    top_k: Annotated[int | None, Field(description="-1 or 0 disable top-k.", ge=-1)] = (
+        -1
     )
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    allowed_token_ids: Annotated[
-        list[AllowedTokenId] | MISSING, Field(max_length=1024, min_length=1)
+    min_p: Annotated[float | None, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float | None, Field(ge=0.01, le=2.0)] = 1.0
+    min_tokens: Annotated[
+        int | None, Field(description="At most max_tokens.", ge=0)
+    ] = 0
+    stop_token_ids: Annotated[
+        list[StopTokenId] | None | MISSING, Field(max_length=64)
     ] = MISSING
-    bad_words: Annotated[list[BadWord] | MISSING, Field(max_length=64)] = MISSING
+    ignore_eos: bool | None = False
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    allowed_token_ids: Annotated[
+        list[AllowedTokenId] | None | MISSING, Field(max_length=1024, min_length=1)
+    ] = MISSING
+    bad_words: Annotated[list[BadWord] | None | MISSING, Field(max_length=64)] = MISSING
     prompt_logprobs: Annotated[
-        int | MISSING,
+        int | None | MISSING,
         Field(
             description="Number of top log-probabilities per prompt position; not with streaming. The response's prompt_logprobs report, per prompt position (the first without a logprob), the prompt token and the k most likely tokens.",
             ge=0,
         ),
     ] = MISSING
     logprob_token_ids: Annotated[
-        list[LogprobTokenId] | MISSING,
+        list[LogprobTokenId] | None | MISSING,
         Field(
             description="Supersedes the top-k count (logprobs / top_logprobs): at each generated position the response's top_logprobs list exactly the sampled token plus these ids, none displaced, none repeated. Requires logprobs; not with beam search; completions: not with echo and max_tokens 0. At most 128 distinct ids, each below the vocabulary size.",
             max_length=128,
@@ -493,15 +505,15 @@ class BatchChatCompletionRequest(BaseModel):
         ),
     ] = MISSING
     return_tokens_as_token_ids: Annotated[
-        bool,
+        bool | None,
         Field(
             description='Every token in logprobs (including in top_logprobs) is written as "token_id:N"; requires logprobs (it changes nothing else).'
         ),
     ] = False
-    use_beam_search: bool = False
-    add_generation_prompt: bool = True
+    use_beam_search: bool | None = False
+    add_generation_prompt: bool | None = True
     request_id: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="Used when there is no X-Request-Id header.",
             max_length=256,
@@ -509,14 +521,14 @@ class BatchChatCompletionRequest(BaseModel):
         ),
     ] = MISSING
     cache_salt: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="Isolates this request in the prefix cache: only requests with the same salt reuse each other's cached prompt blocks (vLLM's cache_salt).",
             max_length=256,
             min_length=1,
         ),
     ] = MISSING
-    extensions: common.Extensions | MISSING = MISSING
+    extensions: common.Extensions | None | MISSING = MISSING
 
 
 class CompletionLogprobs(BaseModel):
@@ -653,14 +665,14 @@ class TokenizeCompletionRequest(BaseModel):
         extra="forbid",
     )
     model: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="A served model name (GET /v1/models); default the first one."
         ),
     ] = MISSING
     prompt: Annotated[str, Field(description="The text to tokenize.")]
     add_special_tokens: Annotated[
-        bool,
+        bool | None,
         Field(description="Add the tokenizer's special tokens (as completions do)."),
     ] = True
 
@@ -670,13 +682,13 @@ class TokenizeChatRequest(BaseModel):
         extra="forbid",
     )
     model: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="A served model name (GET /v1/models); default the first one."
         ),
     ] = MISSING
     messages: Annotated[list[ChatMessage], Field(max_length=256, min_length=1)]
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = True
 
 
 TokenizeRequest = TypeAliasType(
@@ -704,7 +716,7 @@ class DetokenizeRequest(BaseModel):
         extra="forbid",
     )
     model: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="A served model name (GET /v1/models); default the first one."
         ),

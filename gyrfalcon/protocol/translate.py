@@ -24,7 +24,8 @@ from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.capabilities import check_supported
 from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.protocol.rules import RequestFields, check_rules
-from gyrfalcon.protocol.wire import validate
+from gyrfalcon.openapi.served import MAX_TOKENS_FIELDS
+from gyrfalcon.protocol.wire import sent_fields, validate
 
 #: the generated model of each endpoint's request body
 WIRE_MODELS: dict[str, type[pydantic.BaseModel]] = {
@@ -91,12 +92,10 @@ class Translator:
         if not isinstance(body, dict):
             raise RequestError("The request body must be a JSON object", None)
         body = dict(body)
-        has_extensions = "extensions" in body
         raw_extensions = body.pop("extensions", None)
         wire = validate(WIRE_MODELS[endpoint], body)  # schema errors first, extensions' included
-        extensions = self._check_extensions(raw_extensions) if has_extensions else None
-        # OpenAI's null means "not set": dropped here, so every later step sees an absent field
-        sent = {k: v for k, v in wire.model_dump(mode="python", by_alias=True, exclude_unset=True).items() if v is not None}
+        extensions = self._check_extensions(raw_extensions) if raw_extensions is not None else None
+        sent = sent_fields(wire)
         if extensions is not None:
             sent["extensions"] = extensions
         fields = RequestFields.from_body(endpoint, sent)
@@ -170,6 +169,9 @@ class Translator:
     def _check_limits(self, f: RequestFields) -> None:
         """The deployment limits laid over the served spec, enforced identically here."""
         info = self.info
+        for name in MAX_TOKENS_FIELDS:  # even the one max_completion_tokens overrides: the spec bounds both
+            if f.get(name, 0) > info.max_model_len - 1:
+                raise f.error(name, f"'{name}' must be at most {info.max_model_len - 1} (this model's context less one)")
         if f.get("n", 1) > info.max_num_seqs:
             raise f.error("n", f"'n' must be at most {info.max_num_seqs} on this server")
         for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
@@ -232,7 +234,7 @@ class Translator:
         """``POST /tokenize``: a prompt (as completions tokenize it) or messages (as chat renders them)."""
         chat = isinstance(body, dict) and "messages" in body
         model = generated.TokenizeChatRequest if chat else generated.TokenizeCompletionRequest
-        sent = validate(model, body).model_dump(mode="python", by_alias=True, exclude_unset=True)
+        sent = sent_fields(validate(model, body))
         self._model_name(sent.get("model"))
         if chat:
             return self._render_chat(sent["messages"], sent.get("add_generation_prompt", True), "messages")
@@ -240,7 +242,7 @@ class Translator:
 
     def detokenize(self, body: Any) -> str:
         """``POST /detokenize``: the text of token ids inside the vocabulary."""
-        sent = validate(generated.DetokenizeRequest, body).model_dump(mode="python", by_alias=True, exclude_unset=True)
+        sent = sent_fields(validate(generated.DetokenizeRequest, body))
         self._model_name(sent.get("model"))
         self._check_vocab("tokens", sent["tokens"])
         return self.engine.detokenize(sent["tokens"])

@@ -41,15 +41,15 @@ def test_every_component_object_has_a_model() -> None:
 
 
 @pytest.mark.parametrize("model", list(MINIMAL), ids=lambda m: m.__name__)
-def test_requests_reject_extra_fields_and_nulls(model: type[pydantic.BaseModel]) -> None:
+def test_requests_reject_extra_fields_and_take_nulls(model: type[pydantic.BaseModel]) -> None:
     base = MINIMAL[model]
     ok(model, base)
     assert rejects(model, {**base, "tools": []})
-    assert rejects(model, {**base, "stream": None})
     assert rejects(model, {**base, "extensions": {"anything": 1}})  # no plugin fields in the source documents
     assert rejects(model, {**base, "request_id": ""})
-    assert rejects(model, {**base, "model": None})
     assert rejects(model, {})
+    # null is "not set" on every optional field (the protocol layer drops it)
+    assert ok(model, {**base, "stream": None, "model": None, "request_id": None, "extensions": None}).stream is None
 
 
 def test_generate_request_shapes() -> None:
@@ -60,7 +60,6 @@ def test_generate_request_shapes() -> None:
     assert sp.max_tokens is MISSING and sp.prompt_logprobs is MISSING and sp.top_k == -1
     assert req.stream is False and req.stream_options is MISSING and req.model is MISSING
     for bad in ({"token_ids": []}, {"token_ids": [-1]}, {"token_ids": [1.5]}, {"token_ids": ["1"]},
-                {"token_ids": [1], "sampling_params": None},
                 {"token_ids": [1], "sampling_params": {"seed": 2**63}},
                 {"token_ids": [1], "sampling_params": {"temperature": 2.5}},
                 {"token_ids": [1], "sampling_params": {"top_p": 0}},
@@ -72,6 +71,8 @@ def test_generate_request_shapes() -> None:
                 {"token_ids": [1], "sampling_params": {"logprob_token_ids": []}},
                 {"token_ids": [1], "sampling_params": {"use_beam_search": False}}):  # fmt: skip
         assert rejects(g.GenerateRequest, bad), bad
+    assert ok(g.GenerateRequest, {"token_ids": [1], "sampling_params": None}).sampling_params is None
+    assert ok(g.GenerateRequest, {"token_ids": [1], "sampling_params": {"n": None, "seed": None}}).sampling_params.n is None
 
 
 def test_whole_floats_must_become_ints_first() -> None:
@@ -102,11 +103,12 @@ def test_completion_defaults_and_nullables() -> None:
     assert req.max_tokens is None and req.logprobs is None and req.stop == "x"
     assert ok(g.CompletionRequest, {"prompt": "a", "stop": ["x", "y"], "max_tokens": 0, "echo": True}).max_tokens == 0
     for bad in ({"stop": ""}, {"stop": [""]}, {"stop": ["x"] * 17}, {"max_tokens": -1}, {"logprobs": -1},
-                {"n": None}, {"stream": None}, {"top_logprobs": 1}, {"messages": [MSG]}):  # fmt: skip
+                {"top_logprobs": 1}, {"messages": [MSG]}):  # fmt: skip
         assert rejects(g.CompletionRequest, {"prompt": "a", **bad}), bad
-    # OpenAI's "not set" nulls (the protocol layer drops them); n and stream take part in rules: no null
-    nulls = ok(g.CompletionRequest, {"prompt": "a", "temperature": None, "seed": None, "stop": None, "user": None})
-    assert nulls.temperature is None and nulls.seed is None and nulls.stop is None
+    # OpenAI's "not set" nulls (the protocol layer drops them)
+    nulls = ok(g.CompletionRequest, {"prompt": "a", "temperature": None, "seed": None, "stop": None, "user": None,
+                                     "n": None, "stream": None, "echo": None})  # fmt: skip
+    assert nulls.temperature is None and nulls.seed is None and nulls.stop is None and nulls.n is None
 
 
 def test_chat_messages() -> None:
@@ -149,7 +151,7 @@ def test_batch_chat_stream_and_beam_search_are_plain_booleans() -> None:
 
 def test_stream_options_and_extensions() -> None:
     assert ok(g.StreamOptions, {}).include_usage is False
-    assert rejects(g.StreamOptions, {"include_usage": None}) and rejects(g.StreamOptions, {"x": True})
+    assert ok(g.StreamOptions, {"include_usage": None}).include_usage is None and rejects(g.StreamOptions, {"x": True})
     assert ok(g.Extensions, {}).model_dump() == {}
 
 

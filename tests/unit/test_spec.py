@@ -142,15 +142,13 @@ def test_shared_fields_are_identical_across_documents(spec: dict[str, Any]) -> N
     schemas = spec["components"]["schemas"]
     generate = schemas["GenerateSamplingParams"]["properties"]
     completion = schemas["CompletionRequest"]["properties"]
-    # OpenAI's endpoints also take null for "not set" on these (clients send it); generate does not
-    nullable = {"temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias"}
-    differs_on_purpose = {"stop", "max_tokens", "logprobs", "logprob_token_ids", "n", *nullable}
+    differs_on_purpose = {"stop", "max_tokens", "logprobs", "logprob_token_ids", "n"}
     for name in set(generate) & set(completion) - differs_on_purpose:
         assert generate[name] == completion[name], name
     for name in ("model", "stream", "request_id"):
         assert schemas["GenerateRequest"]["properties"][name] == completion[name], name
     assert generate["logprob_token_ids"]["items"] == completion["logprob_token_ids"]["items"]
-    assert generate["stop"] == completion["stop"]["oneOf"][2]  # oneOf: null, one string, a list
+    assert generate["stop"]["items"] == completion["stop"]["oneOf"][2]["items"]  # oneOf: null, one string, a list
 
 
 def test_int64_seed_and_greedy_threshold(spec: dict[str, Any]) -> None:
@@ -348,21 +346,19 @@ def test_overlay_limits(served: dict[str, Any]) -> None:
 
 def test_overlay_unsupported_fields(served: dict[str, Any]) -> None:
     s = served["components"]["schemas"]
-    # With a wire default: only the default; without: must be absent.
-    # OpenAI endpoints also take null ("not set") for these
+    # With a wire default: only the default (or null: "not set"); without: absent or null.
     assert s["CompletionRequest"]["properties"]["presence_penalty"]["enum"] == [0.0, None]
     assert s["CompletionRequest"]["properties"]["presence_penalty"]["type"] == ["number", "null"]
-    assert s["GenerateSamplingParams"]["properties"]["presence_penalty"]["const"] == 0.0
-    assert s["ChatCompletionRequest"]["properties"]["logprobs"]["const"] is False
+    assert s["GenerateSamplingParams"]["properties"]["presence_penalty"]["enum"] == [0.0, None]
+    assert s["ChatCompletionRequest"]["properties"]["logprobs"]["enum"] == [False, None]
     assert s["CompletionRequest"]["properties"]["logprobs"]["const"] is None
-    assert s["ChatCompletionRequest"]["properties"]["use_beam_search"]["const"] is False
-    assert s["BatchChatCompletionRequest"]["properties"]["use_beam_search"]["const"] is False
+    assert s["ChatCompletionRequest"]["properties"]["use_beam_search"]["enum"] == [False, None]
+    assert s["BatchChatCompletionRequest"]["properties"]["use_beam_search"]["enum"] == [False, None]
     for name in ("CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest", "GenerateSamplingParams"):
-        assert "not" in s[name]["properties"]["logprob_token_ids"], name
-        logit_bias = s[name]["properties"]["logit_bias"]
-        assert logit_bias.get("type") == "null" if name != "GenerateSamplingParams" else "not" in logit_bias, name
-    assert "not" in s["GenerateSamplingParams"]["properties"]["logprobs"]
-    assert "not" in s["ChatCompletionRequest"]["properties"]["top_logprobs"]
+        assert s[name]["properties"]["logprob_token_ids"]["type"] == "null", name
+        assert s[name]["properties"]["logit_bias"]["type"] == "null", name
+    assert s["GenerateSamplingParams"]["properties"]["logprobs"]["type"] == "null"
+    assert s["ChatCompletionRequest"]["properties"]["top_logprobs"]["type"] == "null"
 
 
 def test_served_spec_validates_bodies(served: dict[str, Any]) -> None:
