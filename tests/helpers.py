@@ -26,6 +26,8 @@ def stream_by_choice(events: list[Any], text_of=lambda c: c.get("text", "")) -> 
     joined: dict[int, dict[str, Any]] = defaultdict(lambda: {"text": "", "token_ids": [], "finishes": [], "after_finish": 0})
     for event in events[:-1]:
         assert "error" not in event, event
+        # one choice per chunk, as OpenAI and vLLM send them (the usage chunk has none)
+        assert len(event["choices"]) <= 1, event
         for choice in event["choices"]:
             slot = joined[choice["index"]]
             if slot["finishes"]:

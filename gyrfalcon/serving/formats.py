@@ -92,16 +92,17 @@ class Formatter:
 
     # streaming ----------------------------------------------------------------
     def opening_chunks(self) -> list[dict[str, Any]]:
-        """Chunks sent before any token (chat: the role of every choice)."""
+        """Chunks sent before any token (chat: the role of every choice, one chunk each)."""
         return []
 
     def delta_chunks(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
-        choices = [
-            self.delta_choice(prompt_index, output, choice)
+        """One chunk per choice with news (text, tokens or its finish), as OpenAI and vLLM stream:
+        clients read ``chunk.choices[0]`` and must see every choice that way."""
+        return [
+            self.envelope([self.delta_choice(prompt_index, output, choice)], chunk=True)
             for choice in output.outputs
             if choice.text or choice.token_ids or choice.finish_reason
         ]
-        return [self.envelope(choices, chunk=True)] if choices else []
 
     def delta_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
         raise NotImplementedError
@@ -215,12 +216,11 @@ class ChatFormatter(Formatter):
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         total = len(self.request.requests) * self.request.n
-        choices = [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
-             "stop_reason": None}
+        return [
+            self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None, "stop_reason": None}], chunk=True)  # fmt: skip
             for i in range(total)
         ]
-        return [self.envelope(choices, chunk=True)]
 
     def delta_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
         delta = {"content": choice.text} if choice.text else {}

@@ -85,10 +85,12 @@ def test_chat_shape_roles_and_developer(client):
 def test_chat_stream_opens_with_roles(client):
     r = post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": 2, "stream": True, **SAMPLED})
     events = sse_events(r.text)
-    first = events[0]
-    assert first["object"] == "chat.completion.chunk"
-    assert sorted(c["index"] for c in first["choices"]) == [0, 1]
-    assert all(c["delta"]["role"] == "assistant" for c in first["choices"])
+    opening = events[:2]  # a role chunk per choice, one choice per chunk, before any content
+    assert all(e["object"] == "chat.completion.chunk" and len(e["choices"]) == 1 for e in opening)
+    assert [e["choices"][0]["index"] for e in opening] == [0, 1]
+    assert all(e["choices"][0]["delta"] == {"role": "assistant", "content": ""} for e in opening)
+    finishes = [e["choices"][0]["index"] for e in events[2:-1] if e["choices"][0]["finish_reason"]]
+    assert sorted(finishes) == [0, 1]  # a finish chunk per choice
 
 
 def test_chat_default_max_tokens_is_up_to_context(client, tiny_engine):

@@ -71,3 +71,38 @@ def test_bad_request_names_param(client):
     assert info.value.body["param"] == "tools"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_reading_choices_zero_of_each_chunk_sees_every_choice(client):
+    """Code written for OpenAI reads ``chunk.choices[0]``: with n > 1 every choice must arrive that way."""
+    texts: dict[int, str] = {}
+    finished = []
+    for chunk in client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=4, seed=9, stream=True,
+        extra_body={"ignore_eos": True},
+    ):
+        choice = chunk.choices[0]
+        texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        if choice.finish_reason:
+            finished.append(choice.index)
+    assert sorted(finished) == [0, 1, 2]
+    final = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=4, seed=9,
+        extra_body={"ignore_eos": True},
+    )
+    assert [texts[c.index] for c in final.choices] == [c.message.content for c in final.choices]
+
+
+def test_none_for_optional_fields_is_not_set(client):
+    """The SDK's wrappers pass None through as null (``extra_body`` keeps it, as wrappers do)."""
+    nulls = {"n": None, "logprobs": None, "stream": None, "seed": None, "stop": None, "echo": None, "user": None,
+             "stream_options": None}  # fmt: skip
+    r = client.completions.create(model="tiny", prompt="a b", max_tokens=3, temperature=0,
+                                  extra_body={**nulls, "ignore_eos": True})  # fmt: skip
+    plain = client.completions.create(model="tiny", prompt="a b", max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+    assert [c.text for c in r.choices] == [c.text for c in plain.choices] and len(r.choices) == 1
+    chat_nulls = {**{k: v for k, v in nulls.items() if k != "echo"}, "top_logprobs": None}
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x", "name": None}],
+                                          max_tokens=2, extra_body=chat_nulls)  # fmt: skip
+    assert chat.choices[0].finish_reason in ("length", "stop")
