@@ -23,9 +23,11 @@ class Settings:
     max_model_len: int | None = None  # None: the model's own context length
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 4096
-    max_queue_len: int = 64
-    #: most sequences (prompts × n) one request may ask for: one client cannot hold the server for long
-    max_request_seqs: int = 64
+    #: requests (prompts) waiting for the engine; beyond it a 503 with Retry-After
+    max_queue_len: int = 1024
+    #: most sequences (prompts × n) one request may ask for, vLLM's cap on prompts per request; the
+    #: choices beyond the running batch (max_num_seqs) wait their turn
+    max_request_seqs: int = 1024
     max_logprobs: int = 20
     seed: int = 0
     dtype: str = "auto"  # bf16 on CUDA, fp32 on CPU
@@ -42,7 +44,8 @@ class Settings:
     #: torch threads per worker (CPU). Measured on the 2-core machine (bench, c=16): 2 threads gave
     #: 111.6 output tok/s against 93.5 with 1, with the same time per token at c=1
     num_threads: int = 2
-    max_body_bytes: int = 4 * 1024 * 1024
+    #: sized for max_request_seqs prompts of ~16 KB of text each
+    max_body_bytes: int = 16 * 1024 * 1024
     api_keys: list[str] = field(default_factory=list)
     plugins_allow: list[str] | None = None  # None: every installed plugin
     plugins_block: list[str] = field(default_factory=list)

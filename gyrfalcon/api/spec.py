@@ -91,7 +91,7 @@ def deployment_spec(
         model_names=model_names,
         vocab_size=info.vocab_size,
         max_model_len=info.max_model_len,
-        max_num_seqs=info.max_num_seqs,
+        max_request_seqs=max_seqs or info.max_request_seqs,
         max_logprobs=info.max_logprobs,
         unsupported=unsupported,
         extensions=bounded_extensions(extensions, info),

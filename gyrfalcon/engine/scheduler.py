@@ -5,11 +5,13 @@ a step feeds each scheduled sequence its next uncomputed tokens. :meth:`Schedule
 one step under ``max_num_batched_tokens``:
 
 1. every running sequence with one token to feed (decoding) gets it — running streams never wait
-   behind a prompt;
+   behind a prompt —, up to ``max_num_seqs`` of them: a request with more choices than that (``n``
+   up to ``max_request_seqs``) decodes them in turns, oldest first;
 2. running sequences with more to feed (a chunked prefill, a recompute) get the next chunk of at
    most ``prefill_chunk_tokens``, oldest request first;
 3. waiting requests are admitted in FIFO order while the running sequences plus their ``n`` stay
-   within ``max_num_seqs`` and blocks are free for their first chunk; prefix-cache hits are
+   within ``max_num_seqs`` (a larger request waits until it runs alone) and blocks are free for
+   their first chunk; prefix-cache hits are
    counted as computed. A request is prefilled once; its ``n`` children fork after its first
    token (the engine shares the prompt's blocks between them).
 
@@ -206,6 +208,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         plan: list[Scheduled] = []
         preemptions = self.preemptions
+        rows = 0  # decode rows: at most max_num_seqs (a request with more choices runs them in turns)
         for decoding in (True, False):
             for state in list(self.running):
                 if state not in self.running:  # preempted by an older request in this pass
@@ -214,6 +217,10 @@ class Scheduler:
                     want = seq.num_tokens - seq.computed
                     if (want == 1) != decoding or want <= 0 or budget <= 0:
                         continue
+                    if decoding:
+                        if rows >= self.max_num_seqs:
+                            continue
+                        rows += 1
                     count = min(want, budget, self.prefill_chunk_tokens)
                     if not self._make_room(seq, count, state, plan):
                         break  # this request itself was preempted

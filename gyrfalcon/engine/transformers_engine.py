@@ -76,6 +76,7 @@ class TransformersEngine(EngineCore):
             max_logprobs=cfg.max_logprobs,
             max_num_seqs=cfg.max_num_seqs,
             capabilities=NATIVE_CAPABILITIES,
+            max_request_seqs=cfg.max_request_seqs,
             dtype=str(self.dtype).removeprefix("torch."),
             device=self.device,
         )

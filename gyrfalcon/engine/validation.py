@@ -51,8 +51,8 @@ def validate_request(
         raise RequestError("the prompt must contain at least one token", "prompt")
     if any(not isinstance(t, int) or t < 0 or t >= info.vocab_size for t in prompt):
         raise RequestError(f"prompt token ids must be in [0, {info.vocab_size})", "prompt")
-    if not 1 <= params.n <= info.max_num_seqs:
-        raise RequestError(f"n must be between 1 and {info.max_num_seqs}", "n")
+    if not 1 <= params.n <= info.max_request_seqs:
+        raise RequestError(f"n must be between 1 and {info.max_request_seqs}", "n")
     prompt_only = params.max_tokens == 0 and params.prompt_logprobs is not None  # logprob path: prefill only
     if len(prompt) > info.max_model_len or (len(prompt) == info.max_model_len and not prompt_only):
         raise RequestError(

@@ -23,6 +23,7 @@ class EngineConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_queue_len: int
+    max_request_seqs: int
     max_logprobs: int
     seed: int
     num_threads: int

@@ -197,6 +197,8 @@ class EngineInfo:
     capabilities: frozenset[str]
     dtype: str = "float32"
     device: str = "cpu"
+    #: most sequences (choices) one request may have; those beyond ``max_num_seqs`` wait their turn
+    max_request_seqs: int = 1024
 
 
 @dataclass

@@ -13,7 +13,9 @@ from . import common
 TokenId = TypeAliasType("TokenId", Annotated[int, Field(ge=0)])
 
 
-StopItem = TypeAliasType("StopItem", Annotated[str, Field(min_length=1)])
+StopItem = TypeAliasType(
+    "StopItem", Annotated[str, Field(max_length=1024, min_length=1)]
+)
 
 
 StopTokenId = TypeAliasType("StopTokenId", Annotated[int, Field(ge=0)])
@@ -27,7 +29,7 @@ LogitBiasAdditionalProperty = TypeAliasType(
 AllowedTokenId = TypeAliasType("AllowedTokenId", Annotated[int, Field(ge=0)])
 
 
-BadWord = TypeAliasType("BadWord", Annotated[str, Field(min_length=1)])
+BadWord = TypeAliasType("BadWord", Annotated[str, Field(max_length=1024, min_length=1)])
 
 
 LogprobTokenId = TypeAliasType("LogprobTokenId", Annotated[int, Field(ge=0)])
@@ -40,13 +42,16 @@ class GenerateSamplingParams(BaseModel):
     n: Annotated[
         int | None,
         Field(
-            description="Number of choices; every one is returned (at most the server's max_num_seqs).",
+            description="Number of choices; every one is returned (at most the server's max_request_seqs; choices beyond the running batch, max_num_seqs, wait their turn).",
             ge=1,
         ),
     ] = 1
     temperature: Annotated[
         float | None,
-        Field(description="Below 1e-5 is greedy decoding.", ge=0.0, le=2.0),
+        Field(
+            description="Below 1e-5 is greedy decoding; no upper bound (vLLM's rule).",
+            ge=0.0,
+        ),
     ] = 1.0
     top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int | None, Field(description="-1 or 0 disable top-k.", ge=-1)] = (

@@ -31,7 +31,7 @@ Prompt1 = TypeAliasType(
         list[Prompt1Item],
         Field(
             description="Text, texts, token ids, or lists of token ids. Empty prompts are rejected.",
-            max_length=64,
+            max_length=1024,
             min_length=1,
         ),
     ],
@@ -67,17 +67,19 @@ Prompt3 = TypeAliasType(
         list[Prompt3Item],
         Field(
             description="Text, texts, token ids, or lists of token ids. Empty prompts are rejected.",
-            max_length=64,
+            max_length=1024,
             min_length=1,
         ),
     ],
 )
 
 
-Stop = TypeAliasType("Stop", Annotated[str, Field(min_length=1)])
+Stop = TypeAliasType("Stop", Annotated[str, Field(max_length=1024, min_length=1)])
 
 
-Stop1Item = TypeAliasType("Stop1Item", Annotated[str, Field(min_length=1)])
+Stop1Item = TypeAliasType(
+    "Stop1Item", Annotated[str, Field(max_length=1024, min_length=1)]
+)
 
 
 Stop1 = TypeAliasType("Stop1", Annotated[list[Stop1Item], Field(max_length=16)])
@@ -94,7 +96,7 @@ StopTokenId = TypeAliasType("StopTokenId", Annotated[int, Field(ge=0)])
 AllowedTokenId = TypeAliasType("AllowedTokenId", Annotated[int, Field(ge=0)])
 
 
-BadWord = TypeAliasType("BadWord", Annotated[str, Field(min_length=1)])
+BadWord = TypeAliasType("BadWord", Annotated[str, Field(max_length=1024, min_length=1)])
 
 
 LogprobTokenId = TypeAliasType("LogprobTokenId", Annotated[int, Field(ge=0)])
@@ -122,13 +124,16 @@ class CompletionRequest(BaseModel):
     ] = 16
     temperature: Annotated[
         float | None,
-        Field(description="Below 1e-5 is greedy decoding.", ge=0.0, le=2.0),
+        Field(
+            description="Below 1e-5 is greedy decoding; no upper bound (vLLM's rule).",
+            ge=0.0,
+        ),
     ] = 1.0
     top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = 1.0
     n: Annotated[
         int | None,
         Field(
-            description="Number of choices per prompt; every one is returned (at most the server's max_num_seqs). n >= 2 needs a non-greedy temperature.",
+            description="Number of choices per prompt; every one is returned. prompts x n is at most the server's max_request_seqs; choices beyond the running batch (max_num_seqs) wait their turn. n >= 2 needs a non-greedy temperature.",
             ge=1,
         ),
     ] = 1
@@ -257,10 +262,12 @@ class ChatMessage(BaseModel):
     name: Annotated[str | None | MISSING, Field(min_length=1)] = MISSING
 
 
-Stop2 = TypeAliasType("Stop2", Annotated[str, Field(min_length=1)])
+Stop2 = TypeAliasType("Stop2", Annotated[str, Field(max_length=1024, min_length=1)])
 
 
-Stop3Item = TypeAliasType("Stop3Item", Annotated[str, Field(min_length=1)])
+Stop3Item = TypeAliasType(
+    "Stop3Item", Annotated[str, Field(max_length=1024, min_length=1)]
+)
 
 
 Stop3 = TypeAliasType("Stop3", Annotated[list[Stop3Item], Field(max_length=16)])
@@ -286,13 +293,16 @@ class ChatCompletionRequest(BaseModel):
     ] = MISSING
     temperature: Annotated[
         float | None,
-        Field(description="Below 1e-5 is greedy decoding.", ge=0.0, le=2.0),
+        Field(
+            description="Below 1e-5 is greedy decoding; no upper bound (vLLM's rule).",
+            ge=0.0,
+        ),
     ] = 1.0
     top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = 1.0
     n: Annotated[
         int | None,
         Field(
-            description="Number of choices per prompt; every one is returned (at most the server's max_num_seqs). n >= 2 needs a non-greedy temperature.",
+            description="Number of choices per prompt; every one is returned. prompts x n is at most the server's max_request_seqs; choices beyond the running batch (max_num_seqs) wait their turn. n >= 2 needs a non-greedy temperature.",
             ge=1,
         ),
     ] = 1
@@ -396,10 +406,12 @@ Message = TypeAliasType(
 )
 
 
-Stop4 = TypeAliasType("Stop4", Annotated[str, Field(min_length=1)])
+Stop4 = TypeAliasType("Stop4", Annotated[str, Field(max_length=1024, min_length=1)])
 
 
-Stop5Item = TypeAliasType("Stop5Item", Annotated[str, Field(min_length=1)])
+Stop5Item = TypeAliasType(
+    "Stop5Item", Annotated[str, Field(max_length=1024, min_length=1)]
+)
 
 
 Stop5 = TypeAliasType("Stop5", Annotated[list[Stop5Item], Field(max_length=16)])
@@ -411,7 +423,7 @@ class BatchChatCompletionRequest(BaseModel):
     )
     messages: Annotated[
         list[Message],
-        Field(description="A list of conversations.", max_length=64, min_length=1),
+        Field(description="A list of conversations.", max_length=1024, min_length=1),
     ]
     model: Annotated[
         str | None | MISSING,
@@ -428,7 +440,10 @@ class BatchChatCompletionRequest(BaseModel):
     ] = MISSING
     temperature: Annotated[
         float | None,
-        Field(description="Below 1e-5 is greedy decoding.", ge=0.0, le=2.0),
+        Field(
+            description="Below 1e-5 is greedy decoding; no upper bound (vLLM's rule).",
+            ge=0.0,
+        ),
     ] = 1.0
     top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = 1.0
     n: Annotated[int | None, Field(description="Always 1.", ge=1, le=1)] = 1

@@ -94,11 +94,6 @@ RUNTIME_RULES: tuple[dict[str, str], ...] = (
         "description": "No duplicate ids (uniqueItems in the spec; the generated models do not check it).",
     },
     {
-        "id": "n_le_max_num_seqs",
-        "param": "n",
-        "description": "n <= the server's max_num_seqs (stated in the served spec as maximum).",
-    },
-    {
         "id": "logprobs_le_max_logprobs",
         "param": "logprobs",
         "description": "logprobs, top_logprobs and prompt_logprobs <= the server's max_logprobs "
@@ -134,7 +129,7 @@ class ServedLimits:
     model_names: list[str]
     vocab_size: int
     max_model_len: int
-    max_num_seqs: int
+    max_request_seqs: int
     max_logprobs: int = 20
     unsupported: set[str] = field(default_factory=set)
     extensions: dict[str, dict] = field(default_factory=dict)
@@ -142,7 +137,7 @@ class ServedLimits:
     max_prompts: int | None = None
 
     def __post_init__(self) -> None:
-        if self.vocab_size < 1 or self.max_model_len < 2 or self.max_num_seqs < 1 or self.max_logprobs < 0:
+        if self.vocab_size < 1 or self.max_model_len < 2 or self.max_request_seqs < 1 or self.max_logprobs < 0:
             raise ValueError(f"impossible limits: {self!r}")
 
 
@@ -305,7 +300,7 @@ def _overlay_property(name: str, schema: dict[str, Any], limits: ServedLimits) -
     if name == "model" and limits.model_names:
         schema["enum"] = list(limits.model_names)
     if name == "n":
-        _cap(schema, limits.max_num_seqs)
+        _cap(schema, limits.max_request_seqs)
     if name in MAX_TOKENS_FIELDS and _is_integer(schema):
         _cap(schema, limits.max_model_len - 1)
     if name in LOGPROB_COUNT_FIELDS and _is_integer(schema):
@@ -350,7 +345,7 @@ def _is_nullable(schema: dict[str, Any]) -> bool:
 def served_spec(limits: ServedLimits) -> dict[str, Any]:
     """The bundle with ``limits`` laid over every request schema, plus ``x-runtime-rules``.
 
-    - ``model``: ``enum`` of the served names; ``n``: ``maximum`` max_num_seqs (batch chat stays 1);
+    - ``model``: ``enum`` of the served names; ``n``: ``maximum`` max_request_seqs (batch chat stays 1);
       ``max_tokens``/``max_completion_tokens``: ``maximum`` max_model_len - 1;
     - every token-id integer: ``maximum`` vocab_size - 1; ``logit_bias`` keys: ids below vocab_size;
     - prompt id arrays (``token_ids``, ``prompt``): ``maxItems`` max_model_len; ``min_tokens``:

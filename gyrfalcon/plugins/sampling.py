@@ -38,6 +38,11 @@ class _PerSlotValue(LogitsProcessor):
         return self.values.take(rows.slots_of(selected, index)).to(logits.dtype).unsqueeze(1)
 
 
+#: the largest temperature applied: any larger one (the API has no upper bound, as vLLM) samples
+#: as near uniformly as this one, and dividing by it keeps every logit finite in any float dtype
+MAX_APPLIED_TEMPERATURE = 1e4
+
+
 class TemperatureProcessor(_PerSlotValue):
     """Divides each asking row's logits by its temperature (greedy rows are left to argmax)."""
 
@@ -45,6 +50,9 @@ class TemperatureProcessor(_PerSlotValue):
     fields = frozenset({"temperature"})
     field_name = "temperature"
     order = 100
+
+    def add_row(self, slot: int, row: NewRow) -> None:
+        self.values.put(slot, min(float(row.params.temperature), MAX_APPLIED_TEMPERATURE), row.device)
 
     def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
         if not (math.isfinite(params.temperature) and params.temperature >= 0):

@@ -172,8 +172,6 @@ class Translator:
         for name in MAX_TOKENS_FIELDS:  # even the one max_completion_tokens overrides: the spec bounds both
             if f.get(name, 0) > info.max_model_len - 1:
                 raise f.error(name, f"'{name}' must be at most {info.max_model_len - 1} (this model's context less one)")
-        if f.get("n", 1) > info.max_num_seqs:
-            raise f.error("n", f"'n' must be at most {info.max_num_seqs} on this server")
         for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
             value = f.get(name)
             if isinstance(value, int) and not isinstance(value, bool) and value > info.max_logprobs:

@@ -260,3 +260,12 @@ def test_null_means_not_set(client, path, base):
     assert r.status_code == 200, r.text
     r = post(client, path, {**base, **nulls})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("temperature", [2.5, 1e4, 1.7976931348623157e308])
+def test_temperature_has_no_upper_bound(client, temperature):
+    """vLLM's rule: any temperature >= 0; a huge one samples (near) uniformly, never NaN or a 500."""
+    r = post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "temperature": temperature, "seed": 3,
+                                         "ignore_eos": True, "logprobs": 1})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json["usage"]["completion_tokens"] == 4

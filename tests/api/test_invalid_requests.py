@@ -35,7 +35,7 @@ def with_fields(path: str, **fields) -> tuple[dict, str]:
 
 SAMPLING_CASES = [
     # (fields, param without prefix)
-    ({"temperature": 2.5}, "temperature"),
+    ({"stop": ["x" * 1025]}, "stop"),  # a stop string is at most 1024 characters
     ({"temperature": -0.1}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
@@ -120,8 +120,8 @@ OTHER_CASES = [
     (BATCH, {"messages": [MSG], "return_tokens_as_token_ids": True, "logprobs": False}, 400, "return_tokens_as_token_ids"),
     (GENERATE, {"token_ids": [5], "sampling_params": {"include_stop_str_in_output": True}}, 400,
      "sampling_params.include_stop_str_in_output"),  # generate returns token ids: no text to cut
-    (COMPLETIONS, {"prompt": [[5]] * 9, "n": 8, "temperature": 1}, 400, "n"),  # 72 sequences > 64 per request
-    (BATCH, {"messages": [MSG] * 65}, 400, "messages"),
+    (COMPLETIONS, {"prompt": [[5]] * 129, "n": 8, "temperature": 1}, 400, "n"),  # 1032 sequences > 1024
+    (BATCH, {"messages": [MSG] * 1025}, 400, "messages"),
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role"),
     (CHAT, {"messages": MSG, "tools": []}, 400, "tools"),

@@ -140,7 +140,7 @@ def test_length_at_max_tokens_and_at_context_end(tiny_engine):
         ([5] * 120, {"max_tokens": 9}, "max_tokens"),
         ([5] * 128, {"max_tokens": 1}, "prompt"),
         (PROMPT, {"max_tokens": 0}, "max_tokens"),
-        (PROMPT, {"n": 9}, "n"),
+        (PROMPT, {"n": 1025}, "n"),  # above max_request_seqs (max_num_seqs only bounds the batch)
         (PROMPT, {"n": 0}, "n"),
         (PROMPT, {"min_tokens": 17}, "min_tokens"),
         (PROMPT, {"logprobs": 21}, "logprobs"),  # above max_logprobs (20)

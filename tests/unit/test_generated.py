@@ -61,7 +61,7 @@ def test_generate_request_shapes() -> None:
     assert req.stream is False and req.stream_options is MISSING and req.model is MISSING
     for bad in ({"token_ids": []}, {"token_ids": [-1]}, {"token_ids": [1.5]}, {"token_ids": ["1"]},
                 {"token_ids": [1], "sampling_params": {"seed": 2**63}},
-                {"token_ids": [1], "sampling_params": {"temperature": 2.5}},
+                {"token_ids": [1], "sampling_params": {"temperature": -0.5}},
                 {"token_ids": [1], "sampling_params": {"top_p": 0}},
                 {"token_ids": [1], "sampling_params": {"top_k": -2}},
                 {"token_ids": [1], "sampling_params": {"max_tokens": 0}},
@@ -71,6 +71,8 @@ def test_generate_request_shapes() -> None:
                 {"token_ids": [1], "sampling_params": {"logprob_token_ids": []}},
                 {"token_ids": [1], "sampling_params": {"use_beam_search": False}}):  # fmt: skip
         assert rejects(g.GenerateRequest, bad), bad
+    assert ok(g.GenerateRequest, {"token_ids": [1], "sampling_params": {"temperature": 7.5}})  # no upper bound (vLLM)
+    assert rejects(g.GenerateRequest, {"token_ids": [1], "sampling_params": {"stop": ["x" * 1025]}})
     assert ok(g.GenerateRequest, {"token_ids": [1], "sampling_params": None}).sampling_params is None
     assert ok(g.GenerateRequest, {"token_ids": [1], "sampling_params": {"n": None, "seed": None}}).sampling_params.n is None
 
@@ -137,7 +139,7 @@ def test_batch_chat_limits() -> None:
     req = ok(g.BatchChatCompletionRequest, {"messages": [[MSG], [MSG, MSG]], "n": 1, "stream": False})
     assert len(req.messages) == 2 and req.use_beam_search is False
     for bad in ({"messages": [[MSG]], "n": 2}, {"messages": [[MSG]], "stream_options": {}},
-                {"messages": [[]]}, {"messages": [MSG]}, {"messages": [[MSG]] * 65},
+                {"messages": [[]]}, {"messages": [MSG]}, {"messages": [[MSG]] * 1025},
                 {"messages": [[MSG]], "stream": 0}, {"messages": [[MSG]], "use_beam_search": 0}):  # fmt: skip
         assert rejects(g.BatchChatCompletionRequest, bad), bad
 

@@ -101,3 +101,29 @@ def test_penalised_and_plain_rows_share_steps_at_any_slot(stepped):
     run(engine, streams)
     assert finals(streams) == expected
     assert len(engine.core.batcher.batch) == 0
+
+
+def test_n_beyond_max_num_seqs_decodes_its_choices_in_turns(stepped):
+    """n is capped by max_request_seqs, not by the running batch: the choices beyond max_num_seqs
+    wait their turn, and every choice gets the tokens it gets in a batch wide enough for all."""
+    ask = dict(n=10, temperature=1.0, seed=77, max_tokens=5, ignore_eos=True)
+    wide = stepped(max_num_seqs=16)
+    streams = [wide.submit(request(LONG[2], **ask))]
+    run(wide, streams)
+    expected = finals(streams)
+    narrow = stepped(max_num_seqs=4)
+    forward = narrow.core.runner.forward
+    decode_rows = []
+
+    def counting(works):
+        if all(len(w.tokens) == 1 for w in works):
+            decode_rows.append(len(works))
+        return forward(works)
+
+    narrow.core.runner.forward = counting
+    streams = [narrow.submit(request(LONG[2], **ask))]
+    run(narrow, streams)
+    got = finals(streams)
+    assert got == expected and len(got[0]) == 10
+    assert decode_rows and max(decode_rows) == 4
+    assert len(narrow.core.batcher.batch) == 0

@@ -27,7 +27,7 @@ from gyrfalcon.openapi.served import decimal_range_pattern, walk_schemas
 
 REQUESTS = ("GenerateRequest", "CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest")
 UNSUPPORTED = {"presence_penalty", "logprobs", "top_logprobs", "use_beam_search", "logit_bias", "logprob_token_ids"}
-LIMITS = ServedLimits(model_names=["tiny", "tiny-alias"], vocab_size=512, max_model_len=128, max_num_seqs=8, max_logprobs=5)
+LIMITS = ServedLimits(model_names=["tiny", "tiny-alias"], vocab_size=512, max_model_len=128, max_request_seqs=8, max_logprobs=5)
 PLUGIN = {"type": "object", "additionalProperties": False, "properties": {"level": {"type": "integer", "minimum": 0}}}
 
 EXPECTED_RULES = {
@@ -331,7 +331,7 @@ def test_overlay_limits(served: dict[str, Any]) -> None:
     assert s["GenerateRequest"]["properties"]["token_ids"]["maxItems"] == 128
     id_arrays = s["CompletionRequest"]["properties"]["prompt"]["oneOf"]
     assert id_arrays[2]["maxItems"] == 128 and id_arrays[3]["items"]["maxItems"] == 128
-    assert id_arrays[3]["maxItems"] == 64 and "maxItems" not in s["CompletionRequest"]["properties"]["stop_token_ids"]["items"]
+    assert id_arrays[3]["maxItems"] == 1024 and "maxItems" not in s["CompletionRequest"]["properties"]["stop_token_ids"]["items"]
     assert s["CompletionRequest"]["properties"]["max_tokens"]["type"] == ["integer", "null"]
     assert s["Extensions"]["properties"] == {"demo": PLUGIN}
     assert s["Extensions"]["additionalProperties"] is False
@@ -409,7 +409,7 @@ def test_decimal_range_pattern(hi: int) -> None:
 
 def test_served_limits_edge_cases() -> None:
     with pytest.raises(ValueError):
-        ServedLimits(model_names=["m"], vocab_size=0, max_model_len=16, max_num_seqs=1)
+        ServedLimits(model_names=["m"], vocab_size=0, max_model_len=16, max_request_seqs=1)
     names = request_field_names(bundle())
     assert {"token_ids", "prompt", "messages", "sampling_params", "logprob_token_ids", "extensions"} <= names
     plain = served_spec(ServedLimits(["m"], 10, 16, 1, unsupported={"no_such_field"}))
