@@ -50,8 +50,14 @@ class ModelsResource:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         info = self.ctx.ready_info()
+        created = self.ctx.started
+        root = self.ctx.served_model_names[0]
+        permission = {"object": "model_permission", "created": created, "allow_create_engine": False,
+                      "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                      "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}  # fmt: skip
         data = [
-            {"id": name, "object": "model", "created": self.ctx.started, "owned_by": "gyrfalcon", "max_model_len": info.max_model_len}
+            {"id": name, "object": "model", "created": created, "owned_by": "gyrfalcon", "root": root, "parent": None,
+             "max_model_len": info.max_model_len, "permission": [{"id": f"modelperm-{name}", **permission}]}  # fmt: skip
             for name in self.ctx.served_model_names
         ]
         _json(resp, {"object": "list", "data": data})
@@ -93,8 +99,9 @@ class TokenizeResource:
         self.ctx = ctx
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        tokens = self.ctx.translator().tokenize(read_json(req, self.ctx.settings.max_body_bytes))
-        _json(resp, {"count": len(tokens), "max_model_len": self.ctx.engine.info().max_model_len, "tokens": tokens})
+        tokens, strings = self.ctx.translator().tokenize(read_json(req, self.ctx.settings.max_body_bytes))
+        _json(resp, {"count": len(tokens), "max_model_len": self.ctx.engine.info().max_model_len, "tokens": tokens,
+                     "token_strs": strings})  # fmt: skip
 
 
 class DetokenizeResource:

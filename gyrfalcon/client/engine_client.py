@@ -132,6 +132,9 @@ class EngineClient(Engine):
         return [self.tokenizer.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
                 for t in token_ids]  # fmt: skip
 
+    def token_pieces(self, token_ids: list[int]) -> list[str]:
+        return [str(piece) for piece in self.tokenizer.convert_ids_to_tokens(list(token_ids))]
+
     def token_bytes(self, token_ids: list[int]) -> list[bytes]:
         if self._token_bytes is None:  # logprob path: the tokenizer's own byte mapping
             from gyrfalcon.client.token_bytes import TokenBytes

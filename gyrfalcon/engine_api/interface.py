@@ -137,6 +137,11 @@ class Engine(EngineCore):
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """The text of each token on its own (for logprob entries)."""
 
+    def token_pieces(self, token_ids: list[int]) -> list[str]:
+        """The tokenizer's own string of each token (``convert_ids_to_tokens``: vLLM's
+        ``token_strs``, e.g. ``"Ġhello"``). Default: :meth:`token_strings`."""
+        return self.token_strings(token_ids)
+
     def token_bytes(self, token_ids: list[int]) -> list[bytes]:
         """The raw bytes of each token (chat logprob ``bytes``); a byte-level token may be part of
         a character. Default: the UTF-8 of :meth:`token_strings`."""

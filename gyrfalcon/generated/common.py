@@ -45,6 +45,12 @@ class StreamOptions(BaseModel):
             description="Send a final chunk with `usage` (and `choices: []`) before `data: [DONE]`."
         ),
     ] = False
+    continuous_usage_stats: Annotated[
+        bool | None,
+        Field(
+            description="Every chunk also carries `usage`: its prompt's tokens and its choice's tokens so far (vLLM's continuous usage stats)."
+        ),
+    ] = False
 
 
 class Extensions(BaseModel):

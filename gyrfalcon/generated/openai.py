@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import MISSING, BaseModel, ConfigDict, Field, StringConstraints
 from typing_extensions import TypeAliasType
@@ -382,6 +382,12 @@ class ChatCompletionRequest(BaseModel):
     ] = False
     use_beam_search: bool | None = False
     add_generation_prompt: bool | None = True
+    return_token_ids: Annotated[
+        bool | None,
+        Field(
+            description="Each choice also carries its `token_ids`, and the response the `prompt_token_ids`."
+        ),
+    ] = False
     request_id: Annotated[
         str | None | MISSING,
         Field(
@@ -527,6 +533,12 @@ class BatchChatCompletionRequest(BaseModel):
     ] = False
     use_beam_search: bool | None = False
     add_generation_prompt: bool | None = True
+    return_token_ids: Annotated[
+        bool | None,
+        Field(
+            description="Each choice also carries its `token_ids`, and the response the `prompt_token_ids`."
+        ),
+    ] = False
     request_id: Annotated[
         str | None | MISSING,
         Field(
@@ -599,11 +611,28 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"]
     content: str
+    reasoning_content: Annotated[
+        None, Field(description="Always null (no reasoning parser).")
+    ]
+    tool_calls: Annotated[
+        list[dict[str, Any]],
+        Field(description="Always empty (no tools).", max_length=0),
+    ]
 
 
 class ChatCompletionChoice(BaseModel):
     index: Annotated[int, Field(ge=0)]
     message: ChatResponseMessage
+    token_ids: Annotated[
+        list[int] | None,
+        Field(description="The choice's token ids, with return_token_ids."),
+    ]
+    prompt_token_ids: Annotated[
+        list[int] | None | MISSING,
+        Field(
+            description="Batch chat with return_token_ids: this conversation's prompt token ids."
+        ),
+    ] = MISSING
     logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length", "abort"] | None
     stop_reason: Annotated[
@@ -628,11 +657,17 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: common.Usage
     prompt_logprobs: Annotated[
-        list[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")], PromptLogprob] | None] | None | MISSING,
+        list[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")], PromptLogprob] | None] | None,
         Field(
             description="Chat: the conversation's prompt logprobs, when prompt_logprobs was asked for."
         ),
-    ] = MISSING
+    ]
+    prompt_token_ids: Annotated[
+        list[int] | None,
+        Field(
+            description="Chat with return_token_ids: the rendered conversation's token ids."
+        ),
+    ]
 
 
 class ChatDelta(BaseModel):
@@ -643,6 +678,10 @@ class ChatDelta(BaseModel):
 class ChatCompletionStreamChoice(BaseModel):
     index: Annotated[int, Field(ge=0)]
     delta: ChatDelta
+    token_ids: Annotated[
+        list[int] | None | MISSING,
+        Field(description="The choice's token ids, with return_token_ids."),
+    ] = MISSING
     logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length", "abort"] | None
     stop_reason: Annotated[
@@ -660,19 +699,27 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: common.Usage | None
+    prompt_token_ids: Annotated[
+        list[int] | None | MISSING,
+        Field(
+            description="With return_token_ids: the prompt's token ids, on each choice's first chunk."
+        ),
+    ] = MISSING
 
 
-class ModelCard(BaseModel):
+class ModelPermission(BaseModel):
     id: str
-    object: Literal["model"]
+    object: Literal["model_permission"]
     created: int
-    owned_by: str
-    max_model_len: Annotated[int, Field(ge=1)]
-
-
-class ModelList(BaseModel):
-    object: Literal["list"]
-    data: list[ModelCard]
+    allow_create_engine: bool
+    allow_sampling: bool
+    allow_logprobs: bool
+    allow_search_indices: bool
+    allow_view: bool
+    allow_fine_tuning: bool
+    organization: str
+    group: str | None
+    is_blocking: bool
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -690,6 +737,12 @@ class TokenizeCompletionRequest(BaseModel):
         bool | None,
         Field(description="Add the tokenizer's special tokens (as completions do)."),
     ] = True
+    return_token_strs: Annotated[
+        bool | None,
+        Field(
+            description="The response also lists each token's string (the tokenizer's own, vLLM's token_strs)."
+        ),
+    ] = False
 
 
 class TokenizeChatRequest(BaseModel):
@@ -704,6 +757,12 @@ class TokenizeChatRequest(BaseModel):
     ] = MISSING
     messages: Annotated[list[ChatMessage], Field(max_length=256, min_length=1)]
     add_generation_prompt: bool | None = True
+    return_token_strs: Annotated[
+        bool | None,
+        Field(
+            description="The response also lists each token's string (the tokenizer's own, vLLM's token_strs)."
+        ),
+    ] = False
 
 
 TokenizeRequest = TypeAliasType(
@@ -721,6 +780,9 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: Annotated[
+        list[str] | None, Field(description="With return_token_strs; null otherwise.")
+    ]
 
 
 Token = TypeAliasType("Token", Annotated[int, Field(ge=0)])
@@ -764,14 +826,14 @@ class CompletionChoice(BaseModel):
             description="The stop string or stop token id that ended the choice, if any."
         ),
     ]
-    token_ids: list[int] | None | MISSING = MISSING
-    prompt_token_ids: list[int] | None | MISSING = MISSING
+    token_ids: list[int] | None
+    prompt_token_ids: list[int] | None
     prompt_logprobs: Annotated[
-        list[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")], PromptLogprob] | None] | None | MISSING,
+        list[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")], PromptLogprob] | None] | None,
         Field(
             description="vLLM's prompt_logprobs, when prompt_logprobs was asked for: per prompt position, null for the first, then the prompt token and the k most likely tokens by token id."
         ),
-    ] = MISSING
+    ]
 
 
 class CompletionResponse(BaseModel):
@@ -790,3 +852,19 @@ class CompletionStreamResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: common.Usage | None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: Annotated[str, Field(description="The model this name serves.")]
+    parent: Annotated[str | None, Field(description="Null (no adapters).")]
+    max_model_len: Annotated[int, Field(ge=1)]
+    permission: list[ModelPermission]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]

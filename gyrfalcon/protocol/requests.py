@@ -24,6 +24,8 @@ class ServingRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    #: every chunk carries the usage of its prompt and choice so far (vLLM's continuous_usage_stats)
+    continuous_usage: bool = False
     echo: bool = False
     prompt_texts: list[str] = field(default_factory=list)
     return_token_ids: bool = False

@@ -141,6 +141,7 @@ class Translator:
             n=sampling.n,
             stream=stream,
             include_usage=bool(stream_options.get("include_usage", False)),
+            continuous_usage=bool(stream_options.get("continuous_usage_stats", False)),
             echo=echo,
             prompt_texts=prompt_texts,
             return_token_ids=bool(fields.get("return_token_ids", False)),
@@ -228,15 +229,18 @@ class Translator:
         return self.engine.tokenize(text, add_special_tokens=False)
 
     # ------------------------------------------------------------------ tokenize / detokenize
-    def tokenize(self, body: Any) -> list[int]:
-        """``POST /tokenize``: a prompt (as completions tokenize it) or messages (as chat renders them)."""
+    def tokenize(self, body: Any) -> tuple[list[int], list[str] | None]:
+        """``POST /tokenize``: the token ids of a prompt (as completions tokenize it) or of messages
+        (as chat renders them), and their strings when ``return_token_strs`` asks (else None)."""
         chat = isinstance(body, dict) and "messages" in body
         model = generated.TokenizeChatRequest if chat else generated.TokenizeCompletionRequest
         sent = sent_fields(validate(model, body))
         self._model_name(sent.get("model"))
         if chat:
-            return self._render_chat(sent["messages"], sent.get("add_generation_prompt", True), "messages")
-        return self.engine.tokenize(sent["prompt"], add_special_tokens=sent.get("add_special_tokens", True))
+            ids = self._render_chat(sent["messages"], sent.get("add_generation_prompt", True), "messages")
+        else:
+            ids = self.engine.tokenize(sent["prompt"], add_special_tokens=sent.get("add_special_tokens", True))
+        return ids, self.engine.token_pieces(ids) if sent.get("return_token_strs") else None
 
     def detokenize(self, body: Any) -> str:
         """``POST /detokenize``: the text of token ids inside the vocabulary."""

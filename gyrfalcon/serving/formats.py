@@ -40,6 +40,21 @@ class Formatter:
         self.request = request
         self.created = int(time.time())
         self.text = TokenText(engine, request.return_tokens_as_token_ids)
+        self._generated: dict[int, int] = {}  # choice index -> tokens streamed so far
+
+    def count_generated(self, prompt_index: int, output: RequestOutput) -> None:
+        """Add a streamed output's new tokens to its choices' counts (continuous usage)."""
+        for choice in output.outputs:
+            index = self.index(prompt_index, choice)
+            self._generated[index] = self._generated.get(index, 0) + len(choice.token_ids)
+
+    def with_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """A one-choice chunk with the usage of its prompt and its choice so far (vLLM's
+        ``continuous_usage_stats``)."""
+        index = chunk["choices"][0]["index"]
+        prompt = self.request.requests[index // self.request.n].prompt_token_ids
+        chunk["usage"] = usage(len(prompt), self._generated.get(index, 0))
+        return chunk
 
     # logprobs -----------------------------------------------------------------
     def wants_logprobs(self, prompt_index: int) -> bool:
@@ -128,6 +143,9 @@ class CompletionFormatter(Formatter):
             "logprobs": None,
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
+            "token_ids": None,  # vLLM's fields, always serialised (null unless asked for)
+            "prompt_token_ids": None,
+            "prompt_logprobs": None,
         }
 
     def _logprobs(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput, echo: bool) -> dict[str, Any] | None:
@@ -175,7 +193,8 @@ class CompletionFormatter(Formatter):
         for i, request in enumerate(self.request.requests):
             for j in range(self.request.n):
                 choice = {"index": i * self.request.n + j, "text": self.request.prompt_texts[i], "logprobs": None,
-                          "finish_reason": "length", "stop_reason": None}
+                          "finish_reason": "length", "stop_reason": None, "token_ids": None,
+                          "prompt_token_ids": None, "prompt_logprobs": None}  # fmt: skip
                 if self.request.return_token_ids:
                     choice["token_ids"] = []
                     choice["prompt_token_ids"] = list(request.prompt_token_ids)
@@ -198,39 +217,50 @@ class ChatFormatter(Formatter):
 
     def final(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         body = super().final(outputs)
-        if self.request.prompt_logprobs is not None and self.request.endpoint == "chat":
-            body["prompt_logprobs"] = self._prompt_logprobs(outputs[0])  # one conversation: vLLM's place
+        one = self.request.endpoint == "chat"  # one conversation: vLLM's place for its prompt's fields
+        body["prompt_logprobs"] = self._prompt_logprobs(outputs[0]) if one else None
+        body["prompt_token_ids"] = list(outputs[0].prompt_token_ids) if one and self.request.return_token_ids else None
         return body
 
     def final_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
         body = {
             "index": self.index(prompt_index, choice),
-            "message": {"role": "assistant", "content": choice.text},
+            "message": {"role": "assistant", "content": choice.text, "reasoning_content": None, "tool_calls": []},
             "logprobs": self._logprobs(prompt_index, choice),
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
+            "token_ids": list(choice.token_ids) if self.request.return_token_ids else None,
         }
-        if self.request.prompt_logprobs is not None and self.request.endpoint == "chat_batch":
-            body["prompt_logprobs"] = self._prompt_logprobs(output)  # per conversation
+        if self.request.endpoint == "chat_batch":  # per conversation
+            if self.request.prompt_logprobs is not None:
+                body["prompt_logprobs"] = self._prompt_logprobs(output)
+            if self.request.return_token_ids:
+                body["prompt_token_ids"] = list(output.prompt_token_ids)
         return body
 
     def opening_chunks(self) -> list[dict[str, Any]]:
-        total = len(self.request.requests) * self.request.n
-        return [
-            self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None, "stop_reason": None}], chunk=True)  # fmt: skip
-            for i in range(total)
-        ]
+        chunks = []
+        for i, request in enumerate(self.request.requests):
+            for j in range(self.request.n):
+                chunk = self.envelope([{"index": i * self.request.n + j, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None, "stop_reason": None}], chunk=True)  # fmt: skip
+                if self.request.return_token_ids:
+                    chunk["prompt_token_ids"] = list(request.prompt_token_ids)
+                chunks.append(chunk)
+        return chunks
 
     def delta_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
         delta = {"content": choice.text} if choice.text else {}
-        return {
+        body = {
             "index": self.index(prompt_index, choice),
             "delta": delta,
             "logprobs": self._logprobs(prompt_index, choice) if choice.token_ids else None,
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
+        if self.request.return_token_ids:
+            body["token_ids"] = list(choice.token_ids)
+        return body
 
 
 class GenerateFormatter(Formatter):

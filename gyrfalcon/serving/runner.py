@@ -163,21 +163,26 @@ def _chunks(
     poll_s: float,
 ) -> Iterator[dict[str, Any]]:
     formatter = FORMATTERS[serving.endpoint](serving, engine)
+    each = formatter.with_usage if serving.continuous_usage else (lambda chunk: chunk)
     prompt_tokens = completion_tokens = 0
     if serving.prompt_only:
         assert isinstance(formatter, CompletionFormatter)
         body = formatter.prompt_only()
-        yield formatter.envelope(body["choices"], chunk=True)
+        for choice in body["choices"]:  # one choice per chunk
+            yield each(formatter.envelope([choice], chunk=True))
         if serving.include_usage:
             yield formatter.usage_chunk(body["usage"]["prompt_tokens"], 0)
         return
     try:
-        yield from formatter.opening_chunks()
+        for chunk in formatter.opening_chunks():
+            yield each(chunk)
         for i, stream in enumerate(streams):
             finished = False
             for output in stream if client_alive is None else follow(stream, client_alive, poll_s):
                 _raise_in_band(serving, output)
-                yield from formatter.delta_chunks(i, output)
+                formatter.count_generated(i, output)
+                for chunk in formatter.delta_chunks(i, output):
+                    yield each(chunk)
                 if output.finished:
                     finished = True
                     prompt_tokens += len(output.prompt_token_ids)

@@ -221,7 +221,8 @@ def test_stream_chunks_carry_every_field_the_spec_requires(client):
     firsts = {}
     for e in events:
         for c in e["choices"]:
-            if "prompt_token_ids" in c:
+            assert "prompt_token_ids" in c and "prompt_logprobs" in c  # vLLM's fields, null when unused
+            if c["prompt_token_ids"] is not None:
                 assert c["index"] not in firsts
                 firsts[c["index"]] = c["prompt_token_ids"]
     assert firsts == {0: [5, 6], 1: [5, 6], 2: [7], 3: [7]}
@@ -269,3 +270,63 @@ def test_temperature_has_no_upper_bound(client, temperature):
                                          "ignore_eos": True, "logprobs": 1})  # fmt: skip
     assert r.status_code == 200, r.text
     assert r.json["usage"]["completion_tokens"] == 4
+
+
+def test_vllm_fields_are_always_serialised(client):
+    """SDK code reads ``choice.prompt_logprobs``, ``choice.token_ids``, ``message.reasoning_content``:
+    present (null or empty) whether asked for or not."""
+    completion = post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).json["choices"][0]
+    assert {k: completion[k] for k in ("token_ids", "prompt_token_ids", "prompt_logprobs")} == dict.fromkeys(
+        ("token_ids", "prompt_token_ids", "prompt_logprobs"))
+    chat = post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}).json
+    assert chat["prompt_logprobs"] is None and chat["prompt_token_ids"] is None
+    choice = chat["choices"][0]
+    assert choice["token_ids"] is None and choice["message"]["reasoning_content"] is None
+    assert choice["message"]["tool_calls"] == []
+
+
+def test_chat_return_token_ids(client, tiny_engine):
+    messages = [{"role": "user", "content": "hello"}]
+    body = {"messages": messages, "max_tokens": 3, "return_token_ids": True, **SAMPLED}
+    r = post(client, "/v1/chat/completions", body).json
+    prompt = client.simulate_post("/tokenize", json={"messages": messages}).json["tokens"]
+    assert r["prompt_token_ids"] == prompt and r["usage"]["prompt_tokens"] == len(prompt)
+    (choice,) = r["choices"]
+    assert len(choice["token_ids"]) == 3
+    assert tiny_engine.detokenize(choice["token_ids"], skip_special_tokens=True) == choice["message"]["content"]
+    events = sse_events(post(client, "/v1/chat/completions", {**body, "stream": True}).text)[:-1]
+    assert events[0]["prompt_token_ids"] == prompt
+    assert [t for e in events for t in e["choices"][0].get("token_ids") or []] == choice["token_ids"]
+    batch = post(client, "/v1/chat/completions/batch", {"messages": [messages, messages], "max_tokens": 2,
+                                                         "return_token_ids": True, **SAMPLED}).json  # fmt: skip
+    assert [c["prompt_token_ids"] for c in batch["choices"]] == [prompt, prompt]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": ["a b", "c"], "n": 2, "max_tokens": 3}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2, "max_tokens": 3}),
+])
+def test_continuous_usage_stats(client, path, body):
+    """Every chunk carries its prompt's tokens and its choice's tokens so far (vLLM)."""
+    body = {**body, **SAMPLED, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = sse_events(post(client, path, body).text)[:-1]
+    final = events[-1]
+    choices = 4 if path == "/v1/completions" else 2  # prompts x n
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 3 * choices
+    seen: dict[int, int] = {}
+    for event in events[:-1]:
+        usage, (choice,) = event["usage"], event["choices"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert usage["completion_tokens"] >= seen.get(choice["index"], 0)
+        seen[choice["index"]] = usage["completion_tokens"]
+    assert sorted(seen) == list(range(choices)) and set(seen.values()) == {3}
+
+
+def test_tokenize_token_strs_and_model_cards(client, tiny_engine):
+    r = client.simulate_post("/tokenize", json={"prompt": "hello there", "return_token_strs": True}).json
+    assert r["token_strs"] == tiny_engine.tokenizer.convert_ids_to_tokens(r["tokens"])
+    assert client.simulate_post("/tokenize", json={"prompt": "hello"}).json["token_strs"] is None
+    chat = client.simulate_post("/tokenize", json={"messages": [{"role": "user", "content": "x"}], "return_token_strs": True})
+    assert len(chat.json["token_strs"]) == chat.json["count"]
+    card = client.simulate_get("/v1/models").json["data"][0]
+    assert card["root"] == "tiny" and card["parent"] is None and card["permission"][0]["object"] == "model_permission"

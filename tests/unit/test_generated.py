@@ -161,10 +161,11 @@ def test_response_models_round_trip() -> None:
     usage = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
     completion = ok(g.CompletionResponse, {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
         "choices": [{"index": 0, "text": "x", "logprobs": {"text_offset": [0], "token_logprobs": [None],
-                     "tokens": ["x"], "top_logprobs": [None]}, "finish_reason": "length", "stop_reason": None}],
+                     "tokens": ["x"], "top_logprobs": [None]}, "finish_reason": "length", "stop_reason": None,
+                     "token_ids": None, "prompt_token_ids": None, "prompt_logprobs": None}],
         "usage": usage})  # fmt: skip
     dumped = completion.model_dump()
-    assert "token_ids" not in dumped["choices"][0] and dumped["usage"] == usage
+    assert dumped["choices"][0]["token_ids"] is None and dumped["usage"] == usage
     chunk = ok(g.ChatCompletionStreamResponse, {"id": "c", "object": "chat.completion.chunk", "created": 1,
         "model": "m", "choices": [{"index": 1, "delta": {"content": "y"}, "logprobs": None,
                                    "finish_reason": None, "stop_reason": 2}], "usage": None})  # fmt: skip
