@@ -82,8 +82,9 @@ class InferenceResource:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req, self.ctx.settings.max_body_bytes)
         serving = self.ctx.translator().translate(self.endpoint, body, req.get_header("X-Request-Id"))
-        access_log.info("%s %s user=%r prompts=%d n=%d stream=%s", self.endpoint, serving.response_id, serving.user,
-                        len(serving.requests), serving.n, serving.stream)
+        access_log.info("%s %s user=%r prompts=%d n=%d stream=%s%s", self.endpoint, serving.response_id, serving.user,
+                        len(serving.requests), serving.n, serving.stream,
+                        "".join(f" {k}={v!r}" for k, v in serving.recorded.items()))  # fmt: skip
         engine = self.ctx.engine
         streams = [] if serving.prompt_only else submit_all(engine, serving)
         if serving.stream:

@@ -273,6 +273,18 @@ Stop3Item = TypeAliasType(
 Stop3 = TypeAliasType("Stop3", Annotated[list[Stop3Item], Field(max_length=16)])
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    type: Literal["text"]
+
+
+MetadataAdditionalProperty = TypeAliasType(
+    "MetadataAdditionalProperty", Annotated[str, Field(max_length=512)]
+)
+
+
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
@@ -388,6 +400,46 @@ class ChatCompletionRequest(BaseModel):
             description="Each choice also carries its `token_ids`, and the response the `prompt_token_ids`."
         ),
     ] = False
+    response_format: Annotated[
+        ResponseFormat | None | MISSING,
+        Field(
+            description='Only `{"type": "text"}` (the default: plain text) on this server.'
+        ),
+    ] = MISSING
+    metadata: Annotated[
+        dict[Annotated[str, StringConstraints(max_length=64)], MetadataAdditionalProperty] | None | MISSING,
+        Field(
+            description="Recorded in the access log; changes nothing in the output.",
+            max_length=16,
+        ),
+    ] = MISSING
+    store: Annotated[
+        bool | None,
+        Field(description="Completions are never stored here; true is refused."),
+    ] = False
+    service_tier: Annotated[
+        Literal["auto", "default", "flex", "scale", "priority"] | None | MISSING,
+        Field(description="Recorded; every request is served alike."),
+    ] = MISSING
+    modalities: Annotated[
+        list[Literal["text"]] | None | MISSING,
+        Field(description="Text only.", max_length=1, min_length=1),
+    ] = MISSING
+    parallel_tool_calls: Annotated[
+        bool | None | MISSING,
+        Field(description="Accepted; without tools it changes nothing."),
+    ] = MISSING
+    prompt_cache_key: Annotated[
+        str | None | MISSING,
+        Field(
+            description="Recorded; the prefix cache needs no key (cache_salt isolates).",
+            max_length=256,
+        ),
+    ] = MISSING
+    safety_identifier: Annotated[
+        str | None | MISSING,
+        Field(description="Recorded in the access log, as user.", max_length=256),
+    ] = MISSING
     request_id: Annotated[
         str | None | MISSING,
         Field(
@@ -539,6 +591,46 @@ class BatchChatCompletionRequest(BaseModel):
             description="Each choice also carries its `token_ids`, and the response the `prompt_token_ids`."
         ),
     ] = False
+    response_format: Annotated[
+        ResponseFormat | None | MISSING,
+        Field(
+            description='Only `{"type": "text"}` (the default: plain text) on this server.'
+        ),
+    ] = MISSING
+    metadata: Annotated[
+        dict[Annotated[str, StringConstraints(max_length=64)], MetadataAdditionalProperty] | None | MISSING,
+        Field(
+            description="Recorded in the access log; changes nothing in the output.",
+            max_length=16,
+        ),
+    ] = MISSING
+    store: Annotated[
+        bool | None,
+        Field(description="Completions are never stored here; true is refused."),
+    ] = False
+    service_tier: Annotated[
+        Literal["auto", "default", "flex", "scale", "priority"] | None | MISSING,
+        Field(description="Recorded; every request is served alike."),
+    ] = MISSING
+    modalities: Annotated[
+        list[Literal["text"]] | None | MISSING,
+        Field(description="Text only.", max_length=1, min_length=1),
+    ] = MISSING
+    parallel_tool_calls: Annotated[
+        bool | None | MISSING,
+        Field(description="Accepted; without tools it changes nothing."),
+    ] = MISSING
+    prompt_cache_key: Annotated[
+        str | None | MISSING,
+        Field(
+            description="Recorded; the prefix cache needs no key (cache_salt isolates).",
+            max_length=256,
+        ),
+    ] = MISSING
+    safety_identifier: Annotated[
+        str | None | MISSING,
+        Field(description="Recorded in the access log, as user.", max_length=256),
+    ] = MISSING
     request_id: Annotated[
         str | None | MISSING,
         Field(

@@ -24,6 +24,7 @@ WIRE_CAPABILITY: dict[str, str] = {
     "max_completion_tokens": "max_tokens",
     "use_beam_search": "use_beam_search",
     "cache_salt": "cache_salt",
+    "store": "store",  # no engine stores completions: only the default (false) is accepted
 }
 
 

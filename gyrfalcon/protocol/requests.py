@@ -39,3 +39,6 @@ class ServingRequest:
     prompt_logprobs: int | None = None
     #: the client's end-user id (OpenAI's ``user``): recorded in the access log, never used for sampling
     user: str | None = None
+    #: fields that change nothing in the output, recorded in the access log (``metadata``,
+    #: ``service_tier``, ``safety_identifier``, ``prompt_cache_key``)
+    recorded: dict[str, Any] = field(default_factory=dict)

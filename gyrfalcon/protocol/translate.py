@@ -47,6 +47,9 @@ _COPIED = (
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
+#: OpenAI request fields that change nothing in the output: accepted and recorded (access log)
+RECORDED_FIELDS = ("metadata", "service_tier", "safety_identifier", "prompt_cache_key")
+
 
 def wire_defaults(model: type[pydantic.BaseModel]) -> dict[str, Any]:
     """Documented defaults of a generated model's fields, by wire name."""
@@ -148,6 +151,7 @@ class Translator:
             return_tokens_as_token_ids=bool(fields.get("return_tokens_as_token_ids", False)),
             logprobs=fields.get("logprobs"),
             user=fields.get("user"),
+            recorded={name: fields.get(name) for name in RECORDED_FIELDS if fields.has(name)},
             prompt_only=prompt_only and requests[0].sampling.prompt_logprobs is None,
             prompt_logprobs=fields.get("prompt_logprobs"),
         )

@@ -330,3 +330,30 @@ def test_tokenize_token_strs_and_model_cards(client, tiny_engine):
     assert len(chat.json["token_strs"]) == chat.json["count"]
     card = client.simulate_get("/v1/models").json["data"][0]
     assert card["root"] == "tiny" and card["parent"] is None and card["permission"][0]["object"] == "model_permission"
+
+
+def test_openai_fields_that_change_nothing_are_accepted_and_recorded(client, caplog):
+    """metadata, store: false, service_tier, … as the OpenAI SDK sends them: accepted, logged, no effect."""
+    messages = [{"role": "user", "content": "x"}]
+    fixed = {"messages": messages, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    extra = {"metadata": {"team": "eval"}, "store": False, "service_tier": "auto", "modalities": ["text"],
+             "response_format": {"type": "text"}, "parallel_tool_calls": True, "prompt_cache_key": "k",
+             "safety_identifier": "s1"}  # fmt: skip
+    plain = post(client, "/v1/chat/completions", fixed).json
+    with caplog.at_level("INFO", logger="gyrfalcon.access"):
+        r = post(client, "/v1/chat/completions", {**fixed, **extra})
+    assert r.status_code == 200, r.text
+    assert r.json["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert "metadata={'team': 'eval'}" in caplog.text and "service_tier='auto'" in caplog.text
+    assert post(client, "/v1/chat/completions/batch", {**fixed, "messages": [messages], **extra}).status_code == 200
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"store": True}, "store"),
+    ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"modalities": ["audio"]}, "modalities.0"),
+    ({"service_tier": "fastest"}, "service_tier"),
+])
+def test_openai_fields_that_would_change_the_output_are_refused(client, extra, param):
+    r = post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **extra})
+    assert r.status_code == 400 and r.json["error"]["param"] == param, r.text
