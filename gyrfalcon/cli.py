@@ -35,6 +35,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=Settings.enable_prefix_caching, help="reuse the KV of equal prompt prefixes")
     p.add_argument("--enforce-eager", action="store_true", help="never capture decode steps (CUDA graphs)")
+    p.add_argument("--generation-config", default=Settings.generation_config, choices=("auto", "none"),
+                   help="auto: sampling defaults from the model's generation_config.json; none: the API's")
     p.add_argument("--max-body-bytes", type=int, default=Settings.max_body_bytes)
     p.add_argument("--api-key", action="append", default=[], dest="api_keys")
     p.add_argument("--plugins-allow", nargs="*", default=None)

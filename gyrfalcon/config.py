@@ -41,6 +41,9 @@ class Settings:
     enable_prefix_caching: bool = True
     #: never capture decode steps (CUDA graphs); every step runs eagerly
     enforce_eager: bool = False
+    #: "auto": the model's generation_config.json gives the sampling defaults of the fields a client
+    #: leaves unset (vLLM's --generation-config); "none": the API's own defaults
+    generation_config: str = "auto"
     #: torch threads per worker (CPU). Measured on the 2-core machine (bench, c=16): 2 threads gave
     #: 111.6 output tok/s against 93.5 with 1, with the same time per token at c=1
     num_threads: int = 2
@@ -68,6 +71,8 @@ class Settings:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be at least 0, got {self.max_logprobs}")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"--generation-config must be auto or none, got {self.generation_config!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.seed < 2**63:

@@ -77,6 +77,7 @@ class TransformersEngine(EngineCore):
             max_num_seqs=cfg.max_num_seqs,
             capabilities=NATIVE_CAPABILITIES,
             max_request_seqs=cfg.max_request_seqs,
+            default_sampling=self._sampling_defaults(GenerationConfig) if cfg.generation_config == "auto" else {},
             dtype=str(self.dtype).removeprefix("torch."),
             device=self.device,
         )
@@ -107,6 +108,19 @@ class TransformersEngine(EngineCore):
         self._thread = threading.Thread(target=self._main, name="gyrfalcon-engine", daemon=True)
         if start:
             self.start()
+
+    def _sampling_defaults(self, generation_config_cls) -> dict[str, Any]:
+        """The sampling fields the model's generation_config.json sets (vLLM's list), by API name."""
+        try:
+            given = generation_config_cls.from_pretrained(self.model_path, local_files_only=True).to_diff_dict()
+        except OSError:
+            return {}
+        names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # fmt: skip
+        defaults = {api: given[name] for name, api in names.items() if given.get(name) is not None}
+        if defaults:
+            log.warning("sampling defaults from the model's generation config (--generation-config auto): %s", defaults)
+        return defaults
 
     def _eos_ids(self, generation_config_cls) -> list[int]:
         ids: list[int] = []

@@ -32,6 +32,7 @@ class EngineConfig:
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     enforce_eager: bool
+    generation_config: str = "auto"
 
     @classmethod
     def from_settings(cls, settings: Any, model: str) -> EngineConfig:

@@ -199,6 +199,10 @@ class EngineInfo:
     device: str = "cpu"
     #: most sequences (choices) one request may have; those beyond ``max_num_seqs`` wait their turn
     max_request_seqs: int = 1024
+    #: the model's sampling defaults for fields a client leaves unset (``temperature``, ``top_p``,
+    #: ``top_k``, ``min_p``, ``repetition_penalty``; ``max_tokens`` caps the unset default), from
+    #: its generation config (vLLM's ``--generation-config auto``); empty with ``none``
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -282,9 +282,12 @@ class Translator:
 
     # ------------------------------------------------------------------ sampling
     def _sampling(self, f: RequestFields) -> SamplingParams:
-        params = SamplingParams(**{name: f.get(name) for name in _COPIED if f.has(name)})
-        if f.has("top_k"):
-            params.top_k = -1 if f.get("top_k") == 0 else f.get("top_k")
+        # the model's defaults (generation config) for the fields the client left unset
+        defaults = {k: v for k, v in self.info.default_sampling.items() if k in _COPIED or k == "top_k"}
+        params = SamplingParams(**{**defaults, **{name: f.get(name) for name in _COPIED if f.has(name)}})
+        if f.has("top_k") or "top_k" in defaults:
+            top_k = f.get("top_k", defaults.get("top_k"))
+            params.top_k = -1 if top_k == 0 else top_k
         stop = f.get("stop")
         if stop is not None:
             params.stop = [stop] if isinstance(stop, str) else list(stop)
@@ -313,6 +316,8 @@ class Translator:
             name, max_tokens = None, COMPLETIONS_DEFAULT_MAX_TOKENS
         else:
             name, max_tokens = None, context - prompt_len
+        if name is None and "max_tokens" in self.info.default_sampling:  # the model's max_new_tokens caps it
+            max_tokens = min(max_tokens, self.info.default_sampling["max_tokens"])
         if prompt_len > context or (max_tokens > 0 and prompt_len >= context):
             raise RequestError(
                 f"The prompt has {prompt_len} tokens; this model's context is {context} tokens", f.param(prompt_param)

@@ -125,7 +125,7 @@ OTHER_CASES = [
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role"),
     (CHAT, {"messages": MSG, "tools": []}, 400, "tools"),
-    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format.type"),  # only text until structured outputs
     (CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"messages": MSG, "logprobs": False, "logprob_token_ids": [3]}, 400, "logprob_token_ids"),
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
