@@ -64,8 +64,11 @@ def validate(model: type[M], data: Any, prefix: str | None = None) -> M:
         return model.model_validate(data, strict=True)
     except pydantic.ValidationError as exc:
         errors = exc.errors(include_url=False)
-        # A failed union reports one error per member; the shortest location names the field best.
-        first = min(errors, key=lambda e: len(e["loc"]))
+        # A failed union reports one error per member. A member whose only complaint is a bound
+        # (``[-1]`` as token ids: "greater than or equal to 0") is the one the client meant; type
+        # mismatches of the other members say nothing. Otherwise the shortest location names the
+        # field best.
+        first = min(errors, key=lambda e: (e["type"].endswith("_type"), len(e["loc"])))
         param = error_param(first["loc"])
         if prefix:
             param = f"{prefix}.{param}" if param else prefix

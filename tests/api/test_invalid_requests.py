@@ -164,6 +164,17 @@ def test_endpoint_rules(client, path, body, status, param):
     assert r.json["error"]["code"] == status
 
 
+@pytest.mark.parametrize("prompt,param,says", [
+    ([-1], "prompt.0", "greater than or equal to 0"),
+    ([[1], [-3]], "prompt.1.0", "greater than or equal to 0"),
+    (5, "prompt", "valid string"),
+])
+def test_a_prompt_error_names_the_item_and_its_bound(client, prompt, param, says):
+    """Not "Input should be a valid string" for a negative id: the union member the client meant speaks."""
+    r = client.simulate_post(COMPLETIONS, json={"prompt": prompt})
+    assert r.status_code == 400 and r.json["error"]["param"] == param and says in r.json["error"]["message"], r.text
+
+
 def test_prompt_too_long_names_the_prompt(client, tiny_engine):
     context = tiny_engine.info().max_model_len
     r = client.simulate_post(GENERATE, json={"token_ids": [5] * (context + 1)})
