@@ -97,7 +97,7 @@ def test_stream_options_need_stream(client, path, fields, param):
 OTHER_CASES = [
     (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
     (COMPLETIONS, {"prompt": []}, 400, "prompt"),
-    (COMPLETIONS, {"prompt": [[]]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": [[]]}, 400, "prompt.0"),  # the empty item itself
     (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     (COMPLETIONS, {"prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 1, "logprob_token_ids": [1]}, 400, "logprob_token_ids"),
     (COMPLETIONS, {"prompt": "x", "logprob_token_ids": [1]}, 400, "logprob_token_ids"),
