@@ -67,6 +67,8 @@ def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
     if not isinstance(params, dict):
         return False
     params = {k: v for k, v in params.items() if v is not None}  # null is "not set"
+    if params.get("continue_final_message") is True and params.get("add_generation_prompt") is not False:
+        return True
     chat = limits["chat"] or {"fixed": 0, "per_message": 0}  # None: the server serves no chat
     prompts = prompt_token_bounds(path, body, chat)
     n = params.get("n", 1)

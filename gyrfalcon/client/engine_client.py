@@ -142,5 +142,8 @@ class EngineClient(Engine):
             self._token_bytes = TokenBytes(self.tokenizer)
         return self._token_bytes(token_ids)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:  # fmt: skip
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message,
+                                                  **(template_kwargs or {}))  # fmt: skip

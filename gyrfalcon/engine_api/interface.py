@@ -148,5 +148,8 @@ class Engine(EngineCore):
         return [text.encode("utf-8") for text in self.token_strings(token_ids)]
 
     @abc.abstractmethod
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render plain ``{role, content, name?}`` messages with the model's chat template."""
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:  # fmt: skip
+        """Render plain ``{role, content, name?}`` messages with the model's chat template;
+        ``continue_final_message`` leaves the last message open; ``template_kwargs`` are extra
+        template variables."""

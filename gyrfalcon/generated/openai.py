@@ -280,11 +280,6 @@ class ResponseFormat(BaseModel):
     type: Literal["text"]
 
 
-MetadataAdditionalProperty = TypeAliasType(
-    "MetadataAdditionalProperty", Annotated[str, Field(max_length=512)]
-)
-
-
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
@@ -394,6 +389,24 @@ class ChatCompletionRequest(BaseModel):
     ] = False
     use_beam_search: bool | None = False
     add_generation_prompt: bool | None = True
+    continue_final_message: Annotated[
+        bool | None,
+        Field(
+            description="Render the last (assistant) message open, so that the model continues it; needs add_generation_prompt false (vLLM's rule; x-runtime-rules continue_final_message_alone)."
+        ),
+    ] = False
+    add_special_tokens: Annotated[
+        bool | None,
+        Field(
+            description="Add the tokenizer's special tokens to the rendered conversation (the template usually has them)."
+        ),
+    ] = False
+    chat_template_kwargs: Annotated[
+        dict[str, Any] | None | MISSING,
+        Field(
+            description="Extra variables for the model's chat template (e.g. enable_thinking); the template's own arguments (messages, add_generation_prompt, ...) cannot be overridden."
+        ),
+    ] = MISSING
     return_token_ids: Annotated[
         bool | None,
         Field(
@@ -407,11 +420,8 @@ class ChatCompletionRequest(BaseModel):
         ),
     ] = MISSING
     metadata: Annotated[
-        dict[Annotated[str, StringConstraints(max_length=64)], MetadataAdditionalProperty] | None | MISSING,
-        Field(
-            description="Recorded in the access log; changes nothing in the output.",
-            max_length=16,
-        ),
+        dict[str, Any] | None | MISSING,
+        Field(description="Recorded in the access log; changes nothing in the output."),
     ] = MISSING
     store: Annotated[
         bool | None,
@@ -585,6 +595,24 @@ class BatchChatCompletionRequest(BaseModel):
     ] = False
     use_beam_search: bool | None = False
     add_generation_prompt: bool | None = True
+    continue_final_message: Annotated[
+        bool | None,
+        Field(
+            description="Render the last (assistant) message open, so that the model continues it; needs add_generation_prompt false (vLLM's rule; x-runtime-rules continue_final_message_alone)."
+        ),
+    ] = False
+    add_special_tokens: Annotated[
+        bool | None,
+        Field(
+            description="Add the tokenizer's special tokens to the rendered conversation (the template usually has them)."
+        ),
+    ] = False
+    chat_template_kwargs: Annotated[
+        dict[str, Any] | None | MISSING,
+        Field(
+            description="Extra variables for the model's chat template (e.g. enable_thinking); the template's own arguments (messages, add_generation_prompt, ...) cannot be overridden."
+        ),
+    ] = MISSING
     return_token_ids: Annotated[
         bool | None,
         Field(
@@ -598,11 +626,8 @@ class BatchChatCompletionRequest(BaseModel):
         ),
     ] = MISSING
     metadata: Annotated[
-        dict[Annotated[str, StringConstraints(max_length=64)], MetadataAdditionalProperty] | None | MISSING,
-        Field(
-            description="Recorded in the access log; changes nothing in the output.",
-            max_length=16,
-        ),
+        dict[str, Any] | None | MISSING,
+        Field(description="Recorded in the access log; changes nothing in the output."),
     ] = MISSING
     store: Annotated[
         bool | None,

@@ -53,6 +53,11 @@ RUNTIME_RULES: tuple[dict[str, str], ...] = (
         "must leave room for one token.",
     },
     {
+        "id": "continue_final_message_alone",
+        "param": "continue_final_message",
+        "description": "continue_final_message: true needs add_generation_prompt: false (vLLM's rule).",
+    },
+    {
         "id": "request_seqs_le_limit",
         "param": "n",
         "description": "prompts (or conversations) x n <= the server's max_request_seqs (x-limits), so "

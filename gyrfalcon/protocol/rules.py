@@ -155,6 +155,7 @@ TRANSLATION_RULES = (
     "message_name_rendered",
     "logit_bias_ids_in_vocab",
     "chat_template_renders",
+    "continue_final_message_alone",
 )
 
 

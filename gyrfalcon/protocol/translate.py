@@ -24,7 +24,7 @@ from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.capabilities import check_supported
 from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.protocol.rules import RequestFields, check_rules
-from gyrfalcon.openapi.served import MAX_TOKENS_FIELDS
+from gyrfalcon.openapi.served import MAX_TOKENS_FIELDS, bundle, request_schema_names
 from gyrfalcon.protocol.wire import sent_fields, validate
 
 #: the generated model of each endpoint's request body
@@ -46,6 +46,22 @@ _COPIED = (
 )
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+def _max_properties() -> dict[str, int]:
+    """``maxProperties`` of the request fields that state one in the spec (the generated models
+    do not enforce it): the spec is the one home of these bounds."""
+    spec = bundle()
+    schemas = spec["components"]["schemas"]
+    bounds: dict[str, int] = {}
+    for name in request_schema_names(spec):
+        for prop, schema in schemas[name].get("properties", {}).items():
+            if "maxProperties" in schema:
+                bounds[prop] = schema["maxProperties"]
+    return bounds
+
+
+#: request fields (objects) and the most entries each may hold
+MAX_PROPERTIES = _max_properties()
 
 #: OpenAI request fields that change nothing in the output: accepted and recorded (access log)
 RECORDED_FIELDS = ("metadata", "service_tier", "safety_identifier", "prompt_cache_key")
@@ -174,6 +190,9 @@ class Translator:
     def _check_limits(self, f: RequestFields) -> None:
         """The deployment limits laid over the served spec, enforced identically here."""
         info = self.info
+        for name, most in MAX_PROPERTIES.items():
+            if len(f.get(name) or ()) > most:
+                raise f.error(name, f"'{name}' holds at most {most} entries")
         for name in MAX_TOKENS_FIELDS:  # even the one max_completion_tokens overrides: the spec bounds both
             if f.get(name, 0) > info.max_model_len - 1:
                 raise f.error(name, f"'{name}' must be at most {info.max_model_len - 1} (this model's context less one)")
@@ -206,22 +225,29 @@ class Translator:
             return self._completion_prompts(f.get("prompt"))
         conversations = [f.get("messages")] if f.endpoint == "chat" else f.get("messages")
         self._check_prompt_count("messages", len(conversations))
-        add_generation_prompt = f.get("add_generation_prompt", True)
+        options = ChatRendering.of(f)
         prompts = [
-            self._render_chat(messages, add_generation_prompt, "messages" if f.endpoint == "chat" else f"messages.{i}")
+            self._render_chat(messages, options, "messages" if f.endpoint == "chat" else f"messages.{i}")
             for i, messages in enumerate(conversations)
         ]
         return prompts, [], "messages"
 
-    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, param: str) -> list[int]:
-        """Token ids of wire chat messages rendered with the model's template (its special tokens once)."""
+    def _render_chat(self, messages: list[dict[str, Any]], options: ChatRendering, param: str) -> list[int]:
+        """Token ids of wire chat messages rendered with the model's template (its special tokens once,
+        unless ``add_special_tokens`` asks for the tokenizer's too)."""
         plain = [_plain_message(m) for m in messages]
+
+        def render(msgs: list[dict[str, str]]) -> str:
+            return self.engine.apply_chat_template(msgs, options.add_generation_prompt,
+                                                   continue_final_message=options.continue_final_message,
+                                                   template_kwargs=options.template_kwargs)  # fmt: skip
+
         try:
-            text = self.engine.apply_chat_template(plain, add_generation_prompt)
+            text = render(plain)
             named = [i for i, m in enumerate(plain) if "name" in m]
             if named:
                 anonymous = [{k: v for k, v in m.items() if k != "name"} for m in plain]
-                if self.engine.apply_chat_template(anonymous, add_generation_prompt) == text:
+                if render(anonymous) == text:
                     raise RequestError(
                         "This model's chat template does not use message names; 'name' would be ignored",
                         f"{param}.{named[0]}.name",
@@ -230,7 +256,7 @@ class Translator:
             raise
         except Exception as exc:  # a template raising on these messages is the client's 400
             raise RequestError(f"The chat template cannot render these messages: {exc}", param) from None
-        return self.engine.tokenize(text, add_special_tokens=False)
+        return self.engine.tokenize(text, add_special_tokens=options.add_special_tokens)
 
     # ------------------------------------------------------------------ tokenize / detokenize
     def tokenize(self, body: Any) -> tuple[list[int], list[str] | None]:
@@ -241,7 +267,7 @@ class Translator:
         sent = sent_fields(validate(model, body))
         self._model_name(sent.get("model"))
         if chat:
-            ids = self._render_chat(sent["messages"], sent.get("add_generation_prompt", True), "messages")
+            ids = self._render_chat(sent["messages"], ChatRendering(sent.get("add_generation_prompt", True)), "messages")
         else:
             ids = self.engine.tokenize(sent["prompt"], add_special_tokens=sent.get("add_special_tokens", True))
         return ids, self.engine.token_pieces(ids) if sent.get("return_token_strs") else None
@@ -331,6 +357,36 @@ class Translator:
         if sampling.min_tokens > max_tokens:
             raise f.error("min_tokens", f"'min_tokens' ({sampling.min_tokens}) must not exceed 'max_tokens' ({max_tokens})")
         return dataclasses.replace(sampling, max_tokens=max_tokens)
+
+
+#: chat template arguments a request's chat_template_kwargs may not override
+RESERVED_TEMPLATE_ARGS = frozenset({"messages", "conversation", "tools", "documents", "chat_template", "tokenize",
+                                    "add_generation_prompt", "continue_final_message", "return_dict",
+                                    "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs"})  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRendering:
+    """How a request's conversations are rendered (the chat endpoints' template options)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, f: RequestFields) -> ChatRendering:
+        if f.get("continue_final_message") is True and f.get("add_generation_prompt") is not False:
+            # runtime-only (continue_final_message_alone): one more if/then made the chat schema too
+            # complex for Schemathesis' generator
+            raise f.error("continue_final_message",
+                          "'continue_final_message' continues the last message: it needs 'add_generation_prompt': false")  # fmt: skip
+        kwargs = dict(f.get("chat_template_kwargs") or {})
+        for key in kwargs:
+            if key in RESERVED_TEMPLATE_ARGS:
+                raise f.error("chat_template_kwargs", f"'chat_template_kwargs' may not set the template's own argument '{key}'")
+        return cls(f.get("add_generation_prompt", True), f.get("continue_final_message", False),
+                   f.get("add_special_tokens", False), kwargs)  # fmt: skip
 
 
 def _plain_message(message: dict[str, Any]) -> dict[str, str]:

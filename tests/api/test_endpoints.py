@@ -353,7 +353,32 @@ def test_openai_fields_that_change_nothing_are_accepted_and_recorded(client, cap
     ({"response_format": {"type": "json_object"}}, "response_format.type"),
     ({"modalities": ["audio"]}, "modalities.0"),
     ({"service_tier": "fastest"}, "service_tier"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),  # maxProperties, stated in the spec
+    ({"chat_template_kwargs": {f"k{i}": 1 for i in range(33)}}, "chat_template_kwargs"),
 ])
 def test_openai_fields_that_would_change_the_output_are_refused(client, extra, param):
     r = post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **extra})
     assert r.status_code == 400 and r.json["error"]["param"] == param, r.text
+
+
+def test_chat_template_options(client, tiny_engine):
+    """continue_final_message, add_special_tokens and chat_template_kwargs reach the template."""
+    opened = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    r = post(client, "/v1/chat/completions", {"messages": opened, "continue_final_message": True,
+                                              "add_generation_prompt": False, "max_tokens": 2, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    rendered = tiny_engine.detokenize(r.json["prompt_token_ids"])
+    assert rendered.endswith("The answer is")  # the last message left open
+    refused = post(client, "/v1/chat/completions", {"messages": opened, "continue_final_message": True})
+    assert refused.status_code == 400 and refused.json["error"]["param"] == "continue_final_message"
+    kwargs = post(client, "/v1/chat/completions", {"messages": opened[:1], "max_tokens": 1,
+                                                   "chat_template_kwargs": {"enable_thinking": False}})
+    assert kwargs.status_code == 200, kwargs.text
+    reserved = post(client, "/v1/chat/completions", {"messages": opened[:1], "chat_template_kwargs": {"tokenize": True}})
+    assert reserved.status_code == 400 and reserved.json["error"]["param"] == "chat_template_kwargs"
+    plain = post(client, "/v1/chat/completions", {"messages": opened[:1], "max_tokens": 1, "return_token_ids": True}).json
+    special = post(client, "/v1/chat/completions", {"messages": opened[:1], "max_tokens": 1, "return_token_ids": True,
+                                                    "add_special_tokens": True}).json  # fmt: skip
+    text = tiny_engine.detokenize(plain["prompt_token_ids"])
+    assert plain["prompt_token_ids"] == tiny_engine.tokenize(text, add_special_tokens=False)
+    assert special["prompt_token_ids"] == tiny_engine.tokenize(text, add_special_tokens=True)
