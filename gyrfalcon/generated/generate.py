@@ -13,8 +13,33 @@ from . import common
 TokenId = TypeAliasType("TokenId", Annotated[int, Field(ge=0)])
 
 
-StopItem = TypeAliasType(
-    "StopItem", Annotated[str, Field(max_length=1024, min_length=1)]
+Stop = TypeAliasType(
+    "Stop",
+    Annotated[
+        str,
+        Field(
+            description="One stop string or a list of them (vLLM's SamplingParams.stop).",
+            max_length=1024,
+            min_length=1,
+        ),
+    ],
+)
+
+
+Stop1Item = TypeAliasType(
+    "Stop1Item", Annotated[str, Field(max_length=1024, min_length=1)]
+)
+
+
+Stop1 = TypeAliasType(
+    "Stop1",
+    Annotated[
+        list[Stop1Item],
+        Field(
+            description="One stop string or a list of them (vLLM's SamplingParams.stop).",
+            max_length=16,
+        ),
+    ],
 )
 
 
@@ -73,7 +98,12 @@ class GenerateSamplingParams(BaseModel):
     min_tokens: Annotated[
         int | None, Field(description="At most max_tokens.", ge=0)
     ] = 0
-    stop: Annotated[list[StopItem] | None | MISSING, Field(max_length=16)] = MISSING
+    stop: Annotated[
+        Stop | Stop1 | None | MISSING,
+        Field(
+            description="One stop string or a list of them (vLLM's SamplingParams.stop)."
+        ),
+    ] = MISSING
     stop_token_ids: Annotated[
         list[StopTokenId] | None | MISSING, Field(max_length=64)
     ] = MISSING

@@ -77,12 +77,12 @@ Prompt3 = TypeAliasType(
 Stop = TypeAliasType("Stop", Annotated[str, Field(max_length=1024, min_length=1)])
 
 
-Stop1Item = TypeAliasType(
-    "Stop1Item", Annotated[str, Field(max_length=1024, min_length=1)]
+Stop3Item = TypeAliasType(
+    "Stop3Item", Annotated[str, Field(max_length=1024, min_length=1)]
 )
 
 
-Stop1 = TypeAliasType("Stop1", Annotated[list[Stop1Item], Field(max_length=16)])
+Stop3 = TypeAliasType("Stop3", Annotated[list[Stop3Item], Field(max_length=16)])
 
 
 LogitBiasAdditionalProperty = TypeAliasType(
@@ -145,7 +145,7 @@ class CompletionRequest(BaseModel):
             le=9223372036854775807,
         ),
     ] = MISSING
-    stop: Stop | Stop1 | None | MISSING = MISSING
+    stop: Stop | Stop3 | None | MISSING = MISSING
     presence_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = 0.0
     logit_bias: Annotated[
@@ -262,15 +262,15 @@ class ChatMessage(BaseModel):
     name: Annotated[str | None | MISSING, Field(min_length=1)] = MISSING
 
 
-Stop2 = TypeAliasType("Stop2", Annotated[str, Field(max_length=1024, min_length=1)])
+Stop4 = TypeAliasType("Stop4", Annotated[str, Field(max_length=1024, min_length=1)])
 
 
-Stop3Item = TypeAliasType(
-    "Stop3Item", Annotated[str, Field(max_length=1024, min_length=1)]
+Stop5Item = TypeAliasType(
+    "Stop5Item", Annotated[str, Field(max_length=1024, min_length=1)]
 )
 
 
-Stop3 = TypeAliasType("Stop3", Annotated[list[Stop3Item], Field(max_length=16)])
+Stop5 = TypeAliasType("Stop5", Annotated[list[Stop5Item], Field(max_length=16)])
 
 
 class ResponseFormat(BaseModel):
@@ -321,7 +321,7 @@ class ChatCompletionRequest(BaseModel):
             le=9223372036854775807,
         ),
     ] = MISSING
-    stop: Stop2 | Stop3 | None | MISSING = MISSING
+    stop: Stop4 | Stop5 | None | MISSING = MISSING
     presence_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = 0.0
     logit_bias: Annotated[
@@ -474,15 +474,15 @@ Message = TypeAliasType(
 )
 
 
-Stop4 = TypeAliasType("Stop4", Annotated[str, Field(max_length=1024, min_length=1)])
+Stop6 = TypeAliasType("Stop6", Annotated[str, Field(max_length=1024, min_length=1)])
 
 
-Stop5Item = TypeAliasType(
-    "Stop5Item", Annotated[str, Field(max_length=1024, min_length=1)]
+Stop7Item = TypeAliasType(
+    "Stop7Item", Annotated[str, Field(max_length=1024, min_length=1)]
 )
 
 
-Stop5 = TypeAliasType("Stop5", Annotated[list[Stop5Item], Field(max_length=16)])
+Stop7 = TypeAliasType("Stop7", Annotated[list[Stop7Item], Field(max_length=16)])
 
 
 class BatchChatCompletionRequest(BaseModel):
@@ -523,7 +523,7 @@ class BatchChatCompletionRequest(BaseModel):
             le=9223372036854775807,
         ),
     ] = MISSING
-    stop: Stop4 | Stop5 | None | MISSING = MISSING
+    stop: Stop6 | Stop7 | None | MISSING = MISSING
     presence_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float | None, Field(ge=-2.0, le=2.0)] = 0.0
     logit_bias: Annotated[

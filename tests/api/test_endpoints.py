@@ -382,3 +382,17 @@ def test_chat_template_options(client, tiny_engine):
     text = tiny_engine.detokenize(plain["prompt_token_ids"])
     assert plain["prompt_token_ids"] == tiny_engine.tokenize(text, add_special_tokens=False)
     assert special["prompt_token_ids"] == tiny_engine.tokenize(text, add_special_tokens=True)
+
+
+def test_generate_takes_stop_as_one_string_or_a_list(client, tiny_engine):
+    """vLLM's SamplingParams.stop is str | list[str]; token-in/token-out clients send either."""
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_tokens": 12, "ignore_eos": True}}
+    plain = post(client, "/inference/v1/generate", body).json["choices"][0]["token_ids"]
+    stop = tiny_engine.detokenize(plain[3:5])
+    assert stop.strip()
+    outs = []
+    for value in (stop, [stop]):
+        r = post(client, "/inference/v1/generate", {**body, "sampling_params": {**body["sampling_params"], "stop": value}})
+        assert r.status_code == 200, r.text
+        outs.append(r.json["choices"][0])
+    assert outs[0] == outs[1] and outs[0]["finish_reason"] == "stop" and outs[0]["stop_reason"] == stop
