@@ -14,6 +14,8 @@ from typing import Any
 
 import schemathesis
 
+from gyrfalcon.protocol.wire import without_nulls
+
 #: slack added to every estimated prompt length (special tokens a tokenizer may add)
 _SLACK = 2
 
@@ -66,7 +68,7 @@ def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
     params = (body.get("sampling_params") or {}) if path.endswith("/generate") else body
     if not isinstance(params, dict):
         return False
-    params = {k: v for k, v in params.items() if v is not None}  # null is "not set"
+    params = without_nulls(params)  # null is "not set"
     if params.get("continue_final_message") is True and params.get("add_generation_prompt") is not False:
         return True
     chat = limits["chat"] or {"fixed": 0, "per_message": 0}  # None: the server serves no chat

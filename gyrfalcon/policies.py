@@ -121,21 +121,27 @@ def put_rows(logits: torch.Tensor, index: torch.Tensor | None, values: torch.Ten
 class SlotTensor:
     """A device tensor with one row per persistent-batch slot, grown (doubling) as slots appear.
 
-    ``row_shape`` is each slot's shape (``()`` for a scalar, ``(V,)`` for a vocabulary row);
-    ``dtype`` a torch dtype's name; ``fill`` the value of rows never written. A free slot's row keeps stale values: a policy reads
-    only the slots of rows that want it, whose rows it wrote at ``add_row``. Allocated on first use.
+    ``row_shape`` is each slot's shape (``()`` for a scalar, ``(V,)`` for a vocabulary row, None
+    for a vocabulary row whose width the first :meth:`row` call gives: ``NewRow.vocab_size``);
+    ``dtype`` a torch dtype's name; ``fill`` the value of rows never written. A free slot's row
+    keeps stale values: a policy reads only the slots of rows that want it, whose rows it wrote at
+    ``add_row``. Allocated on first use.
     """
 
-    def __init__(self, row_shape: tuple[int, ...] = (), dtype: str = "float32", fill: Any = 0) -> None:
+    def __init__(self, row_shape: tuple[int, ...] | None = (), dtype: str = "float32", fill: Any = 0) -> None:
         self.row_shape = row_shape
         self.dtype = dtype
         self.fill = fill
         self.tensor: torch.Tensor | None = None
 
-    def row(self, slot: int, device: Any) -> torch.Tensor:
-        """Slot ``slot``'s row (a view to write into), growing the table to hold it."""
+    def row(self, slot: int, device: Any, width: int | None = None) -> torch.Tensor:
+        """Slot ``slot``'s row (a view to write into), growing the table to hold it; ``width``
+        sizes a vocabulary row on first use (``row_shape`` None)."""
         import torch
 
+        if self.row_shape is None:
+            assert width is not None, "a vocabulary row needs its width on first use"
+            self.row_shape = (width,)
         size = 0 if self.tensor is None else self.tensor.shape[0]
         if slot >= size:
             grown = torch.full((max(2 * size, slot + 1, 8), *self.row_shape), self.fill,

@@ -31,15 +31,13 @@ class SuppressTokens(LogitsProcessor):
                 raise RequestError(f"token id {token_id} is outside the vocabulary", f"extensions.{FIELD}")
 
     def __init__(self) -> None:
-        self.masks: SlotTensor | None = None  # per slot: True for the tokens to suppress
+        self.masks = SlotTensor(None, "bool", False)  # per slot: True for the tokens to suppress
 
     def wants(self, params: Any, extensions: dict[str, Any]) -> bool:
         return bool(extensions.get(FIELD))
 
     def add_row(self, slot: int, row: Any) -> None:
-        if self.masks is None:
-            self.masks = SlotTensor((row.vocab_size,), "bool", False)
-        mask = self.masks.row(slot, row.device)
+        mask = self.masks.row(slot, row.device, row.vocab_size)
         mask.zero_()
         mask[list(row.extensions[FIELD])] = True
 

@@ -94,16 +94,14 @@ class RepetitionPenaltyProcessor(_Penalty):
 
     def __init__(self) -> None:
         super().__init__()
-        self.in_prompt = SlotTensor((0,), "bool")
+        self.in_prompt = SlotTensor(None, "bool", False)
 
     def clamp(self, value: float) -> float:
         return min(max(value, MIN_REPETITION_PENALTY), self.high)
 
     def add_row(self, slot: int, row: NewRow) -> None:
         super().add_row(slot, row)
-        if self.in_prompt.row_shape != (row.vocab_size,):
-            self.in_prompt = SlotTensor((row.vocab_size,), "bool", False)
-        seen = self.in_prompt.row(slot, row.device)
+        seen = self.in_prompt.row(slot, row.device, row.vocab_size)
         seen.zero_()
         if row.prompt_token_ids:
             seen[to_device(row.prompt_token_ids, row.device)] = True
@@ -181,12 +179,10 @@ class LogitBiasProcessor(LogitsProcessor):
         return bool(params.logit_bias)
 
     def __init__(self) -> None:
-        self.bias = SlotTensor((0,), "float32")
+        self.bias = SlotTensor(None, "float32")
 
     def add_row(self, slot: int, row: NewRow) -> None:
-        if self.bias.row_shape != (row.vocab_size,):
-            self.bias = SlotTensor((row.vocab_size,), "float32")
-        bias = self.bias.row(slot, row.device)
+        bias = self.bias.row(slot, row.device, row.vocab_size)
         bias.zero_()
         ids = [int(token_id) for token_id in row.params.logit_bias]
         values = [max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(v))) for v in row.params.logit_bias.values()]
@@ -224,12 +220,10 @@ class AllowedTokenIdsProcessor(LogitsProcessor):
         return params.allowed_token_ids is not None
 
     def __init__(self) -> None:
-        self.keep = SlotTensor((0,), "bool")
+        self.keep = SlotTensor(None, "bool", False)
 
     def add_row(self, slot: int, row: NewRow) -> None:
-        if self.keep.row_shape != (row.vocab_size,):
-            self.keep = SlotTensor((row.vocab_size,), "bool", False)
-        keep = self.keep.row(slot, row.device)
+        keep = self.keep.row(slot, row.device, row.vocab_size)
         keep.zero_()
         keep[to_device(row.params.allowed_token_ids, row.device)] = True
 

@@ -39,7 +39,7 @@ RESPONSE_ID_PREFIX = {"generate": "generate-tokens", "completions": "cmpl", "cha
 
 #: wire fields copied as they are into SamplingParams
 _COPIED = (
-    "n", "temperature", "top_p", "min_p", "seed", "min_tokens", "stop_token_ids", "ignore_eos",
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop_token_ids", "ignore_eos",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "allowed_token_ids", "bad_words",
     "prompt_logprobs", "logprob_token_ids",
@@ -309,11 +309,10 @@ class Translator:
     # ------------------------------------------------------------------ sampling
     def _sampling(self, f: RequestFields) -> SamplingParams:
         # the model's defaults (generation config) for the fields the client left unset
-        defaults = {k: v for k, v in self.info.default_sampling.items() if k in _COPIED or k == "top_k"}
+        defaults = {k: v for k, v in self.info.default_sampling.items() if k != "max_tokens"}
         params = SamplingParams(**{**defaults, **{name: f.get(name) for name in _COPIED if f.has(name)}})
-        if f.has("top_k") or "top_k" in defaults:
-            top_k = f.get("top_k", defaults.get("top_k"))
-            params.top_k = -1 if top_k == 0 else top_k
+        if params.top_k == 0:
+            params.top_k = -1
         stop = f.get("stop")
         if stop is not None:
             params.stop = [stop] if isinstance(stop, str) else list(stop)

@@ -49,11 +49,12 @@ def sent_fields(wire: pydantic.BaseModel) -> dict[str, Any]:
     """The fields a client set, by wire name, with ``null`` meaning "not set" (OpenAI's and vLLM's
     rule): null values are dropped here, in nested objects too, so every later step sees an absent
     field and applies its default."""
-    return _without_nulls(wire.model_dump(mode="python", by_alias=True, exclude_unset=True))
+    return without_nulls(wire.model_dump(mode="python", by_alias=True, exclude_unset=True))
 
 
-def _without_nulls(value: dict[str, Any]) -> dict[str, Any]:
-    return {k: _without_nulls(v) if isinstance(v, dict) else v for k, v in value.items() if v is not None}
+def without_nulls(value: dict[str, Any]) -> dict[str, Any]:
+    """``value`` without its null entries, in nested objects too (null is "not set")."""
+    return {k: without_nulls(v) if isinstance(v, dict) else v for k, v in value.items() if v is not None}
 
 
 def validate(model: type[M], data: Any, prefix: str | None = None) -> M:

@@ -39,8 +39,7 @@ class PersistentBatch:
         self.policies: list[Any] = [*processors, *gatherers]
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self._slot_of: dict[int, int] = {}  # id(sequence) -> slot
-        self._holder: list[Sequence | None] = []  # slot -> sequence
+        self._slot_of: dict[Sequence, int] = {}  # by identity: a sequence holds its slot until it leaves
         self._free: list[int] = []
         self._joined: list[list[Any]] = []  # slot -> the keys of ``selected`` it is listed under
         self._wanted: dict[Any, set[int]] = {}  # key -> slots
@@ -53,7 +52,7 @@ class PersistentBatch:
 
     def slot(self, seq: Sequence) -> int | None:
         """``seq``'s slot, None when it holds none."""
-        return self._slot_of.get(id(seq))
+        return self._slot_of.get(seq)
 
     # ----------------------------------------------------------------- events
 
@@ -63,15 +62,13 @@ class PersistentBatch:
         All or nothing: when a policy's ``wants`` or ``add_row`` raises, the policies already told
         hear ``remove_row``, the slot goes back, and the exception propagates (the sampling of that
         request fails; no row is ever sampled half-joined)."""
-        slot = self._slot_of.get(id(seq))
+        slot = self._slot_of.get(seq)
         if slot is not None:
-            assert self._holder[slot] is seq
             return slot
         if self._free:
             slot = self._free.pop()
         else:
-            slot = len(self._holder)
-            self._holder.append(None)
+            slot = len(self._joined)
             self._joined.append([])
         params = seq.params
         row = NewRow(params, extensions, seq.prompt_token_ids, list(seq.token_ids), self.vocab_size, self.device)
@@ -93,8 +90,7 @@ class PersistentBatch:
         for key in keys:
             self._wanted.setdefault(key, set()).add(slot)
         self._joined[slot] = keys
-        self._slot_of[id(seq)] = slot
-        self._holder[slot] = seq
+        self._slot_of[seq] = slot
         self._seeds.put(slot, as_int64(seq.seed), self.device)
         if any(getattr(policy, "uses_output_counts", False) for policy in told):
             counted = self._counts.row(slot, self.device)
@@ -108,7 +104,7 @@ class PersistentBatch:
     def leave(self, seq: Sequence) -> None:
         """``seq`` gives its slot back (a no-op when it holds none). A policy whose ``remove_row``
         raises is logged; the slot is freed all the same."""
-        slot = self._slot_of.pop(id(seq), None)
+        slot = self._slot_of.pop(seq, None)
         if slot is None:
             return
         keys = self._joined[slot]
@@ -116,7 +112,6 @@ class PersistentBatch:
             self._wanted[key].discard(slot)
         self._tell_removed([p for p in self.policies if id(p) in keys], slot)
         self._joined[slot] = []
-        self._holder[slot] = None
         self._counted.discard(slot)
         self._free.append(slot)
 
