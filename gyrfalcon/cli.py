@@ -37,6 +37,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="never capture decode steps (CUDA graphs)")
     p.add_argument("--generation-config", default=Settings.generation_config, choices=("auto", "none"),
                    help="auto: sampling defaults from the model's generation_config.json; none: the API's")
+    p.add_argument("--scheduling-policy", default=Settings.scheduling_policy, choices=("fcfs", "priority"),
+                   help="fcfs: arrival order; priority: a request's priority field orders it (lower first)")
     p.add_argument("--max-body-bytes", type=int, default=Settings.max_body_bytes)
     p.add_argument("--api-key", action="append", default=[], dest="api_keys")
     p.add_argument("--plugins-allow", nargs="*", default=None)

@@ -44,6 +44,9 @@ class Settings:
     #: "auto": the model's generation_config.json gives the sampling defaults of the fields a client
     #: leaves unset (vLLM's --generation-config); "none": the API's own defaults
     generation_config: str = "auto"
+    #: "fcfs": requests run in arrival order; "priority": a request's ``priority`` orders them
+    #: (lower first) and non-zero priorities are accepted (vLLM's --scheduling-policy)
+    scheduling_policy: str = "fcfs"
     #: torch threads per worker (CPU). Measured on the 2-core machine (bench, c=16): 2 threads gave
     #: 111.6 output tok/s against 93.5 with 1, with the same time per token at c=1
     num_threads: int = 2
@@ -73,6 +76,8 @@ class Settings:
             raise ValueError(f"--max-logprobs must be at least 0, got {self.max_logprobs}")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"--generation-config must be auto or none, got {self.generation_config!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.seed < 2**63:

@@ -43,11 +43,16 @@ def _message_bound(message: dict[str, Any], chat: dict[str, int]) -> int:
     return chat["per_message"] + _text_tokens_bound(str(message.get("role", ""))) + _text_tokens_bound(str(content)) + len(name.encode())
 
 
+def _is_completions(path: str) -> bool:
+    """The (text) completions route, not chat's, whose path also ends in ``/completions``."""
+    return path.endswith("/completions") and "/chat/" not in path
+
+
 def prompt_token_bounds(path: str, body: dict[str, Any], chat: dict[str, int]) -> list[int]:
     """An upper bound of the token count of every prompt (or conversation) in a request body."""
     if path.endswith("/generate"):
         return [len(body.get("token_ids", []))]
-    if path.endswith("/completions") and "messages" not in body:
+    if _is_completions(path):
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             return [_text_tokens_bound(prompt)]
@@ -77,12 +82,15 @@ def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
     max_seqs = limits.get("max_request_seqs")
     if max_seqs is not None and isinstance(n, (int, float)) and len(prompts) * n > max_seqs:
         return True
+    kv = limits.get("kv_cache")
     for prompt in prompts:
-        if path.endswith("/completions"):
+        if _is_completions(path):
             max_tokens = params.get("max_tokens", 16)
         else:
             max_tokens = params.get("max_completion_tokens", params.get("max_tokens", context - prompt))
         if prompt + max(max_tokens, 1) > context or params.get("min_tokens", 0) > max_tokens:
+            return True
+        if kv and isinstance(n, (int, float)) and n * -(-(prompt + max_tokens) // kv["block_size"]) > kv["blocks"]:
             return True
     return False
 

@@ -10,7 +10,13 @@ import orjson
 import pluggy
 
 from gyrfalcon.api.errors import APIError
-from gyrfalcon.api.spec import bounded_extensions, chat_template_overhead, deployment_spec, template_renders_names
+from gyrfalcon.api.spec import (
+    bounded_extensions,
+    chat_template_overhead,
+    deployment_spec,
+    kv_cache_limits,
+    template_renders_names,
+)
 from gyrfalcon.config import Settings
 from gyrfalcon.engine_api.interface import Engine
 from gyrfalcon.engine_api.types import EngineInfo
@@ -68,6 +74,7 @@ class ServerContext:
                 max_prompts=self.settings.max_request_prompts,
                 max_seqs=self.settings.max_request_seqs,
                 names=template_renders_names(self.engine),
+                kv_cache=kv_cache_limits(self.engine.stats()),
             )
             self._spec = orjson.dumps(spec)
         return self._spec

@@ -61,6 +61,14 @@ def template_renders_names(engine: Engine) -> bool:
         return False
 
 
+def kv_cache_limits(stats: dict[str, Any]) -> dict[str, int] | None:
+    """The KV cache a request's sequences must fit (``blocks`` of ``block_size`` tokens), from the
+    engine's stats; None when the engine reports no paged cache."""
+    if "kv_blocks_total" not in stats or "kv_block_size" not in stats:
+        return None
+    return {"blocks": int(stats["kv_blocks_total"]), "block_size": int(stats["kv_block_size"])}
+
+
 CHAT_PATHS = ("/v1/chat/completions", "/v1/chat/completions/batch")
 
 
@@ -80,6 +88,7 @@ def deployment_spec(
     max_prompts: int | None = None,
     names: bool = True,
     max_seqs: int | None = None,
+    kv_cache: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The spec served at ``/openapi.json``: what is valid there is valid for this server.
 
@@ -109,5 +118,6 @@ def deployment_spec(
         "vocab_size": info.vocab_size,
         "chat": chat,
         "max_request_seqs": max_seqs,
+        "kv_cache": kv_cache,
     }
     return spec

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gyrfalcon.client.detokenizer import IncrementalDetokenizer
+from gyrfalcon.client.detokenizer import IncrementalDetokenizer, NoText
 from gyrfalcon.client.stop_strings import StopStrings
 from gyrfalcon.engine_api.outputs import ChoiceProgress
 from gyrfalcon.engine_api.types import CompletionOutput, SamplingParams, TokenLogprobs
@@ -16,7 +16,7 @@ class ChoiceText(ChoiceProgress):
     produced after the client finished the choice are dropped.
     """
 
-    def __init__(self, index: int, params: SamplingParams, detokenizer: IncrementalDetokenizer) -> None:
+    def __init__(self, index: int, params: SamplingParams, detokenizer: IncrementalDetokenizer | NoText) -> None:
         super().__init__(index)
         self.params = params
         self.detokenizer = detokenizer

@@ -89,3 +89,13 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._ids[self._prefix :])
         self._prefix, self._read = self._read, len(self._ids)
         return self._release(new_text[len(prefix_text) :])
+
+
+class NoText:
+    """The detokenizer of a request that asked for token ids only (``detokenize: false``)."""
+
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from gyrfalcon.client.choice import ChoiceText
-from gyrfalcon.client.detokenizer import IncrementalDetokenizer
+from gyrfalcon.client.detokenizer import IncrementalDetokenizer, NoText
 from gyrfalcon.engine_api.interface import Engine, EngineCore, OutputStream
 from gyrfalcon.engine_api.outputs import OutputAggregator
 from gyrfalcon.engine_api.types import EngineHealth, EngineInfo, EngineRequest, OutputKind, RequestOutput
@@ -111,15 +111,17 @@ class EngineClient(Engine):
     def submit(self, request: EngineRequest) -> OutputStream:
         core_stream = self.core.submit(dataclasses.replace(request, output_kind=OutputKind.DELTA))
         params = request.sampling
-        choices = [
-            ChoiceText(index, params, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, self.special_ids,
-                                                             params.skip_special_tokens,
-                                                             params.spaces_between_special_tokens))  # fmt: skip
-            for index in range(params.n)
-        ]
+        choices = [ChoiceText(index, params, self._detokenizer(request)) for index in range(params.n)]
         return ClientStream(request, core_stream, choices, self.core)
 
     # ------------------------------------------------------------------ text
+
+    def _detokenizer(self, request: EngineRequest) -> IncrementalDetokenizer | NoText:
+        params = request.sampling
+        if not params.detokenize:
+            return NoText()
+        return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, self.special_ids,
+                                      params.skip_special_tokens, params.spaces_between_special_tokens)  # fmt: skip
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -23,6 +23,8 @@ class RequestState(OutputAggregator):
         #: True once the ``n`` children run on their own (after the first token); before, only
         #: choice 0 is scheduled: the prompt is prefilled once for all of them
         self.forked = False
+        #: arrival number, given when the scheduler first queues it (orders equal priorities)
+        self.arrival = 0
 
     def unfinished(self) -> list[Sequence]:
         return [seq for seq in self.sequences if not seq.finished]

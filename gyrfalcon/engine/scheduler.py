@@ -1,4 +1,4 @@
-"""The scheduler: a bounded FIFO of waiting requests, the running requests, and KV blocks for both.
+"""The scheduler: a bounded queue of waiting requests, the running requests, and KV blocks for both.
 
 Every sequence has tokens (prompt, then generated) and ``computed`` of them with KV in its blocks;
 a step feeds each scheduled sequence its next uncomputed tokens. :meth:`Scheduler.schedule` builds
@@ -9,24 +9,31 @@ one step under ``max_num_batched_tokens``:
    up to ``max_request_seqs``) decodes them in turns, oldest first;
 2. running sequences with more to feed (a chunked prefill, a recompute) get the next chunk of at
    most ``prefill_chunk_tokens``, oldest request first;
-3. waiting requests are admitted in FIFO order while the running sequences plus their ``n`` stay
+3. waiting requests are admitted in queue order while the running sequences plus their ``n`` stay
    within ``max_num_seqs`` (a larger request waits until it runs alone) and blocks are free for
    their first chunk; prefix-cache hits are
    counted as computed. A request is prefilled once; its ``n`` children fork after its first
    token (the engine shares the prompt's blocks between them).
 
-Blocks are taken as tokens need them. When none is free, the newest running request is preempted
-whole — every child together: its blocks are released, its tokens kept, and it returns to the head
-of the queue to be recomputed later (vLLM's recompute preemption). An admitted request is never
+Blocks are taken as tokens need them. When none is free, the last running request is preempted
+whole — every child together: its blocks are released, its tokens kept, and it returns to its place
+in the queue to be recomputed later (vLLM's recompute preemption). An admitted request is never
 failed for lack of cache: :meth:`check_fits` refuses at submit a request that could not run even
 alone.
+
+Order: both the queue and the running list are kept sorted by ``(priority, arrival)``. Under the
+``fcfs`` policy every priority counts as 0, so that is arrival order: oldest first, newest preempted
+first, a preempted request back at the head. Under ``priority`` (vLLM's policy) a lower
+``EngineRequest.priority`` is admitted earlier, decodes first when rows are short, and is preempted
+last; equal priorities keep arrival order.
 """
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Callable
+import bisect
+import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gyrfalcon.engine.kv.blocks import BlockPool, chain_hash
@@ -34,6 +41,10 @@ from gyrfalcon.engine.request_state import RequestState
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine_api.errors import QueueFull
 from gyrfalcon.errors import RequestError
+
+
+#: ``fcfs``: arrival order; ``priority``: lower ``EngineRequest.priority`` first (vLLM's policies)
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -60,15 +71,21 @@ class Scheduler:
         max_num_batched_tokens: int = 1 << 30,
         prefill_chunk_tokens: int = 512,
         pool: BlockPool | None = None,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r}; one of {', '.join(SCHEDULING_POLICIES)}")
         self.max_queue_len = max_queue_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.pool = pool
-        self._waiting: collections.deque[RequestState] = collections.deque()
+        self.policy = policy
+        self._arrivals = itertools.count()
+        #: waiting requests in (priority, arrival) order
+        self._waiting: list[RequestState] = []
         self._cond = threading.Condition()
-        #: admitted requests, oldest first (engine thread only)
+        #: admitted requests in (priority, arrival) order (engine thread only)
         self.running: list[RequestState] = []
         self.preemptions = 0
         #: called with each sequence whose KV is released (engine thread)
@@ -84,8 +101,13 @@ class Scheduler:
         with self._cond:
             if len(self._waiting) >= self.max_queue_len:
                 raise QueueFull(f"the server is busy: {self.max_queue_len} requests are already waiting")
-            self._waiting.append(state)
+            state.arrival = next(self._arrivals)
+            bisect.insort(self._waiting, state, key=self.order)
             self._cond.notify()
+
+    def order(self, state: RequestState) -> tuple[int, int]:
+        """A request's place in the queue and the running list (see the module docstring)."""
+        return (state.request.priority if self.policy == "priority" else 0, state.arrival)
 
     def remove(self, request_id: str) -> RequestState | None:
         """Take a waiting request out of the queue (None when it is not waiting)."""
@@ -163,7 +185,7 @@ class Scheduler:
             self.release(seq)
         self.running.remove(state)
         with self._cond:
-            self._waiting.appendleft(state)
+            bisect.insort(self._waiting, state, key=self.order)
         self.preemptions += 1
 
     def _salt(self, state: RequestState) -> str | None:
@@ -250,7 +272,7 @@ class Scheduler:
                 state.sequences[index].finish("stop", stop_reason)
             if state.abort_requested or state.finished:  # the step loop ends it: no work, no blocks
                 if self._take_head(state):
-                    self.running.append(state)
+                    bisect.insort(self.running, state, key=self.order)
                 continue
             live = state.live_sequences()
             if self.running and rows + len(state.sequences) > self.max_num_seqs:
@@ -269,7 +291,7 @@ class Scheduler:
                 if not scheduled:
                     return  # the oldest waits for blocks or budget to free up
                 continue  # it was aborted (taken out of the queue) meanwhile
-            self.running.append(state)
+            bisect.insort(self.running, state, key=self.order)
             rows += len(state.sequences)
             plan.extend(scheduled)
 
@@ -277,6 +299,6 @@ class Scheduler:
         """Pop ``state`` from the head of the queue; False when another thread removed it (an abort)."""
         with self._cond:
             if self._waiting and self._waiting[0] is state:
-                self._waiting.popleft()
+                self._waiting.pop(0)
                 return True
             return False

@@ -84,6 +84,8 @@ class TransformersEngine(EngineCore):
         self.processors = [p for result in pm.hook.gyrfalcon_logits_processors(info=base) for p in (result or [])]
         self.gatherers = [g for result in pm.hook.gyrfalcon_logprob_gatherers(info=base) for g in (result or [])]
         capabilities = set(NATIVE_CAPABILITIES)
+        if cfg.scheduling_policy == "priority":
+            capabilities.add("priority")
         for policy in [*self.processors, *self.gatherers]:
             capabilities |= set(policy.fields)
         base.capabilities = frozenset(capabilities)
@@ -93,7 +95,7 @@ class TransformersEngine(EngineCore):
         self._seeds = torch.Generator().manual_seed(cfg.seed)  # seeds of unseeded choices (CPU)
         self.sampler = Sampler(self.processors, self.gatherers, self.eos_token_ids, self.generator)
         self.scheduler = Scheduler(cfg.max_queue_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   PREFILL_CHUNK_TOKENS)  # fmt: skip
+                                   PREFILL_CHUNK_TOKENS, policy=cfg.scheduling_policy)  # fmt: skip
         self.runner: ModelRunner | None = None
         self.cache_plan = None  # gyrfalcon.engine.kv.cache.CachePlan, once loaded
         self.batcher: Batcher | None = None
@@ -198,6 +200,7 @@ class TransformersEngine(EngineCore):
         pool = self.scheduler.pool
         if pool is not None:
             stats["kv_blocks_total"] = pool.usable_blocks
+            stats["kv_block_size"] = pool.block_size
             stats["kv_blocks_free"] = pool.num_free
             stats["prefix_cache_queries"] = pool.queries
             stats["prefix_cache_hits"] = pool.hits

@@ -21,6 +21,7 @@ NATIVE_CAPABILITIES = frozenset(
         "stop_token_ids",
         "ignore_eos",
         "include_stop_str_in_output",
+        "detokenize",
         "skip_special_tokens",
         "spaces_between_special_tokens",
     }
@@ -39,6 +40,8 @@ def validate_request(
         raise RequestError(f"{name} is not supported by this server", name)
     if request.cache_salt is not None and "cache_salt" not in info.capabilities:
         raise RequestError("cache_salt is not supported by this server", "cache_salt")
+    if request.priority != 0 and "priority" not in info.capabilities:
+        raise RequestError("a non-zero priority needs the priority scheduling policy (--scheduling-policy priority)", "priority")
     for name in sorted(set(request.extensions) - info.capabilities):
         raise RequestError(f"extension {name} is not supported by this server", f"extensions.{name}")
     try:

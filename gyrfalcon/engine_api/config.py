@@ -33,6 +33,7 @@ class EngineConfig:
     enable_prefix_caching: bool
     enforce_eager: bool
     generation_config: str = "auto"
+    scheduling_policy: str = "fcfs"
 
     @classmethod
     def from_settings(cls, settings: Any, model: str) -> EngineConfig:

@@ -70,6 +70,8 @@ def _slice_logprobs(logprobs: TokenLogprobs | None, start: int) -> TokenLogprobs
         list(logprobs.logprobs[start:]),
         [list(x) for x in logprobs.top_token_ids[start:]],
         [list(x) for x in logprobs.top_logprobs[start:]],
+        list(logprobs.ranks[start:]),
+        [list(x) for x in logprobs.top_ranks[start:]],
     )
 
 

@@ -70,6 +70,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     #: explicit token ids whose logprobs are reported at every generated position
     logprob_token_ids: list[int] | None = None
+    #: False: the output carries token ids only, no text (the client side skips detokenisation;
+    #: stop strings need text, so they are refused with it, as in vLLM)
+    detokenize: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -97,7 +100,8 @@ class EngineRequest:
 
     ``extensions`` holds plugin-declared fields (already validated by the frontend) by name.
     ``cache_salt`` isolates the request's prefix-cache entries: only requests with the same salt
-    share cached prompt blocks.
+    share cached prompt blocks. ``priority``: lower runs earlier under the engine's ``priority``
+    scheduling policy (vLLM's rule); only 0 is accepted otherwise.
     """
 
     request_id: str
@@ -106,6 +110,7 @@ class EngineRequest:
     output_kind: OutputKind = OutputKind.FINAL_ONLY
     extensions: dict[str, Any] = field(default_factory=dict)
     cache_salt: str | None = None
+    priority: int = 0
 
 
 @dataclass
@@ -116,18 +121,37 @@ class TokenLogprobs:
     logprob; ``top_token_ids[i]`` / ``top_logprobs[i]`` list the other reported tokens (the top-k,
     then any explicitly requested ids), without the position's own token unless it ranks there.
     A prompt position without a logprob (the first one) holds ``None`` in ``logprobs``.
+
+    ``ranks`` / ``top_ranks``, when the engine computed them (prompt positions), are parallel to
+    ``token_ids`` / ``top_token_ids``: a token's rank is the number of vocabulary tokens at least as
+    likely as it at that position (1: the most likely; vLLM's rule). Empty when not computed.
     """
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     top_token_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+    top_ranks: list[list[int]] = field(default_factory=list)
 
     def extend(self, other: TokenLogprobs) -> None:
         self.token_ids.extend(other.token_ids)
         self.logprobs.extend(other.logprobs)
         self.top_token_ids.extend(other.top_token_ids)
         self.top_logprobs.extend(other.top_logprobs)
+        self.ranks.extend(other.ranks)
+        self.top_ranks.extend(other.top_ranks)
+
+    def rank(self, position: int, token_id: int) -> int | None:
+        """The rank of ``token_id`` (the position's own token or one it lists), None when unknown."""
+        if position >= len(self.ranks):
+            return None
+        if token_id == self.token_ids[position]:
+            return self.ranks[position]
+        for listed, rank in zip(self.top_token_ids[position], self.top_ranks[position]):
+            if listed == token_id:
+                return rank
+        return None
 
 
 @dataclass

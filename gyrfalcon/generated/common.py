@@ -59,6 +59,23 @@ class Extensions(BaseModel):
     )
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: Annotated[
+        int | None,
+        Field(
+            description="How many vocabulary tokens are at least as likely at this position (1 = the most likely).",
+            ge=1,
+        ),
+    ]
+    decoded_token: Annotated[
+        str | None,
+        Field(
+            description="The token decoded alone (null when the request set detokenize false)."
+        ),
+    ]
+
+
 class ServerSentEvent(BaseModel):
     event: str | MISSING = MISSING
     data: str

@@ -104,6 +104,16 @@ class GenerateSamplingParams(BaseModel):
             description="One stop string or a list of them (vLLM's SamplingParams.stop)."
         ),
     ] = MISSING
+    include_stop_str_in_output: Annotated[
+        bool | None,
+        Field(description="A stop string that ends a choice stays in its text."),
+    ] = False
+    detokenize: Annotated[
+        bool | None,
+        Field(
+            description="False: choices carry token ids only (`text` is null; prompt_logprobs' decoded_token null) and the server skips detokenisation; stop strings need text, so they are refused with it (vLLM's rule)."
+        ),
+    ] = True
     stop_token_ids: Annotated[
         list[StopTokenId] | None | MISSING, Field(max_length=64)
     ] = MISSING
@@ -131,7 +141,7 @@ class GenerateSamplingParams(BaseModel):
     prompt_logprobs: Annotated[
         int | None | MISSING,
         Field(
-            description="Number of top log-probabilities per prompt position; not with streaming. The response's prompt_logprobs report, per prompt position (the first without a logprob), the prompt token and the k most likely tokens.",
+            description="Number of top log-probabilities per prompt position; not with streaming. The response's prompt_logprobs is vLLM's list: null for the first position, then by token id the prompt token and the k most likely tokens, each with its logprob, rank and decoded_token.",
             ge=0,
         ),
     ] = MISSING
@@ -152,9 +162,7 @@ class GenerateTopLogprob(BaseModel):
 
 class GenerateLogprobEntry(BaseModel):
     token: Annotated[str, Field(pattern="^token_id:[0-9]+$")]
-    logprob: Annotated[
-        float | None, Field(description="Null only for the first prompt position.")
-    ]
+    logprob: float
     top_logprobs: list[GenerateTopLogprob]
 
 
@@ -167,6 +175,12 @@ class GenerateChoice(BaseModel):
     token_ids: Annotated[
         list[TokenId],
         Field(description="All generated ids (JSON), or the new ids (stream chunk)."),
+    ]
+    text: Annotated[
+        str | None,
+        Field(
+            description="The text of token_ids (JSON), or the new text (stream chunk), cut at a stop string as on completions; null with `detokenize: false`."
+        ),
     ]
     finish_reason: Literal["stop", "length", "abort"] | None
     stop_reason: Annotated[
@@ -184,7 +198,12 @@ class GenerateResponse(BaseModel):
     created: int
     choices: list[GenerateChoice]
     usage: common.Usage
-    prompt_logprobs: GenerateLogprobs | None
+    prompt_logprobs: Annotated[
+        list[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")], common.PromptLogprob] | None] | None,
+        Field(
+            description="vLLM's prompt_logprobs, when prompt_logprobs was asked for: per prompt position, null for the first, then by token id the prompt token and the k most likely tokens."
+        ),
+    ]
 
 
 class GenerateStreamResponse(BaseModel):
@@ -193,7 +212,12 @@ class GenerateStreamResponse(BaseModel):
     created: int
     choices: list[GenerateChoice]
     usage: common.Usage | None
-    prompt_logprobs: GenerateLogprobs | None
+    prompt_logprobs: Annotated[
+        None,
+        Field(
+            description="Always null (prompt_logprobs are not available when streaming)."
+        ),
+    ]
 
 
 class GenerateRequest(BaseModel):
@@ -232,4 +256,12 @@ class GenerateRequest(BaseModel):
             min_length=1,
         ),
     ] = MISSING
+    priority: Annotated[
+        int | None,
+        Field(
+            description="Lower runs earlier (vLLM's rule). Honoured when the server runs with `--scheduling-policy priority`; any other value than 0 is a 400 otherwise.",
+            ge=-2147483648,
+            le=2147483647,
+        ),
+    ] = 0
     extensions: common.Extensions | None | MISSING = MISSING

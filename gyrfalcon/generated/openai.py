@@ -183,7 +183,10 @@ class CompletionRequest(BaseModel):
         list[StopTokenId] | None | MISSING, Field(max_length=64)
     ] = MISSING
     ignore_eos: bool | None = False
-    include_stop_str_in_output: bool | None = False
+    include_stop_str_in_output: Annotated[
+        bool | None,
+        Field(description="A stop string that ends a choice stays in its text."),
+    ] = False
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
     allowed_token_ids: Annotated[
@@ -193,7 +196,7 @@ class CompletionRequest(BaseModel):
     prompt_logprobs: Annotated[
         int | None | MISSING,
         Field(
-            description="Number of top log-probabilities per prompt position; not with streaming. The response's prompt_logprobs report, per prompt position (the first without a logprob), the prompt token and the k most likely tokens.",
+            description="Number of top log-probabilities per prompt position; not with streaming. The response's prompt_logprobs is vLLM's list: null for the first position, then by token id the prompt token and the k most likely tokens, each with its logprob, rank and decoded_token.",
             ge=0,
         ),
     ] = MISSING
@@ -234,6 +237,14 @@ class CompletionRequest(BaseModel):
             min_length=1,
         ),
     ] = MISSING
+    priority: Annotated[
+        int | None,
+        Field(
+            description="Lower runs earlier (vLLM's rule). Honoured when the server runs with `--scheduling-policy priority`; any other value than 0 is a 400 otherwise.",
+            ge=-2147483648,
+            le=2147483647,
+        ),
+    ] = 0
     extensions: common.Extensions | None | MISSING = MISSING
 
 
@@ -359,7 +370,10 @@ class ChatCompletionRequest(BaseModel):
         list[StopTokenId] | None | MISSING, Field(max_length=64)
     ] = MISSING
     ignore_eos: bool | None = False
-    include_stop_str_in_output: bool | None = False
+    include_stop_str_in_output: Annotated[
+        bool | None,
+        Field(description="A stop string that ends a choice stays in its text."),
+    ] = False
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
     allowed_token_ids: Annotated[
@@ -369,7 +383,7 @@ class ChatCompletionRequest(BaseModel):
     prompt_logprobs: Annotated[
         int | None | MISSING,
         Field(
-            description="Number of top log-probabilities per prompt position; not with streaming. The response's prompt_logprobs report, per prompt position (the first without a logprob), the prompt token and the k most likely tokens.",
+            description="Number of top log-probabilities per prompt position; not with streaming. The response's prompt_logprobs is vLLM's list: null for the first position, then by token id the prompt token and the k most likely tokens, each with its logprob, rank and decoded_token.",
             ge=0,
         ),
     ] = MISSING
@@ -466,6 +480,14 @@ class ChatCompletionRequest(BaseModel):
             min_length=1,
         ),
     ] = MISSING
+    priority: Annotated[
+        int | None,
+        Field(
+            description="Lower runs earlier (vLLM's rule). Honoured when the server runs with `--scheduling-policy priority`; any other value than 0 is a 400 otherwise.",
+            ge=-2147483648,
+            le=2147483647,
+        ),
+    ] = 0
     extensions: common.Extensions | None | MISSING = MISSING
 
 
@@ -565,7 +587,10 @@ class BatchChatCompletionRequest(BaseModel):
         list[StopTokenId] | None | MISSING, Field(max_length=64)
     ] = MISSING
     ignore_eos: bool | None = False
-    include_stop_str_in_output: bool | None = False
+    include_stop_str_in_output: Annotated[
+        bool | None,
+        Field(description="A stop string that ends a choice stays in its text."),
+    ] = False
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
     allowed_token_ids: Annotated[
@@ -575,7 +600,7 @@ class BatchChatCompletionRequest(BaseModel):
     prompt_logprobs: Annotated[
         int | None | MISSING,
         Field(
-            description="Number of top log-probabilities per prompt position; not with streaming. The response's prompt_logprobs report, per prompt position (the first without a logprob), the prompt token and the k most likely tokens.",
+            description="Number of top log-probabilities per prompt position; not with streaming. The response's prompt_logprobs is vLLM's list: null for the first position, then by token id the prompt token and the k most likely tokens, each with its logprob, rank and decoded_token.",
             ge=0,
         ),
     ] = MISSING
@@ -672,6 +697,14 @@ class BatchChatCompletionRequest(BaseModel):
             min_length=1,
         ),
     ] = MISSING
+    priority: Annotated[
+        int | None,
+        Field(
+            description="Lower runs earlier (vLLM's rule). Honoured when the server runs with `--scheduling-policy priority`; any other value than 0 is a 400 otherwise.",
+            ge=-2147483648,
+            le=2147483647,
+        ),
+    ] = 0
     extensions: common.Extensions | None | MISSING = MISSING
 
 
@@ -685,9 +718,43 @@ class CompletionLogprobs(BaseModel):
 FinishReason = TypeAliasType("FinishReason", Literal["stop", "length", "abort"] | None)
 
 
-class PromptLogprob(BaseModel):
-    logprob: float
-    decoded_token: str | None
+class CompletionChoice(BaseModel):
+    index: Annotated[int, Field(ge=0)]
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: Annotated[
+        str | int | None,
+        Field(
+            description="The stop string or stop token id that ended the choice, if any."
+        ),
+    ]
+    token_ids: list[int] | None
+    prompt_token_ids: list[int] | None
+    prompt_logprobs: Annotated[
+        list[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")], common.PromptLogprob] | None] | None,
+        Field(
+            description="vLLM's prompt_logprobs, when prompt_logprobs was asked for: per prompt position, null for the first, then by token id the prompt token and the k most likely tokens."
+        ),
+    ]
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: common.Usage
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: common.Usage | None
 
 
 Byte = TypeAliasType("Byte", Annotated[int, Field(ge=0, le=255)])
@@ -759,7 +826,7 @@ class ChatCompletionChoice(BaseModel):
         ),
     ]
     prompt_logprobs: Annotated[
-        list[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")], PromptLogprob] | None] | None | MISSING,
+        list[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")], common.PromptLogprob] | None] | None | MISSING,
         Field(
             description="Batch chat: this conversation's prompt logprobs (chat puts them on the response)."
         ),
@@ -774,7 +841,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: common.Usage
     prompt_logprobs: Annotated[
-        list[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")], PromptLogprob] | None] | None,
+        list[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")], common.PromptLogprob] | None] | None,
         Field(
             description="Chat: the conversation's prompt logprobs, when prompt_logprobs was asked for."
         ),
@@ -930,45 +997,6 @@ class HealthResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
-
-
-class CompletionChoice(BaseModel):
-    index: Annotated[int, Field(ge=0)]
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
-    stop_reason: Annotated[
-        str | int | None,
-        Field(
-            description="The stop string or stop token id that ended the choice, if any."
-        ),
-    ]
-    token_ids: list[int] | None
-    prompt_token_ids: list[int] | None
-    prompt_logprobs: Annotated[
-        list[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]*)$")], PromptLogprob] | None] | None,
-        Field(
-            description="vLLM's prompt_logprobs, when prompt_logprobs was asked for: per prompt position, null for the first, then the prompt token and the k most likely tokens by token id."
-        ),
-    ]
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: common.Usage
-
-
-class CompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: common.Usage | None
 
 
 class ModelCard(BaseModel):

@@ -53,6 +53,13 @@ RUNTIME_RULES: tuple[dict[str, str], ...] = (
         "must leave room for one token.",
     },
     {
+        "id": "request_fits_kv_cache",
+        "param": "max_tokens",
+        "description": "n x (prompt + max_tokens), in whole blocks, fits the server's KV cache (x-limits "
+        "kv_cache), so that the request can run even alone; param is the prompt field when the prompt "
+        "alone does not fit.",
+    },
+    {
         "id": "continue_final_message_alone",
         "param": "continue_final_message",
         "description": "continue_final_message: true needs add_generation_prompt: false (vLLM's rule).",

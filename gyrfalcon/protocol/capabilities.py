@@ -24,7 +24,13 @@ WIRE_CAPABILITY: dict[str, str] = {
     "max_completion_tokens": "max_tokens",
     "use_beam_search": "use_beam_search",
     "cache_salt": "cache_salt",
+    "priority": "priority",
     "store": "store",  # no engine stores completions: only the default (false) is accepted
+}
+
+#: what a deployment needs to honour a refused field, when it is a setting
+UNSUPPORTED_HINT: dict[str, str] = {
+    "priority": ": only priority 0 runs without --scheduling-policy priority",
 }
 
 
@@ -59,4 +65,5 @@ def check_supported(fields: RequestFields, defaults: dict[str, Any], capabilitie
             continue
         if name in defaults and value == defaults[name]:
             continue
-        raise fields.error(name, f"'{name}' is not supported by this server")
+        hint = UNSUPPORTED_HINT.get(name, "")
+        raise fields.error(name, f"'{name}' is not supported by this server{hint}")

@@ -21,7 +21,7 @@ ENDPOINTS = ("generate", "completions", "chat", "chat_batch")
 
 #: fields that live under ``sampling_params`` in a generate request
 TOP_LEVEL_GENERATE_FIELDS = frozenset(
-    {"token_ids", "sampling_params", "model", "stream", "stream_options", "request_id", "cache_salt", "extensions"}
+    {"token_ids", "sampling_params", "model", "stream", "stream_options", "request_id", "cache_salt", "priority", "extensions"}
 )
 
 
@@ -126,6 +126,11 @@ def max_tokens_zero_requires_echo(f: RequestFields) -> None:
         raise f.error("max_tokens", "'max_tokens': 0 is only allowed with 'echo': true")
 
 
+def stop_requires_detokenize(f: RequestFields) -> None:
+    if f.get("detokenize") is False and f.get("stop"):
+        raise f.error("stop", "Stop strings need text: they cannot be used with 'detokenize': false")
+
+
 def batch_chat_not_streaming(f: RequestFields) -> None:
     if f.endpoint == "chat_batch" and f.get("stream") is True:
         raise f.error("stream", "Batch chat does not stream: 'stream' must be false")
@@ -143,6 +148,7 @@ RULES: dict[str, Rule] = {
     "logprob_token_ids_not_echo_without_tokens": logprob_token_ids_not_echo_without_tokens,
     "max_tokens_zero_requires_echo": max_tokens_zero_requires_echo,
     "batch_chat_not_streaming": batch_chat_not_streaming,
+    "stop_requires_detokenize": stop_requires_detokenize,
 }
 
 #: Runtime-only rule ids, enforced during translation because they need the resolved ``max_tokens``,

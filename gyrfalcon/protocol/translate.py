@@ -42,7 +42,7 @@ _COPIED = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop_token_ids", "ignore_eos",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "allowed_token_ids", "bad_words",
-    "prompt_logprobs", "logprob_token_ids",
+    "prompt_logprobs", "logprob_token_ids", "detokenize",
 )
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -144,6 +144,7 @@ class Translator:
                     output_kind=kind,
                     extensions=dict(extensions or {}),
                     cache_salt=fields.get("cache_salt"),
+                    priority=fields.get("priority", 0),
                 )
             )
         if self._validate_hook is not None:

@@ -89,7 +89,8 @@ class Formatter:
         """vLLM's ``prompt_logprobs`` list for one prompt, or None when not asked."""
         if self.request.prompt_logprobs is None or output.prompt_logprobs is None:
             return None
-        return vllm_prompt_logprobs(self.text, output.prompt_logprobs, self.request.prompt_logprobs)
+        decoded = self.request.requests[0].sampling.detokenize
+        return vllm_prompt_logprobs(self.text, output.prompt_logprobs, self.request.prompt_logprobs, decoded)
 
     # non-streaming ------------------------------------------------------------
     def final(self, outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -284,6 +285,7 @@ class GenerateFormatter(Formatter):
         return {
             "index": self.index(prompt_index, choice),
             "token_ids": list(choice.token_ids),
+            "text": choice.text if self.request.requests[prompt_index].sampling.detokenize else None,
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
             "logprobs": logprobs,
@@ -291,9 +293,7 @@ class GenerateFormatter(Formatter):
 
     def final(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         body = super().final(outputs)
-        prompt = outputs[0].prompt_logprobs if outputs else None
-        count = self.request.prompt_logprobs
-        body["prompt_logprobs"] = None if count is None or prompt is None else generate_logprobs(prompt, self.prompt_listing(count))
+        body["prompt_logprobs"] = self._prompt_logprobs(outputs[0]) if outputs else None
         return body
 
     def final_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:

@@ -154,16 +154,24 @@ def generate_logprobs(logprobs: TokenLogprobs, listing: Listing) -> dict[str, An
     return {"content": content}
 
 
-def vllm_prompt_logprobs(text: TokenText, logprobs: TokenLogprobs, count: int) -> list[dict[str, Any] | None]:
-    """vLLM's ``prompt_logprobs`` list: ``null`` for the first position, then
-    ``{"<token id>": {"logprob", "decoded_token"}}`` with the prompt token and the ``count`` most likely."""
+def vllm_prompt_logprobs(
+    text: TokenText, logprobs: TokenLogprobs, count: int, decoded: bool = True
+) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs`` list: ``null`` for the first position, then by token id the
+    prompt token and the ``count`` most likely, each ``{"logprob", "rank", "decoded_token"}``
+    (``decoded_token`` null when ``decoded`` is False; ``rank`` null where the engine gave none)."""
     plain = TokenText(text.engine, as_token_ids=False)
-    plain.load(logprobs)
-    listing = Listing(count, include_own=True)
+    if decoded:
+        plain.load(logprobs)
     out: list[dict[str, Any] | None] = []
-    for p in range(len(logprobs.token_ids)):
-        if logprobs.logprobs[p] is None:
+    for p, own in enumerate(logprobs.token_ids):
+        value = logprobs.logprobs[p]
+        if value is None:
             out.append(None)
             continue
-        out.append({str(t): {"logprob": v, "decoded_token": plain.string(t)} for t, v in alternatives(logprobs, p, listing)})
+        listed = [(own, value), *alternatives(logprobs, p, Listing(count, include_own=False))]
+        out.append({
+            str(t): {"logprob": v, "rank": logprobs.rank(p, t), "decoded_token": plain.string(t) if decoded else None}
+            for t, v in listed
+        })  # fmt: skip
     return out

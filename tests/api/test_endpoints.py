@@ -396,3 +396,18 @@ def test_generate_takes_stop_as_one_string_or_a_list(client, tiny_engine):
         assert r.status_code == 200, r.text
         outs.append(r.json["choices"][0])
     assert outs[0] == outs[1] and outs[0]["finish_reason"] == "stop" and outs[0]["stop_reason"] == stop
+
+
+def test_generate_text_is_cut_at_the_stop_string_or_keeps_it_when_asked(client, tiny_engine):
+    params = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    body = {"token_ids": [5, 6, 7], "sampling_params": params}
+    plain = post(client, "/inference/v1/generate", body).json["choices"][0]
+    assert plain["text"] == tiny_engine.detokenize(plain["token_ids"], skip_special_tokens=True)
+    stop = tiny_engine.detokenize(plain["token_ids"][3:5])
+    start = plain["text"].index(stop)
+    for keep, expected in ((False, plain["text"][:start]), (True, plain["text"][: start + len(stop)])):
+        sent = {**body, "sampling_params": {**params, "stop": stop, "include_stop_str_in_output": keep}}
+        choice = post(client, "/inference/v1/generate", sent).json["choices"][0]
+        assert choice["text"] == expected and choice["stop_reason"] == stop
+        streamed = stream_by_choice(sse_events(post(client, "/inference/v1/generate", {**sent, "stream": True}).text))
+        assert streamed[0]["text"] == expected

@@ -118,8 +118,9 @@ OTHER_CASES = [
     (COMPLETIONS, {"prompt": "x", "return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids"),
     (CHAT, {"messages": MSG, "return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids"),
     (BATCH, {"messages": [MSG], "return_tokens_as_token_ids": True, "logprobs": False}, 400, "return_tokens_as_token_ids"),
-    (GENERATE, {"token_ids": [5], "sampling_params": {"include_stop_str_in_output": True}}, 400,
-     "sampling_params.include_stop_str_in_output"),  # generate returns token ids: no text to cut
+    (GENERATE, {"token_ids": [5], "sampling_params": {"detokenize": False, "stop": "x"}}, 400, "sampling_params.stop"),
+    (GENERATE, {"token_ids": [5], "priority": 1}, 400, "priority"),  # fcfs server: only priority 0
+    (COMPLETIONS, {"prompt": "a", "priority": -3}, 400, "priority"),
     (COMPLETIONS, {"prompt": [[5]] * 129, "n": 8, "temperature": 1}, 400, "n"),  # 1032 sequences > 1024
     (BATCH, {"messages": [MSG] * 1025}, 400, "messages"),
     (CHAT, {"messages": []}, 400, "messages"),

@@ -262,13 +262,33 @@ def test_generate_logprobs_prompt_logprobs_and_ids(client, forward):
         assert entry["token"] == f"token_id:{forced}"
         assert entry["logprob"] == pytest.approx(float(row[forced]), abs=TOL)
         assert {token_id(t["token"]) for t in entry["top_logprobs"]} == {forced, *IDS}
-    prompt = body["prompt_logprobs"]["content"]
-    assert [token_id(e["token"]) for e in prompt] == PROMPT
-    assert prompt[0]["logprob"] is None and prompt[0]["top_logprobs"] == []
+    assert_vllm_prompt_logprobs(body["prompt_logprobs"], reference, decoded=True)
+
+
+def assert_vllm_prompt_logprobs(prompt, reference, decoded):
+    """vLLM's list: null, then by token id the prompt token and the most likely one, each with its
+    logprob, its rank in the whole vocabulary and (when decoded) its text."""
+    assert len(prompt) == len(PROMPT) and prompt[0] is None
     for p in range(1, len(PROMPT)):
-        assert prompt[p]["logprob"] == pytest.approx(float(reference[p - 1, PROMPT[p]]), abs=TOL)
-        best = int(reference[p - 1].argmax())
-        assert {token_id(t["token"]) for t in prompt[p]["top_logprobs"]} == {best, PROMPT[p]}
+        row = reference[p - 1]
+        best = int(row.argmax())
+        assert list(prompt[p])[0] == str(PROMPT[p])  # the prompt token first, as vLLM lists it
+        assert set(prompt[p]) == {str(PROMPT[p]), str(best)}
+        for key, entry in prompt[p].items():
+            assert entry["logprob"] == pytest.approx(float(row[int(key)]), abs=TOL)
+            assert entry["rank"] == int((row >= row[int(key)]).sum())
+            assert (entry["decoded_token"] is not None) is decoded
+        assert prompt[p][str(best)]["rank"] == 1
+
+
+def test_generate_detokenize_false_gives_ids_only(client, forward):
+    request = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 3, "prompt_logprobs": 1, "seed": 4}}
+    with_text = ok(client.simulate_post(GENERATE, json=request))
+    request["sampling_params"]["detokenize"] = False
+    ids_only = ok(client.simulate_post(GENERATE, json=request))
+    assert ids_only["choices"][0]["token_ids"] == with_text["choices"][0]["token_ids"]
+    assert ids_only["choices"][0]["text"] is None and isinstance(with_text["choices"][0]["text"], str)
+    assert_vllm_prompt_logprobs(ids_only["prompt_logprobs"], forward(PROMPT), decoded=False)
 
 
 def test_no_logprobs_unless_asked(client):

@@ -7,6 +7,7 @@ which requests share a step is deterministic.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from gyrfalcon.engine.transformers_engine import TransformersEngine
 from gyrfalcon.plugins.engines import create_transformers_engine
 from gyrfalcon.engine_api.types import EngineRequest, OutputKind, SamplingParams
+from gyrfalcon.errors import RequestError
 from tests.conftest import tiny_settings
 
 _ids = iter(range(10**9))
@@ -190,3 +192,28 @@ def test_prompt_logprobs_are_gathered_chunk_by_chunk_and_equal_the_whole_prompts
         assert got.prompt_logprobs.top_token_ids == expected.top_token_ids
         assert got.prompt_logprobs.logprobs[1:] == pytest.approx(expected.logprobs[1:], abs=1e-4)
         assert got.outputs[0].token_ids == whole.outputs[0].token_ids
+
+
+def test_priority_policy_runs_the_lowest_priority_value_first(stepped):
+    engine = stepped(scheduling_policy="priority", max_num_seqs=1)
+    assert "priority" in engine.info().capabilities
+    order = []
+    made = {name: dataclasses.replace(request(PROMPTS[0], max_tokens=3, ignore_eos=True), priority=priority)
+            for name, priority in (("late", 7), ("normal", 0), ("urgent", -2))}  # fmt: skip
+    streams = [engine.submit(r) for r in made.values()]
+    names = {r.request_id: name for name, r in made.items()}
+    steps = 0
+    while len(order) < 3:  # one sequence at a time: each request runs alone, in priority order
+        engine.core.batcher.step()
+        steps += 1
+        assert steps < 100
+        order.extend(names[s.request_id] for s in engine.core.scheduler.running if names[s.request_id] not in order)
+    assert order == ["urgent", "normal", "late"]
+    run(engine, [])
+    assert all(len(tokens[0]) == 3 for tokens in finals(streams))
+
+
+def test_fcfs_engine_refuses_a_non_zero_priority(stepped):
+    engine = stepped()
+    with pytest.raises(RequestError, match="scheduling-policy priority"):
+        engine.submit(dataclasses.replace(request(PROMPTS[0], max_tokens=2), priority=1))

@@ -34,7 +34,7 @@ def test_info_and_capabilities(tiny_engine):
     assert (info.vocab_size, info.max_model_len, info.eos_token_ids, info.max_num_seqs) == (512, 128, [2], 8)
     assert info.capabilities == {
         "n", "max_tokens", "min_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
-        "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "cache_salt",
+        "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "cache_salt", "detokenize",
         "temperature", "top_k", "top_p", "min_p",
         "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
         "bad_words",  # gyrfalcon.plugins.penalties

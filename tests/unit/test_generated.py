@@ -171,10 +171,11 @@ def test_response_models_round_trip() -> None:
                                    "finish_reason": None, "stop_reason": 2}], "usage": None})  # fmt: skip
     assert chunk.model_dump()["choices"][0]["delta"] == {"content": "y"}
     generate = ok(g.GenerateResponse, {"request_id": "r", "model": "m", "created": 1, "usage": usage,
-        "choices": [{"index": 0, "token_ids": [4], "finish_reason": "stop", "stop_reason": None,
+        "choices": [{"index": 0, "token_ids": [4], "text": None, "finish_reason": "stop", "stop_reason": None,
                      "logprobs": {"content": [{"token": "token_id:4", "logprob": -0.5, "top_logprobs": []}]}}],
-        "prompt_logprobs": {"content": [{"token": "token_id:1", "logprob": None, "top_logprobs": []}]}})  # fmt: skip
-    assert generate.prompt_logprobs.content[0].logprob is None
+        "prompt_logprobs": [None, {"7": {"logprob": -0.25, "rank": 3, "decoded_token": "x"}}]})  # fmt: skip
+    assert generate.prompt_logprobs[0] is None and generate.prompt_logprobs[1]["7"].rank == 3
+    assert rejects(g.PromptLogprob, {"logprob": -1.0, "rank": 0, "decoded_token": None})
     assert rejects(g.GenerateChoice, {"index": 0, "token_ids": [], "finish_reason": "done", "stop_reason": None,
                                       "logprobs": None})  # fmt: skip
     error = ok(g.ErrorResponse, {"error": {"message": "m", "type": "invalid_request_error", "param": None, "code": 400}})

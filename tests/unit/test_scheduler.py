@@ -16,10 +16,10 @@ from gyrfalcon.engine_api.errors import QueueFull
 from gyrfalcon.errors import RequestError
 
 
-def state(name: str, length: int, n: int = 1, first: int = 5, salt: str | None = None) -> RequestState:
+def state(name: str, length: int, n: int = 1, first: int = 5, salt: str | None = None, priority: int = 0) -> RequestState:
     params = SamplingParams(n=n, max_tokens=8)
     prompt = [first + i for i in range(length)]
-    request = EngineRequest(name, prompt, params, cache_salt=salt)
+    request = EngineRequest(name, prompt, params, cache_salt=salt, priority=priority)
     sequences = [Sequence(i, params, prompt, None, seed=i) for i in range(n)]  # type: ignore[arg-type]
     return RequestState(request, OutputStream(name), sequences)
 
@@ -154,3 +154,34 @@ def test_a_waiting_request_whose_choices_the_client_finished_is_not_recomputed()
     s.add(st)
     assert plan_of(s) == [] and s.running == [st]  # admitted with no work: the step loop ends it
     assert [seq.finish_reason for seq in st.sequences] == ["stop", "stop"] and s.pool.num_free == s.pool.usable_blocks
+
+
+def test_priority_policy_admits_lower_priority_first_and_preempts_the_highest_value_last():
+    s = scheduler(blocks=7, block_size=4, max_num_seqs=2, policy="priority")  # 6 usable blocks
+    for name, priority in (("low", 5), ("mid", 0), ("urgent", -3), ("mid2", 0)):
+        s.add(state(name, 8, first=10 * len(name), priority=priority))
+    assert plan_of(s) == [("urgent", 0, 8), ("mid", 0, 8)]  # two rows: by priority, then arrival
+    assert [st.request_id for st in s.running] == ["urgent", "mid"]
+    for st in list(s.running):
+        generate(st)
+    plan_of(s)
+    # running out of blocks preempts the request with the highest priority value (mid, not urgent)
+    for st in s.running:
+        st.sequences[0].token_ids.extend([1] * 5)
+    plan_of(s)
+    assert [st.request_id for st in s.running] == ["urgent"]
+    assert s.preemptions == 1
+    waiting = s.drain()
+    assert [st.request_id for st in waiting] == ["mid", "mid2", "low"]  # mid back before mid2
+
+
+def test_fcfs_policy_ignores_priority_and_keeps_arrival_order():
+    s = scheduler(max_num_seqs=1)
+    s.add(state("first", 4, priority=9))
+    s.add(state("second", 4, first=50, priority=-9))
+    assert plan_of(s) == [("first", 0, 4)]
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="scheduling policy"):
+        scheduler(policy="lifo")

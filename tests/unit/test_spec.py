@@ -32,7 +32,7 @@ PLUGIN = {"type": "object", "additionalProperties": False, "properties": {"level
 
 EXPECTED_RULES = {
     "GenerateRequest": {"stream_options_requires_stream", "prompt_logprobs_not_streaming"},
-    "GenerateSamplingParams": {"n_greedy", "logprob_token_ids_requires_logprobs"},
+    "GenerateSamplingParams": {"n_greedy", "logprob_token_ids_requires_logprobs", "stop_requires_detokenize"},
     "CompletionRequest": {
         "stream_options_requires_stream", "prompt_logprobs_not_streaming", "n_greedy",
         "logprob_token_ids_requires_logprobs", "logprob_token_ids_not_beam_search",
@@ -145,7 +145,7 @@ def test_shared_fields_are_identical_across_documents(spec: dict[str, Any]) -> N
     differs_on_purpose = {"stop", "max_tokens", "logprobs", "logprob_token_ids", "n"}
     for name in set(generate) & set(completion) - differs_on_purpose:
         assert generate[name] == completion[name], name
-    for name in ("model", "stream", "request_id"):
+    for name in ("model", "stream", "request_id", "cache_salt", "priority"):
         assert schemas["GenerateRequest"]["properties"][name] == completion[name], name
     assert generate["logprob_token_ids"]["items"] == completion["logprob_token_ids"]["items"]
     assert generate["stop"]["oneOf"] == completion["stop"]["oneOf"]  # null, one string, a list (vLLM)
@@ -261,6 +261,15 @@ RULE_CASES = {
         ("CompletionRequest", {"prompt": "a", "logprobs": 1, "logprob_token_ids": [1], "echo": True, "max_tokens": 1}, True),
         ("CompletionRequest", {"prompt": "a", "logprobs": 1, "logprob_token_ids": [1], "echo": True}, True),
         ("CompletionRequest", {"prompt": "a", "logprobs": 1, "echo": True, "max_tokens": 0}, True),
+    ],
+    "stop_requires_detokenize": [
+        ("GenerateSamplingParams", {"detokenize": False, "stop": ["x"]}, False),
+        ("GenerateSamplingParams", {"detokenize": False, "stop": "x"}, False),
+        ("GenerateSamplingParams", {"detokenize": False, "stop": []}, True),
+        ("GenerateSamplingParams", {"detokenize": False, "stop": None}, True),
+        ("GenerateSamplingParams", {"detokenize": True, "stop": "x"}, True),
+        ("GenerateSamplingParams", {"stop": ["x"]}, True),
+        ("GenerateRequest", {"token_ids": [1], "sampling_params": {"detokenize": False, "stop": ["x"]}}, False),
     ],
     "max_tokens_zero_requires_echo": [
         ("CompletionRequest", {"prompt": "a", "max_tokens": 0}, False),

@@ -7,6 +7,9 @@ engine's prompt-position gatherers (``LogprobGatherer.positions == "prompt"``) a
 ``L - 1`` rows, each carrying the request's parameters, so the same vectorised gather and the same
 merge rules as generated positions apply. The engine calls it once per prefill chunk (``start``),
 so a long prompt's logits are never held, or log-softmaxed, all at once.
+
+Every token a prompt position reports also gets its rank (vLLM's ``Logprob.rank``: how many
+vocabulary tokens are at least as likely), counted on the device over the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def compute_prompt_logprobs(
     prompt's end is not read); the chunks' results, joined in order, equal the whole prompt's.
     """
     prompt = list(request.prompt_token_ids)
-    result = TokenLogprobs([prompt[0]], [None], [[]], [[]]) if start == 0 else TokenLogprobs()
+    result = TokenLogprobs([prompt[0]], [None], [[]], [[]], [None], [[]]) if start == 0 else TokenLogprobs()
     positions = min(int(logits.shape[0]), len(prompt) - 1 - start)
     if positions <= 0:
         return result
@@ -51,10 +54,32 @@ def compute_prompt_logprobs(
     selected = [everyone if g.wants(request.sampling, request.extensions) else [] for g in gatherers]
     reports = merge_gathered(gatherers, raw, tokens, rows, selected)
     own: list[float] | None = None
+    chunk = TokenLogprobs()
     for p, report in enumerate(reports):
         if report is None:  # no gatherer reported this position: its own token only
             if own is None:
                 own = raw.gather(1, tokens.view(-1, 1)).view(-1).tolist()
             report = TokenLogprobs([prompt[start + p + 1]], [finite(own[p])], [[]], [[]])
-        result.extend(report)
+        chunk.extend(report)
+    chunk.ranks, chunk.top_ranks = _ranks(raw, chunk)
+    result.extend(chunk)
     return result
+
+
+#: most ``[rows, listed, vocabulary]`` comparisons held at once while counting ranks
+_RANK_CELLS = 1 << 25
+
+
+def _ranks(raw: torch.Tensor, positions: TokenLogprobs) -> tuple[list[int], list[list[int]]]:
+    """The rank of each position's own token and of each token it lists, in ``raw`` (``[P, V]``
+    log-softmax): the count of tokens at least as likely, one batched comparison per row block."""
+    width = 1 + max((len(top) for top in positions.top_token_ids), default=0)
+    ids = [[own, *top, *[own] * (width - 1 - len(top))] for own, top in zip(positions.token_ids, positions.top_token_ids)]
+    index = torch.tensor(ids, dtype=torch.long, device=raw.device)
+    values = raw.gather(1, index)
+    rows = max(1, _RANK_CELLS // (width * raw.shape[1]))
+    counts = torch.cat([
+        (raw[r : r + rows].unsqueeze(1) >= values[r : r + rows].unsqueeze(2)).sum(-1)
+        for r in range(0, raw.shape[0], rows)
+    ]).tolist()  # fmt: skip
+    return [row[0] for row in counts], [row[1 : 1 + len(top)] for row, top in zip(counts, positions.top_token_ids)]

@@ -1,0 +1,27 @@
+"""The Schemathesis filter that keeps positive cases clear of the runtime-only rules."""
+
+from __future__ import annotations
+
+from gyrfalcon.contract import breaks_runtime_rule
+
+LIMITS = {"max_model_len": 64, "chat": {"fixed": 5, "per_message": 8}, "max_request_seqs": 1024,
+          "kv_cache": {"blocks": 32, "block_size": 16}}  # fmt: skip
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_reads_max_completion_tokens_not_the_completions_default():
+    assert breaks_runtime_rule("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 55}, LIMITS)
+    assert not breaks_runtime_rule("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 20}, LIMITS)
+    assert not breaks_runtime_rule("/v1/chat/completions", {"messages": MESSAGES}, LIMITS)  # up to the context
+
+
+def test_completions_default_max_tokens_is_16():
+    assert not breaks_runtime_rule("/v1/completions", {"prompt": "x" * 40}, LIMITS)
+    assert breaks_runtime_rule("/v1/completions", {"prompt": "x" * 50}, LIMITS)
+
+
+def test_n_times_the_sequence_must_fit_the_kv_cache():
+    body = {"prompt": [[1, 2], [3]], "max_tokens": 14}  # the longer prompt: 16 tokens, one block per choice
+    assert not breaks_runtime_rule("/v1/completions", {**body, "n": 32}, LIMITS)
+    assert breaks_runtime_rule("/v1/completions", {**body, "n": 33}, LIMITS)
+    assert breaks_runtime_rule("/inference/v1/generate", {"token_ids": [1] * 10, "sampling_params": {"n": 20, "max_tokens": 30}}, LIMITS)
