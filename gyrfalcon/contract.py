@@ -10,6 +10,7 @@ with ``SCHEMATHESIS_HOOKS=gyrfalcon.contract schemathesis run …``.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import schemathesis
@@ -36,11 +37,34 @@ def _text_tokens_bound(text: str) -> int:
 
 
 def _message_bound(message: dict[str, Any], chat: dict[str, int]) -> int:
-    content = message.get("content", "")
+    content = message.get("content") or ""
     if isinstance(content, list):
         content = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
-    name = message.get("name") or ""
-    return chat["per_message"] + _text_tokens_bound(str(message.get("role", ""))) + _text_tokens_bound(str(content)) + len(name.encode())
+    extra = "".join(str(message.get(key) or "") for key in ("name", "tool_call_id", "reasoning_content"))
+    calls = json.dumps(message.get("tool_calls") or "")  # templates render calls as JSON: twice, for their markup
+    return (chat["per_message"] + _text_tokens_bound(str(message.get("role", ""))) + _text_tokens_bound(str(content))
+            + _text_tokens_bound(extra) + 2 * _text_tokens_bound(calls))  # fmt: skip
+
+
+#: message fields only one role may carry (the runtime rule message_fields_match_role)
+_ROLE_ONLY = {"tool_calls": "assistant", "reasoning_content": "assistant", "tool_call_id": "tool"}
+
+
+def _message_breaks_rule(message: Any) -> bool:
+    """A schema-valid message the runtime rules refuse (fields of another role, arguments not JSON)."""
+    if not isinstance(message, dict):
+        return False
+    role = message.get("role")
+    if any(message.get(key) is not None and role != owner for key, owner in _ROLE_ONLY.items()):
+        return True
+    if (role == "tool" and message.get("tool_call_id") is None) or (role != "assistant" and message.get("content") is None):
+        return True
+    for call in message.get("tool_calls") or []:
+        try:
+            json.loads(call["function"]["arguments"])
+        except (ValueError, TypeError, KeyError):
+            return True
+    return False
 
 
 def _is_completions(path: str) -> bool:
@@ -75,6 +99,11 @@ def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
         return False
     params = without_nulls(params)  # null is "not set"
     if params.get("continue_final_message") is True and params.get("add_generation_prompt") is not False:
+        return True
+    messages = body.get("messages") or []
+    if path.endswith("/batch"):
+        messages = [m for conversation in messages if isinstance(conversation, list) for m in conversation]
+    if any(_message_breaks_rule(m) for m in messages):
         return True
     chat = limits["chat"] or {"fixed": 0, "per_message": 0}  # None: the server serves no chat
     prompts = prompt_token_bounds(path, body, chat)

@@ -11,11 +11,11 @@ import pluggy
 
 from gyrfalcon.api.errors import APIError
 from gyrfalcon.api.spec import (
+    TemplateSupport,
     bounded_extensions,
     chat_template_overhead,
     deployment_spec,
     kv_cache_limits,
-    template_renders_names,
 )
 from gyrfalcon.config import Settings
 from gyrfalcon.engine_api.interface import Engine
@@ -73,7 +73,7 @@ class ServerContext:
                 chat_template_overhead(self.engine),
                 max_prompts=self.settings.max_request_prompts,
                 max_seqs=self.settings.max_request_seqs,
-                names=template_renders_names(self.engine),
+                template=TemplateSupport.probe(self.engine),
                 kv_cache=kv_cache_limits(self.engine.stats()),
             )
             self._spec = orjson.dumps(spec)

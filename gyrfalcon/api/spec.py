@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 from gyrfalcon.engine_api.interface import Engine
@@ -51,14 +52,45 @@ def chat_template_overhead(engine: Engine) -> dict[str, int] | None:
     return {"fixed": max(one - per_message, 0), "per_message": max(per_message, 1)}
 
 
-def template_renders_names(engine: Engine) -> bool:
-    """Whether the chat template renders a message's ``name`` (else ``name`` is refused)."""
-    message = {"role": "user", "content": "x"}
-    try:
-        plain = engine.apply_chat_template([message], True)
-        return engine.apply_chat_template([{**message, "name": "someone"}], True) != plain
-    except Exception:  # noqa: BLE001 - no usable template
-        return False
+@dataclass(frozen=True)
+class TemplateSupport:
+    """Which optional message fields the chat template renders (an ignored one is refused, so the
+    served spec states it as null): ``name``, assistant ``tool_calls``, ``tool`` turns."""
+
+    names: bool = True
+    tool_calls: bool = True
+    tool_turns: bool = True
+
+    @classmethod
+    def probe(cls, engine: Engine) -> TemplateSupport:
+        user = {"role": "user", "content": "x"}
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+
+        def renders(plain: list[dict[str, Any]], marked: list[dict[str, Any]]) -> bool:
+            try:
+                return engine.apply_chat_template(marked, True) != engine.apply_chat_template(plain, True)
+            except Exception:  # noqa: BLE001 - no usable template, or one that refuses these turns
+                return False
+
+        assistant = {"role": "assistant", "content": ""}
+        tool = {"role": "tool", "content": "y", "tool_call_id": "c1"}
+        return cls(
+            names=renders([user], [{**user, "name": "someone"}]),
+            tool_calls=renders([user, assistant], [user, {**assistant, "tool_calls": [call]}]),
+            tool_turns=renders([user, {**assistant, "tool_calls": [call]}], [user, {**assistant, "tool_calls": [call]}, tool]),
+        )
+
+
+def _limit_messages(spec: dict[str, Any], template: TemplateSupport) -> None:
+    """Message fields this template does not render are refused at run time: null (or, for the
+    tool role, absent) in the served spec."""
+    message = spec["components"]["schemas"]["ChatMessage"]["properties"]
+    for key, rendered in (("name", template.names), ("tool_calls", template.tool_calls)):
+        if not rendered:
+            message[key] = {"type": "null", "description": f"This model's chat template does not render {key}."}
+    if not template.tool_turns:
+        message["role"]["enum"] = [role for role in message["role"]["enum"] if role != "tool"]
+        message["tool_call_id"] = {"type": "null", "description": "This model's chat template does not render tool turns."}
 
 
 def kv_cache_limits(stats: dict[str, Any]) -> dict[str, int] | None:
@@ -86,7 +118,7 @@ def deployment_spec(
     extensions: dict[str, dict[str, Any]],
     chat: dict[str, int] | None,
     max_prompts: int | None = None,
-    names: bool = True,
+    template: TemplateSupport = TemplateSupport(),
     max_seqs: int | None = None,
     kv_cache: dict[str, int] | None = None,
 ) -> dict[str, Any]:
@@ -109,10 +141,8 @@ def deployment_spec(
     spec = served_spec(limits)
     if chat is None:
         _without_chat(spec)
-    if not names:  # the template ignores message names: refused at run time, so absent (or null) here
-        spec["components"]["schemas"]["ChatMessage"]["properties"]["name"] = {
-            "type": "null", "description": "This model's chat template does not render names."
-        }
+    if chat is not None:
+        _limit_messages(spec, template)
     spec["x-limits"] = {
         "max_model_len": info.max_model_len,
         "vocab_size": info.vocab_size,

@@ -256,6 +256,28 @@ class ChatContentPartText(BaseModel):
     text: str
 
 
+class Function(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    name: Annotated[str, Field(max_length=256, min_length=1)]
+    arguments: Annotated[
+        str,
+        Field(
+            description="The arguments as a JSON text; the template receives them parsed (vLLM's rule)."
+        ),
+    ]
+
+
+class ChatToolCall(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    id: Annotated[str, Field(max_length=256, min_length=1)]
+    type: Literal["function"]
+    function: Function
+
+
 Content = TypeAliasType(
     "Content", Annotated[list[ChatContentPartText], Field(min_length=1)]
 )
@@ -266,11 +288,28 @@ class ChatMessage(BaseModel):
         extra="forbid",
     )
     role: Annotated[
-        Literal["system", "developer", "user", "assistant"],
+        Literal["system", "developer", "user", "assistant", "tool"],
         Field(description="`developer` is treated as `system`."),
     ]
-    content: str | Content
+    content: str | Content | None | MISSING = MISSING
     name: Annotated[str | None | MISSING, Field(min_length=1)] = MISSING
+    tool_calls: Annotated[
+        list[ChatToolCall] | None | MISSING, Field(max_length=128)
+    ] = MISSING
+    tool_call_id: Annotated[
+        str | None | MISSING,
+        Field(
+            description="The id of the tool call a tool turn answers.",
+            max_length=256,
+            min_length=1,
+        ),
+    ] = MISSING
+    reasoning_content: Annotated[
+        str | None | MISSING,
+        Field(
+            description="The reasoning of an earlier assistant turn, passed to the template (which may leave it out of the prompt, as reasoning models' templates do for past turns)."
+        ),
+    ] = MISSING
 
 
 Stop4 = TypeAliasType("Stop4", Annotated[str, Field(max_length=1024, min_length=1)])
@@ -403,6 +442,12 @@ class ChatCompletionRequest(BaseModel):
     ] = False
     use_beam_search: bool | None = False
     add_generation_prompt: bool | None = True
+    echo: Annotated[
+        bool | None,
+        Field(
+            description="When the conversation ends with a turn of the reply's role (assistant), every choice's content starts with that turn's content (vLLM's rule); otherwise no effect."
+        ),
+    ] = False
     continue_final_message: Annotated[
         bool | None,
         Field(
@@ -620,6 +665,12 @@ class BatchChatCompletionRequest(BaseModel):
     ] = False
     use_beam_search: bool | None = False
     add_generation_prompt: bool | None = True
+    echo: Annotated[
+        bool | None,
+        Field(
+            description="When the conversation ends with a turn of the reply's role (assistant), every choice's content starts with that turn's content (vLLM's rule); otherwise no effect."
+        ),
+    ] = False
     continue_final_message: Annotated[
         bool | None,
         Field(

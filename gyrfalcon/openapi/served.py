@@ -83,6 +83,24 @@ RUNTIME_RULES: tuple[dict[str, str], ...] = (
         "(it would be accepted and ignored).",
     },
     {
+        "id": "message_fields_match_role",
+        "param": "messages",
+        "description": "content is required except on assistant turns; tool_calls and reasoning_content "
+        "belong to assistant turns; tool_call_id is required on tool turns and only there. param names the "
+        "message field (messages.<i>.<field>).",
+    },
+    {
+        "id": "tool_call_arguments_json",
+        "param": "messages",
+        "description": "A tool call's function.arguments is a JSON text (the template receives it parsed).",
+    },
+    {
+        "id": "message_tool_calls_rendered",
+        "param": "messages",
+        "description": "Assistant tool_calls are refused when the model's chat template does not render "
+        "them (they would be ignored); the served spec then states tool_calls as null.",
+    },
+    {
         "id": "logit_bias_ids_in_vocab",
         "param": "logit_bias",
         "description": "Every logit_bias key is a token id below the vocabulary size "

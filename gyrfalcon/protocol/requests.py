@@ -27,6 +27,7 @@ class ServingRequest:
     #: every chunk carries the usage of its prompt and choice so far (vLLM's continuous_usage_stats)
     continuous_usage: bool = False
     echo: bool = False
+    #: completions: each prompt's text (echo); chat: what echo puts before each conversation's choices
     prompt_texts: list[str] = field(default_factory=list)
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False

@@ -9,6 +9,7 @@ is a :class:`RequestError` naming its ``param``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -231,12 +232,13 @@ class Translator:
             self._render_chat(messages, options, "messages" if f.endpoint == "chat" else f"messages.{i}")
             for i, messages in enumerate(conversations)
         ]
-        return prompts, [], "messages"
+        echoed = [options.echoed(messages) for messages in conversations] if f.get("echo") is True else []
+        return prompts, echoed, "messages"
 
     def _render_chat(self, messages: list[dict[str, Any]], options: ChatRendering, param: str) -> list[int]:
         """Token ids of wire chat messages rendered with the model's template (its special tokens once,
         unless ``add_special_tokens`` asks for the tokenizer's too)."""
-        plain = [_plain_message(m) for m in messages]
+        plain = [template_message(m, f"{param}.{i}") for i, m in enumerate(messages)]
 
         def render(msgs: list[dict[str, str]]) -> str:
             return self.engine.apply_chat_template(msgs, options.add_generation_prompt,
@@ -245,14 +247,11 @@ class Translator:
 
         try:
             text = render(plain)
-            named = [i for i, m in enumerate(plain) if "name" in m]
-            if named:
-                anonymous = [{k: v for k, v in m.items() if k != "name"} for m in plain]
-                if render(anonymous) == text:
-                    raise RequestError(
-                        "This model's chat template does not use message names; 'name' would be ignored",
-                        f"{param}.{named[0]}.name",
-                    )
+            for key, what in (("name", "message names"), ("tool_calls", "tool calls")):
+                holders = [i for i, m in enumerate(plain) if key in m]
+                if holders and render([{k: v for k, v in m.items() if k != key} for m in plain]) == text:
+                    raise RequestError(f"This model's chat template does not render {what}; '{key}' would be ignored",
+                                       f"{param}.{holders[0]}.{key}")  # fmt: skip
         except RequestError:
             raise
         except Exception as exc:  # a template raising on these messages is the client's 400
@@ -374,6 +373,15 @@ class ChatRendering:
     add_special_tokens: bool = False
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+    def echoed(self, messages: list[dict[str, Any]]) -> str:
+        """What ``echo`` puts before each choice's content: the last turn's content when it has the
+        reply's role (assistant; without a generation prompt, the reply continues the last turn)."""
+        last = messages[-1]
+        if self.add_generation_prompt and last["role"] != "assistant":
+            return ""
+        content = last.get("content") or ""
+        return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
+
     @classmethod
     def of(cls, f: RequestFields) -> ChatRendering:
         if f.get("continue_final_message") is True and f.get("add_generation_prompt") is not False:
@@ -389,13 +397,40 @@ class ChatRendering:
                    f.get("add_special_tokens", False), kwargs)  # fmt: skip
 
 
-def _plain_message(message: dict[str, Any]) -> dict[str, str]:
-    """A wire chat message as the plain dict chat templates expect."""
-    content = message["content"]
-    if not isinstance(content, str):
+#: message fields only one role may carry
+ROLE_ONLY_FIELDS = {"tool_calls": "assistant", "reasoning_content": "assistant", "tool_call_id": "tool"}
+
+
+def template_message(message: dict[str, Any], param: str) -> dict[str, Any]:
+    """A wire chat message as chat templates expect it (the runtime rule message_fields_match_role).
+
+    ``developer`` becomes ``system``; text parts are joined by newlines; an assistant turn without
+    content gets ``""`` (templates concatenate it); tool-call arguments are parsed from their JSON
+    text, as vLLM hands them to Hugging Face templates.
+    """
+    role = message["role"]
+    content = message.get("content")
+    for key, owner in ROLE_ONLY_FIELDS.items():
+        if message.get(key) is not None and role != owner:
+            raise RequestError(f"'{key}' belongs to {owner} messages, not to a {role} message", f"{param}.{key}")
+    if role == "tool" and message.get("tool_call_id") is None:
+        raise RequestError("A tool message needs the 'tool_call_id' of the call it answers", f"{param}.tool_call_id")
+    if content is None and role != "assistant":
+        raise RequestError(f"A {role} message needs 'content'", f"{param}.content")
+    if isinstance(content, list):
         content = "\n".join(part["text"] for part in content)
-    role = "system" if message["role"] == "developer" else message["role"]
-    plain = {"role": role, "content": content}
-    if message.get("name"):
-        plain["name"] = message["name"]
+    plain: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content or ""}
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if message.get(key) is not None:
+            plain[key] = message[key]
+    if message.get("tool_calls"):
+        plain["tool_calls"] = [_template_tool_call(call, f"{param}.tool_calls.{j}") for j, call in enumerate(message["tool_calls"])]
     return plain
+
+
+def _template_tool_call(call: dict[str, Any], param: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call["function"]["arguments"])
+    except ValueError as exc:
+        raise RequestError(f"Tool call arguments must be a JSON text: {exc}", f"{param}.function.arguments") from None
+    return {"id": call["id"], "type": call["type"], "function": {"name": call["function"]["name"], "arguments": arguments}}

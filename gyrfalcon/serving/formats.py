@@ -210,6 +210,10 @@ class ChatFormatter(Formatter):
     chunk_object_name = "chat.completion.chunk"
     top_k_includes_own = False
 
+    def _echoed(self, prompt_index: int) -> str:
+        """The content ``echo`` puts first (the last turn's, when it has the reply's role)."""
+        return self.request.prompt_texts[prompt_index] if self.request.echo else ""
+
     def _logprobs(self, prompt_index: int, choice: CompletionOutput) -> dict[str, Any] | None:
         if not self.wants_logprobs(prompt_index):
             return None
@@ -226,7 +230,8 @@ class ChatFormatter(Formatter):
     def final_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
         body = {
             "index": self.index(prompt_index, choice),
-            "message": {"role": "assistant", "content": choice.text, "reasoning_content": None, "tool_calls": []},
+            "message": {"role": "assistant", "content": self._echoed(prompt_index) + choice.text,
+                        "reasoning_content": None, "tool_calls": []},  # fmt: skip
             "logprobs": self._logprobs(prompt_index, choice),
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
@@ -243,7 +248,7 @@ class ChatFormatter(Formatter):
         chunks = []
         for i, request in enumerate(self.request.requests):
             for j in range(self.request.n):
-                chunk = self.envelope([{"index": i * self.request.n + j, "delta": {"role": "assistant", "content": ""},
+                chunk = self.envelope([{"index": i * self.request.n + j, "delta": {"role": "assistant", "content": self._echoed(i)},
                                         "logprobs": None, "finish_reason": None, "stop_reason": None}], chunk=True)  # fmt: skip
                 if self.request.return_token_ids:
                     chunk["prompt_token_ids"] = list(request.prompt_token_ids)

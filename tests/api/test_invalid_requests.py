@@ -124,7 +124,16 @@ OTHER_CASES = [
     (COMPLETIONS, {"prompt": [[5]] * 129, "n": 8, "temperature": 1}, 400, "n"),  # 1032 sequences > 1024
     (BATCH, {"messages": [MSG] * 1025}, 400, "messages"),
     (CHAT, {"messages": []}, 400, "messages"),
-    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role"),
+    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.tool_call_id"),
+    (CHAT, {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
+    (CHAT, {"messages": [{"role": "user", "content": None}]}, 400, "messages.0.content"),
+    (CHAT, {"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, 400, "messages.0.tool_call_id"),
+    (CHAT, {"messages": [{"role": "user", "content": "x", "reasoning_content": "r"}]}, 400, "messages.0.reasoning_content"),
+    (CHAT, {"messages": [MSG[0], {"role": "tool", "content": "x", "tool_calls": []}]}, 400, "messages.1.tool_calls"),
+    (CHAT, {"messages": [MSG[0], {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "{oops"}}]}]}, 400, "messages.1.tool_calls.0.function.arguments"),
+    (BATCH, {"messages": [[MSG[0]], [MSG[0], {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+        "function": {"name": "f", "arguments": "{}"}}]}]]}, 400, "messages.1.1.tool_calls"),  # the template ignores calls
     (CHAT, {"messages": MSG, "tools": []}, 400, "tools"),
     (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format.type"),  # only text until structured outputs
     (CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),

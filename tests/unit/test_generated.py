@@ -123,16 +123,24 @@ def test_chat_messages() -> None:
     assert isinstance(first, g.ChatMessage) and first.name is MISSING
     assert isinstance(second.content[0], g.ChatContentPartText) and second.content[0].text == "hi"
     assert req.max_tokens is MISSING and req.max_completion_tokens == 5 and req.add_generation_prompt is True
-    for bad in ({"role": "tool", "content": "x"}, {"role": "user"}, {"role": "user", "content": []},
-                {"role": "user", "content": None}, {"role": "user", "content": "x", "name": ""},
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    # which role may carry which field is a runtime rule (message_fields_match_role): the shape alone here
+    tools = ok(g.ChatCompletionRequest, {"messages": [
+        MSG, {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "think"},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"}]})  # fmt: skip
+    assert tools.messages[1].tool_calls[0].function.name == "f" and tools.messages[2].tool_call_id == "c1"
+    for bad in ({"role": "function", "content": "x"}, {"role": "user", "content": []},
+                {"role": "user", "content": "x", "name": ""},
                 {"role": "user", "content": [{"type": "image_url", "text": "x"}]},
                 {"role": "user", "content": [{"type": "text"}]},
                 {"role": "user", "content": [{"type": "text", "text": "x", "extra": 1}]},
-                {"role": "user", "content": "x", "tool_calls": []}):  # fmt: skip
+                {"role": "assistant", "tool_calls": [{**call, "type": "custom"}]},
+                {"role": "assistant", "tool_calls": [{**call, "function": {"name": "f"}}]},
+                {"role": "tool", "content": "x", "tool_call_id": ""}):  # fmt: skip
         assert rejects(g.ChatCompletionRequest, {"messages": [bad]}), bad
     assert rejects(g.ChatCompletionRequest, {"messages": []})
     assert rejects(g.ChatCompletionRequest, {"messages": [MSG], "logprobs": 1})
-    assert rejects(g.ChatCompletionRequest, {"messages": [MSG], "echo": True})
+    assert rejects(g.ChatCompletionRequest, {"messages": [MSG], "echo": 1})
 
 
 def test_batch_chat_limits() -> None:
