@@ -8,7 +8,8 @@ from typing import Any
 
 from gyrfalcon.engine_api.interface import Engine
 from gyrfalcon.engine_api.types import EngineInfo
-from gyrfalcon.openapi.served import ServedLimits, bundle, request_field_names, served_spec, walk_schemas
+from gyrfalcon.openapi.limits import ServedLimits, walk_schemas
+from gyrfalcon.openapi.served import bundle, request_field_names, served_spec
 from gyrfalcon.protocol.capabilities import unsupported_fields
 
 #: a plugin marks an integer schema of its extension fragment as a token id with this key

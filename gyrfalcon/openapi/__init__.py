@@ -10,11 +10,11 @@ gyrfalcon.codegen``); :mod:`gyrfalcon.openapi.served` bundles them and lays a de
 them for ``GET /openapi.json``.
 """
 
+from gyrfalcon.openapi.limits import FIELD_LIMITS, ServedLimits
 from gyrfalcon.openapi.served import (
     DOCUMENTS,
     OPENAPI_DIR,
     RUNTIME_RULES,
-    ServedLimits,
     bundle,
     request_field_names,
     request_schema_names,
@@ -25,6 +25,7 @@ from gyrfalcon.openapi.served import (
 
 __all__ = [
     "DOCUMENTS",
+    "FIELD_LIMITS",
     "OPENAPI_DIR",
     "RUNTIME_RULES",
     "ServedLimits",

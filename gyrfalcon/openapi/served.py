@@ -2,7 +2,8 @@
 
 ``bundle()`` merges ``common.yaml``, ``generate.yaml`` and ``openai.yaml`` into one OpenAPI 3.1
 document (cross-file ``$ref``s rewritten to local ones). ``served_spec(limits)`` lays a
-:class:`ServedLimits` over it so that a fuzzer's "valid" request is valid for this server, and adds
+:class:`ServedLimits` over it (the field bounds of :data:`gyrfalcon.openapi.limits.FIELD_LIMITS`, which the
+translator enforces too) so that a fuzzer's "valid" request is valid for this server, and adds
 ``x-runtime-rules``: the rules JSON Schema cannot state (:data:`RUNTIME_RULES`).
 
 Pure Python (PyYAML only): importable by the HTTP frontend without torch.
@@ -12,27 +13,18 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from gyrfalcon.openapi.limits import ServedLimits, limits_of
+
 OPENAPI_DIR = Path(__file__).resolve().parent
 #: The source documents, in bundling order (shared components first).
 DOCUMENTS = ("common.yaml", "generate.yaml", "openai.yaml")
 _COMPONENT_SECTIONS = ("schemas", "responses", "headers", "parameters", "requestBodies", "securitySchemes")
-
-#: Request fields holding token ids: every integer inside gets ``maximum: vocab_size - 1``.
-TOKEN_ID_FIELDS = frozenset({"token_ids", "prompt", "tokens", "stop_token_ids", "allowed_token_ids", "logprob_token_ids"})
-#: Integer request fields counting log-probabilities: ``maximum: max_logprobs``.
-LOGPROB_COUNT_FIELDS = frozenset({"logprobs", "top_logprobs", "prompt_logprobs"})
-#: Request fields holding a prompt as token ids: every id array gets ``maxItems: max_model_len``.
-PROMPT_FIELDS = frozenset({"token_ids", "prompt"})
-#: Request fields bounded by the context: ``maximum: max_model_len - 1``.
-MAX_TOKENS_FIELDS = frozenset({"max_tokens", "max_completion_tokens"})
 
 #: Rules the protocol layer enforces in code that the served spec cannot state as ``if``/``then``
 #: (each is a 400 carrying ``param``). The cross-field rules stated in the spec carry ``x-rule`` ids
@@ -148,29 +140,6 @@ RUNTIME_RULES: tuple[dict[str, str], ...] = (
 )
 
 
-@dataclass
-class ServedLimits:
-    """This deployment's limits, laid over the bundled spec by :func:`served_spec`.
-
-    ``unsupported`` holds wire field names the engine cannot honour; names that occur in no request
-    schema are ignored. ``extensions`` maps a plugin name to the JSON-Schema fragment of its field.
-    """
-
-    model_names: list[str]
-    vocab_size: int
-    max_model_len: int
-    max_request_seqs: int
-    max_logprobs: int = 20
-    unsupported: set[str] = field(default_factory=set)
-    extensions: dict[str, dict] = field(default_factory=dict)
-    #: most prompts (completions) or conversations (batch chat) one request may carry; None: no cap
-    max_prompts: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.vocab_size < 1 or self.max_model_len < 2 or self.max_request_seqs < 1 or self.max_logprobs < 0:
-            raise ValueError(f"impossible limits: {self!r}")
-
-
 def _load(name: str) -> dict[str, Any]:
     with (OPENAPI_DIR / name).open() as f:
         # The JSON round trip drops YAML aliases (shared objects) so that callers may edit in place.
@@ -267,88 +236,11 @@ def request_field_names(spec: dict[str, Any]) -> set[str]:
     return {p for name in request_schema_names(spec) for p in schemas[name].get("properties", {})}
 
 
-def decimal_range_pattern(hi: int) -> str:
-    """An anchored regex matching exactly the canonical decimals ``0..hi`` (no leading zeros)."""
-    if hi < 0:
-        raise ValueError("hi must be >= 0")
-    digits = str(hi)
-    width = len(digits)
-    alts = ["0"]
-    if width >= 2:
-        alts.append("[1-9]" if width == 2 else f"[1-9][0-9]{{0,{width - 2}}}")
-    for i, ch in enumerate(digits):
-        low = 1 if i == 0 else 0
-        if int(ch) > low:
-            rest = width - i - 1
-            alts.append(digits[:i] + f"[{low}-{int(ch) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
-    if hi != 0:
-        alts.append(digits)
-    return "^(" + "|".join(alts) + ")$"
-
-
-def _is_integer(schema: dict[str, Any]) -> bool:
-    t = schema.get("type")
-    return t == "integer" or (isinstance(t, list) and "integer" in t)
-
-
-def walk_schemas(node: Any) -> Iterator[dict[str, Any]]:
-    """Every schema object (dict) inside ``node``, ``node`` itself included, depth first."""
-    if isinstance(node, dict):
-        yield node
-        for value in node.values():
-            yield from walk_schemas(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from walk_schemas(value)
-
-
-def _integer_schemas(node: Any) -> Iterator[dict[str, Any]]:
-    return (sub for sub in walk_schemas(node) if _is_integer(sub))
-
-
-def _token_arrays(node: Any) -> Iterator[dict[str, Any]]:
-    """Array schemas whose items are integers (token ids), anywhere inside ``node``."""
-    return (
-        sub for sub in walk_schemas(node)
-        if sub.get("type") == "array" and isinstance(sub.get("items"), dict) and _is_integer(sub["items"])
-    )
-
-
-def _prompt_lists(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Arrays holding several prompts: of strings or of token arrays (completions), of conversations (batch)."""
-    for variant in [schema, *schema.get("oneOf", []), *schema.get("anyOf", [])]:
-        items = variant.get("items") if variant.get("type") == "array" else None
-        if isinstance(items, dict) and (items.get("type") in ("string", "array")):
-            yield variant
-
-
-def _cap(schema: dict[str, Any], maximum: int) -> None:
-    schema["maximum"] = min(schema.get("maximum", maximum), maximum)
-
-
 def _overlay_property(name: str, schema: dict[str, Any], limits: ServedLimits) -> dict[str, Any]:
     if name == "model" and limits.model_names:
         schema["enum"] = list(limits.model_names)
-    if name == "n":
-        _cap(schema, limits.max_request_seqs)
-    if name in MAX_TOKENS_FIELDS and _is_integer(schema):
-        _cap(schema, limits.max_model_len - 1)
-    if name in LOGPROB_COUNT_FIELDS and _is_integer(schema):
-        _cap(schema, limits.max_logprobs)
-    if name in TOKEN_ID_FIELDS:
-        for sub in _integer_schemas(schema):
-            _cap(sub, limits.vocab_size - 1)
-    if name in PROMPT_FIELDS:
-        # Sound, never stricter than the runtime rule prompt_fits_context: no prompt outgrows the context.
-        for sub in _token_arrays(schema):
-            sub["maxItems"] = min(sub.get("maxItems", limits.max_model_len), limits.max_model_len)
-    if name in ("prompt", "messages") and limits.max_prompts is not None:
-        for sub in _prompt_lists(schema):
-            sub["maxItems"] = min(sub.get("maxItems", limits.max_prompts), limits.max_prompts)
-    if name == "min_tokens":
-        _cap(schema, limits.max_model_len - 1)  # min_tokens <= max_tokens <= max_model_len - 1
-    if name == "logit_bias" and "propertyNames" in schema:
-        schema["propertyNames"] = {"pattern": decimal_range_pattern(limits.vocab_size - 1)}
+    for limit in limits_of(name):  # the one table of field bounds, which the translator enforces too
+        limit.bound_schema(schema, limits)
     if name in limits.unsupported:
         # null means "not set" where the wire allows it, so it stays allowed
         nullable = _is_nullable(schema)

@@ -25,7 +25,8 @@ from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.capabilities import check_supported
 from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.protocol.rules import RequestFields, check_rules
-from gyrfalcon.openapi.served import MAX_TOKENS_FIELDS, bundle, request_schema_names
+from gyrfalcon.openapi.limits import ServedLimits, limits_of
+from gyrfalcon.openapi.served import bundle, request_schema_names
 from gyrfalcon.protocol.wire import sent_fields, validate
 
 #: the generated model of each endpoint's request body
@@ -94,8 +95,6 @@ class Translator:
         max_seqs: int | None = None,
     ) -> None:
         self.engine = engine
-        #: most prompts / conversations in one request (each takes a place in the engine's queue)
-        self.max_prompts = max_prompts
         #: most sequences (prompts × n) in one request
         self.max_seqs = max_seqs
         self.info: EngineInfo = engine.info()
@@ -104,6 +103,12 @@ class Translator:
             {"type": "object", "properties": extension_schemas, "additionalProperties": False}
         )
         self._validate_hook = validate_hook
+        #: the bounds the served spec states, enforced by the same table (gyrfalcon.openapi.limits)
+        self.limits = ServedLimits(
+            model_names=served_model_names, vocab_size=self.info.vocab_size, max_model_len=self.info.max_model_len,
+            max_request_seqs=max_seqs or self.info.max_request_seqs, max_logprobs=self.info.max_logprobs,
+            max_prompts=max_prompts,
+        )  # fmt: skip
         self._defaults = {endpoint: wire_defaults(model) for endpoint, model in WIRE_MODELS.items()}
         self._defaults["generate"].update(wire_defaults(generated.GenerateSamplingParams))
 
@@ -190,43 +195,31 @@ class Translator:
         return requested
 
     def _check_limits(self, f: RequestFields) -> None:
-        """The deployment limits laid over the served spec, enforced identically here."""
-        info = self.info
+        """The deployment limits laid over the served spec (one table), and the bounds the generated
+        models do not enforce (maxProperties, uniqueItems)."""
+        for name, value in f.values.items():
+            self._check_field(name, value, f.param(name))
         for name, most in MAX_PROPERTIES.items():
             if len(f.get(name) or ()) > most:
                 raise f.error(name, f"'{name}' holds at most {most} entries")
-        for name in MAX_TOKENS_FIELDS:  # even the one max_completion_tokens overrides: the spec bounds both
-            if f.get(name, 0) > info.max_model_len - 1:
-                raise f.error(name, f"'{name}' must be at most {info.max_model_len - 1} (this model's context less one)")
-        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
-            value = f.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and value > info.max_logprobs:
-                raise f.error(name, f"'{name}' must be at most {info.max_logprobs} on this server")
-        for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):
-            self._check_vocab(f.param(name), f.get(name) or [])
         ids = f.get("logprob_token_ids") or []
         if len(set(ids)) != len(ids):
             raise f.error("logprob_token_ids", "'logprob_token_ids' must not repeat a token id")
-        for key in f.get("logit_bias") or {}:
-            if int(key) >= info.vocab_size:
-                raise f.error("logit_bias", f"'logit_bias' names token id {key}, outside the vocabulary (size {info.vocab_size})")
 
-    def _check_vocab(self, param: str, ids: list[int]) -> None:
-        for token_id in ids:
-            if token_id >= self.info.vocab_size:
-                raise RequestError(f"Token id {token_id} in '{param}' is outside the vocabulary (size {self.info.vocab_size})", param)
+    def _check_field(self, name: str, value: Any, param: str) -> None:
+        for limit in limits_of(name):
+            refused = limit.check(value, self.limits, param)
+            if refused is not None:
+                raise RequestError(refused[1], refused[0])
 
     # ------------------------------------------------------------------ prompts
     def _prompts(self, f: RequestFields) -> tuple[list[list[int]], list[str], str]:
         """Token ids of every prompt, their texts (for echo), and the prompt's param name."""
         if f.endpoint == "generate":
-            ids = f.get("token_ids")
-            self._check_vocab("token_ids", ids)
-            return [ids], [], "token_ids"
+            return [f.get("token_ids")], [], "token_ids"
         if f.endpoint == "completions":
             return self._completion_prompts(f.get("prompt"))
         conversations = [f.get("messages")] if f.endpoint == "chat" else f.get("messages")
-        self._check_prompt_count("messages", len(conversations))
         options = ChatRendering.of(f)
         prompts = [
             self._render_chat(messages, options, "messages" if f.endpoint == "chat" else f"messages.{i}")
@@ -276,7 +269,7 @@ class Translator:
         """``POST /detokenize``: the text of token ids inside the vocabulary."""
         sent = sent_fields(validate(generated.DetokenizeRequest, body))
         self._model_name(sent.get("model"))
-        self._check_vocab("tokens", sent["tokens"])
+        self._check_field("tokens", sent["tokens"], "tokens")
         return self.engine.detokenize(sent["tokens"])
 
     def _completion_prompts(self, prompt: Any) -> tuple[list[list[int]], list[str], str]:
@@ -286,25 +279,19 @@ class Translator:
             items = [prompt]
         else:
             items = list(prompt)
-        self._check_prompt_count("prompt", len(items))
         ids, texts = [], []
         for i, item in enumerate(items):
             param = "prompt" if len(items) == 1 else f"prompt.{i}"
             if isinstance(item, str):
                 tokens = self.engine.tokenize(item, add_special_tokens=True)
                 text = item
-            else:
-                self._check_vocab(param, item)
+            else:  # ids inside the vocabulary: checked with the field's limits
                 tokens, text = list(item), self.engine.detokenize(item)
             if not tokens:
                 raise RequestError("The prompt is empty after tokenization", param)
             ids.append(tokens)
             texts.append(text)
         return ids, texts, "prompt"
-
-    def _check_prompt_count(self, param: str, count: int) -> None:
-        if self.max_prompts is not None and count > self.max_prompts:
-            raise RequestError(f"At most {self.max_prompts} prompts per request on this server, got {count}", param)
 
     # ------------------------------------------------------------------ sampling
     def _sampling(self, f: RequestFields) -> SamplingParams:

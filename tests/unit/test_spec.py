@@ -23,7 +23,7 @@ from gyrfalcon.openapi import (
     served_spec,
     x_rules,
 )
-from gyrfalcon.openapi.served import decimal_range_pattern, walk_schemas
+from gyrfalcon.openapi.limits import decimal_range_pattern, walk_schemas
 
 REQUESTS = ("GenerateRequest", "CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest")
 UNSUPPORTED = {"presence_penalty", "logprobs", "top_logprobs", "use_beam_search", "logit_bias", "logprob_token_ids"}
