@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import falcon
@@ -10,7 +11,9 @@ from gyrfalcon.api.errors import APIError
 from gyrfalcon.protocol.wire import parse_json
 
 
-def read_json(req: falcon.Request, max_bytes: int) -> Any:
+def read_json(req: falcon.Request, max_bytes: int, max_items: Callable[[], int | None] = lambda: None) -> Any:
+    """The body as JSON: 415 unless JSON, 413 beyond ``max_bytes``, 400 when malformed or holding
+    an array longer than ``max_items()`` (asked only once the body is read)."""
     media_type = (req.content_type or "").split(";")[0].strip().lower()
     if media_type != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {req.content_type or 'none'!r}")
@@ -20,4 +23,4 @@ def read_json(req: falcon.Request, max_bytes: int) -> Any:
     raw = req.bounded_stream.read(max_bytes + 1)
     if len(raw) > max_bytes:
         raise APIError(413, f"The request body exceeds the limit of {max_bytes} bytes")
-    return parse_json(raw)
+    return parse_json(raw, max_items())

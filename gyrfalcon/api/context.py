@@ -6,9 +6,11 @@ import threading
 import time
 from typing import Any
 
+import falcon
 import orjson
 import pluggy
 
+from gyrfalcon.api.body import read_json
 from gyrfalcon.api.errors import APIError
 from gyrfalcon.api.spec import (
     TemplateSupport,
@@ -62,6 +64,10 @@ class ServerContext:
                         max_seqs=self.settings.max_request_seqs,
                     )
         return self._translator
+
+    def read_body(self, req: falcon.Request) -> Any:
+        """A request's JSON body within this server's byte and array limits."""
+        return read_json(req, self.settings.max_body_bytes, lambda: self.translator().max_array_items)
 
     def served_spec_bytes(self) -> bytes:
         if self._spec is None:

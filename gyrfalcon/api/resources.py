@@ -12,7 +12,6 @@ import falcon
 import orjson
 
 from gyrfalcon import __version__
-from gyrfalcon.api.body import read_json
 from gyrfalcon.api.context import ServerContext
 from gyrfalcon.api.errors import APIError
 from gyrfalcon.api.sse import start_stream
@@ -80,7 +79,7 @@ class InferenceResource:
         self.endpoint = endpoint
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        body = read_json(req, self.ctx.settings.max_body_bytes)
+        body = self.ctx.read_body(req)
         serving = self.ctx.translator().translate(self.endpoint, body, req.get_header("X-Request-Id"))
         access_log.info("%s %s user=%r prompts=%d n=%d stream=%s%s", self.endpoint, serving.response_id, serving.user,
                         len(serving.requests), serving.n, serving.stream,
@@ -100,7 +99,7 @@ class TokenizeResource:
         self.ctx = ctx
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        tokens, strings = self.ctx.translator().tokenize(read_json(req, self.ctx.settings.max_body_bytes))
+        tokens, strings = self.ctx.translator().tokenize(self.ctx.read_body(req))
         _json(resp, {"count": len(tokens), "max_model_len": self.ctx.engine.info().max_model_len, "tokens": tokens,
                      "token_strs": strings})  # fmt: skip
 
@@ -110,7 +109,7 @@ class DetokenizeResource:
         self.ctx = ctx
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        _json(resp, {"prompt": self.ctx.translator().detokenize(read_json(req, self.ctx.settings.max_body_bytes))})
+        _json(resp, {"prompt": self.ctx.translator().detokenize(self.ctx.read_body(req))})
 
 
 def client_alive(req: falcon.Request) -> Callable[[], bool] | None:

@@ -279,7 +279,8 @@ class ChatToolCall(BaseModel):
 
 
 Content = TypeAliasType(
-    "Content", Annotated[list[ChatContentPartText], Field(min_length=1)]
+    "Content",
+    Annotated[list[ChatContentPartText], Field(max_length=1024, min_length=1)],
 )
 
 

@@ -132,7 +132,7 @@ FIELD_LIMITS: tuple[FieldLimit, ...] = (
     FieldLimit(frozenset({"token_ids", "prompt", "tokens", "stop_token_ids", "allowed_token_ids", "logprob_token_ids"}),
                Reach.TOKEN_IDS, lambda lim: lim.vocab_size - 1, "the vocabulary"),  # fmt: skip
     FieldLimit(frozenset({"logit_bias"}), Reach.ID_KEYS, lambda lim: lim.vocab_size - 1, "the vocabulary"),
-    FieldLimit(frozenset({"token_ids", "prompt"}), Reach.ID_ARRAY_LENGTH, lambda lim: lim.max_model_len,
+    FieldLimit(frozenset({"token_ids", "prompt", "tokens"}), Reach.ID_ARRAY_LENGTH, lambda lim: lim.max_model_len,
                "this model's context"),  # fmt: skip
     FieldLimit(frozenset({"prompt", "messages"}), Reach.PROMPT_COUNT, lambda lim: lim.max_prompts,
                "the server's prompts per request"),  # fmt: skip
@@ -142,6 +142,12 @@ FIELD_LIMITS: tuple[FieldLimit, ...] = (
 def limits_of(name: str) -> Iterator[FieldLimit]:
     """The table's entries that bound field ``name``."""
     return (limit for limit in FIELD_LIMITS if name in limit.fields)
+
+
+def longest_array(limits: ServedLimits, spec_max_items: int) -> int:
+    """The most items any array of any request may hold on this deployment: a longer one is refused
+    before the body is walked (``spec_max_items``: the largest fixed ``maxItems`` of the documents)."""
+    return max(limits.max_model_len, limits.max_prompts or 0, spec_max_items)
 
 
 # ---------------------------------------------------------------------- helpers

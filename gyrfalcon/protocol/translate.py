@@ -25,7 +25,7 @@ from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.capabilities import check_supported
 from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.protocol.rules import RequestFields, check_rules
-from gyrfalcon.openapi.limits import ServedLimits, limits_of
+from gyrfalcon.openapi.limits import ServedLimits, limits_of, longest_array, walk_schemas
 from gyrfalcon.openapi.served import bundle, request_schema_names
 from gyrfalcon.protocol.wire import sent_fields, validate
 
@@ -64,6 +64,17 @@ def _max_properties() -> dict[str, int]:
 
 #: request fields (objects) and the most entries each may hold
 MAX_PROPERTIES = _max_properties()
+
+
+def _spec_max_items() -> int:
+    """The largest fixed ``maxItems`` of any request array in the documents."""
+    spec = bundle()
+    schemas = spec["components"]["schemas"]
+    return max(sub["maxItems"] for name in request_schema_names(spec) for sub in walk_schemas(schemas[name])
+               if isinstance(sub.get("maxItems"), int))  # fmt: skip
+
+
+SPEC_MAX_ITEMS = _spec_max_items()
 
 #: OpenAI request fields that change nothing in the output: accepted and recorded (access log)
 RECORDED_FIELDS = ("metadata", "service_tier", "safety_identifier", "prompt_cache_key")
@@ -109,6 +120,8 @@ class Translator:
             max_request_seqs=max_seqs or self.info.max_request_seqs, max_logprobs=self.info.max_logprobs,
             max_prompts=max_prompts,
         )  # fmt: skip
+        #: the longest array any request may hold here: longer ones are refused before the body is walked
+        self.max_array_items = longest_array(self.limits, SPEC_MAX_ITEMS)
         self._defaults = {endpoint: wire_defaults(model) for endpoint, model in WIRE_MODELS.items()}
         self._defaults["generate"].update(wire_defaults(generated.GenerateSamplingParams))
 

@@ -129,3 +129,16 @@ def test_the_table_covers_every_deployment_bound_the_spec_states():
     assert {"n", "max_tokens", "max_completion_tokens", "min_tokens", "logprobs", "top_logprobs", "prompt_logprobs",
             "token_ids", "prompt", "stop_token_ids", "allowed_token_ids", "logprob_token_ids", "logit_bias",
             "messages", "tokens"} == bounded  # fmt: skip
+
+
+def test_an_array_no_field_takes_is_refused_before_the_body_is_walked(small):
+    client, spec = small
+    longest = spec["x-limits"]["max_model_len"]
+    for path, body in (("/v1/completions", {"prompt": [1] * 200_000, "max_tokens": 1}),
+                       ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"stop_token_ids": [1.0] * 5000}})):  # fmt: skip
+        r = client.simulate_post(path, json=body)
+        assert r.status_code == 400, r.text
+        assert r.json["error"]["param"] in ("prompt", "sampling_params.stop_token_ids") and "no request field" in r.text
+    # the longest an array may be: a prompt of the whole context, as ids, reaches the translator's own check
+    r = client.simulate_post("/v1/completions", json={"prompt": [1] * (longest + 1), "max_tokens": 1})
+    assert r.status_code == 400 and r.json["error"]["param"] == "prompt"
