@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind
 from gyrfalcon.errors import RequestError
+from gyrfalcon.openapi.limits import first_outside_vocabulary, outside_vocabulary
 from gyrfalcon.policies import LogitsProcessor, LogprobGatherer
 
 #: ``SamplingParams`` fields (and ``cache_salt``) the engine honours itself; processors and
@@ -52,8 +53,10 @@ def validate_request(
     prompt = request.prompt_token_ids
     if not prompt:
         raise RequestError("the prompt must contain at least one token", "prompt")
-    if any(not isinstance(t, int) or t < 0 or t >= info.vocab_size for t in prompt):
-        raise RequestError(f"prompt token ids must be in [0, {info.vocab_size})", "prompt")
+    for name, ids in (("prompt", prompt), ("stop_token_ids", params.stop_token_ids)):
+        bad = first_outside_vocabulary(ids, info.vocab_size)
+        if bad is not None:
+            raise RequestError(outside_vocabulary(bad, name, info.vocab_size), name)
     if not 1 <= params.n <= info.max_request_seqs:
         raise RequestError(f"n must be between 1 and {info.max_request_seqs}", "n")
     prompt_only = params.max_tokens == 0 and params.prompt_logprobs is not None  # logprob path: prefill only
@@ -75,7 +78,5 @@ def validate_request(
         raise RequestError("min_tokens must be between 0 and max_tokens", "min_tokens")
     if any(not s for s in params.stop):
         raise RequestError("stop strings must not be empty", "stop")
-    if any(t < 0 or t >= info.vocab_size for t in params.stop_token_ids):
-        raise RequestError(f"stop_token_ids must be in [0, {info.vocab_size})", "stop_token_ids")
     for policy in [*processors, *gatherers]:
         policy.validate(params, request.extensions, info)

@@ -14,7 +14,7 @@ Pure Python: importable by the HTTP frontend without torch.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,7 +103,7 @@ class FieldLimit:
         elif self.reach is Reach.TOKEN_IDS:
             for path, token_id in _ints_inside(value, param):
                 if token_id > most:
-                    return _refusal(path, f"Token id {token_id} in '{path}' is outside the vocabulary (size {most + 1})")
+                    return _refusal(path, outside_vocabulary(token_id, path, most + 1))
         elif self.reach is Reach.ID_ARRAY_LENGTH:
             for path, ids in _id_arrays_inside(value, param):
                 if len(ids) > most:
@@ -114,7 +114,7 @@ class FieldLimit:
         elif self.reach is Reach.ID_KEYS:
             for key in value:
                 if int(key) > most:
-                    return _refusal(param, f"'{param}' names token id {key}, outside the vocabulary (size {most + 1})")
+                    return _refusal(param, outside_vocabulary(key, param, most + 1))
         return None
 
 
@@ -148,6 +148,17 @@ def longest_array(limits: ServedLimits, spec_max_items: int) -> int:
     """The most items any array of any request may hold on this deployment: a longer one is refused
     before the body is walked (``spec_max_items``: the largest fixed ``maxItems`` of the documents)."""
     return max(limits.max_model_len, limits.max_prompts or 0, spec_max_items)
+
+
+def first_outside_vocabulary(ids: Iterable[Any], vocab_size: int) -> Any | None:
+    """The first of ``ids`` that is not a token id of a vocabulary of ``vocab_size`` (an integer in
+    ``[0, vocab_size)``), or None: the one vocabulary rule, for the engine's own checks too."""
+    return next((t for t in ids if not _is_int(t) or not 0 <= t < vocab_size), None)
+
+
+def outside_vocabulary(token_id: Any, param: str, vocab_size: int) -> str:
+    """The message of a token id outside the vocabulary."""
+    return f"Token id {token_id!r} in '{param}' is outside the vocabulary (size {vocab_size})"
 
 
 # ---------------------------------------------------------------------- helpers

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
+from gyrfalcon.openapi.limits import first_outside_vocabulary, outside_vocabulary
 from gyrfalcon.hookspecs import hookimpl
 from gyrfalcon.policies import BatchRows, Gathered, LogprobGatherer, NewRow, SlotTensor, to_device, row_index, take_rows
 
@@ -97,9 +98,9 @@ class TokenIdsLogprobGatherer(LogprobGatherer):
             raise RequestError(f"logprob_token_ids holds at most {MAX_LOGPROB_TOKEN_IDS} ids", param)
         if len(set(ids)) != len(ids):
             raise RequestError("logprob_token_ids must not repeat a token id", param)
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < info.vocab_size]
-        if bad:
-            raise RequestError(f"logprob_token_ids: token id {bad[0]} is outside the vocabulary (size {info.vocab_size})", param)
+        bad = first_outside_vocabulary(ids, info.vocab_size)
+        if bad is not None:
+            raise RequestError(outside_vocabulary(bad, param, info.vocab_size), param)
 
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return bool(params.logprob_token_ids)

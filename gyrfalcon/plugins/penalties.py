@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
+from gyrfalcon.openapi.limits import first_outside_vocabulary, outside_vocabulary
 from gyrfalcon.hookspecs import hookimpl
 from gyrfalcon.policies import (
     BatchRows,
@@ -158,9 +159,9 @@ class PresencePenaltyProcessor(_GeneratedCountPenalty):
 
 
 def _check_ids(ids: Any, vocab: int, param: str) -> None:
-    for token_id in ids:
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab:
-            raise RequestError(f"token id {token_id!r} in {param} is outside the vocabulary [0, {vocab})", param)
+    bad = first_outside_vocabulary(ids, vocab)
+    if bad is not None:
+        raise RequestError(outside_vocabulary(bad, param, vocab), param)
 
 
 class LogitBiasProcessor(LogitsProcessor):
