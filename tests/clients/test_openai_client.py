@@ -106,3 +106,31 @@ def test_none_for_optional_fields_is_not_set(client):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x", "name": None}],
                                           max_tokens=2, extra_body=chat_nulls)  # fmt: skip
     assert chat.choices[0].finish_reason in ("length", "stop")
+
+
+def test_the_sdk_sends_a_tool_conversation_back(client):
+    """An agent loop resends the assistant message as the SDK parsed it (content None, tool_calls,
+    reasoning_content) and the tool's answer; the tiny model's template renders no tool calls, so
+    that field is refused by name, and without it the conversation renders."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
+    turns = [{"role": "user", "content": "hi"},
+             {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "content": "42", "tool_call_id": "call_1"}]  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=turns, max_tokens=2)
+    assert info.value.body["param"] == "messages.1.tool_calls"
+    turns[1] = {"role": "assistant", "content": None, "reasoning_content": "thinking"}
+    r = client.chat.completions.create(model="tiny", messages=turns, max_tokens=2, n=2, temperature=1,
+                                       extra_body={"echo": None, "priority": None})  # fmt: skip
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].message.tool_calls == []
+
+
+def test_generate_with_the_sdks_raw_post(client):
+    """Token-in/token-out clients post vLLM's generate request; nulls are "not set" there too."""
+    body = {"token_ids": [1, 5, 9], "sampling_params": {"max_tokens": 3, "n": 2, "seed": 1, "stop": None,
+            "detokenize": False, "logprobs": 1, "prompt_logprobs": 1}, "priority": None}  # fmt: skip
+    r = client.post("/../inference/v1/generate", body=body, cast_to=object)
+    assert [c["index"] for c in r["choices"]] == [0, 1] and all(c["text"] is None for c in r["choices"])
+    assert r["prompt_logprobs"][0] is None and all(
+        set(entry) >= {"logprob", "rank", "decoded_token"} for position in r["prompt_logprobs"][1:] for entry in position.values()
+    )
