@@ -48,7 +48,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: Annotated[
         bool | None,
         Field(
-            description="Every chunk also carries `usage`: its prompt's tokens and its choice's tokens so far (vLLM's continuous usage stats)."
+            description="With include_usage, every chunk also carries `usage`: its prompt's tokens and its choice's tokens so far (vLLM's continuous usage stats; without include_usage, no effect)."
         ),
     ] = False
 

@@ -238,7 +238,8 @@ def request_field_names(spec: dict[str, Any]) -> set[str]:
 
 def _overlay_property(name: str, schema: dict[str, Any], limits: ServedLimits) -> dict[str, Any]:
     if name == "model" and limits.model_names:
-        schema["enum"] = list(limits.model_names)
+        # null is "not set" (the first served model): it stays valid where the wire allows it
+        schema["enum"] = [*limits.model_names, *([None] if _is_nullable(schema) else [])]
     for limit in limits_of(name):  # the one table of field bounds, which the translator enforces too
         limit.bound_schema(schema, limits)
     if name in limits.unsupported:

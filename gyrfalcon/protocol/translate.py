@@ -180,7 +180,8 @@ class Translator:
             n=sampling.n,
             stream=stream,
             include_usage=bool(stream_options.get("include_usage", False)),
-            continuous_usage=bool(stream_options.get("continuous_usage_stats", False)),
+            # vLLM: usage on every chunk only when the usage chunk is asked for too
+            continuous_usage=bool(stream_options.get("include_usage")) and bool(stream_options.get("continuous_usage_stats")),
             echo=echo,
             prompt_texts=prompt_texts,
             return_token_ids=bool(fields.get("return_token_ids", False)),

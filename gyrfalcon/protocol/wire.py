@@ -83,4 +83,20 @@ def validate(model: type[M], data: Any, prefix: str | None = None) -> M:
             message = f"Field '{param}' is required"
         else:
             message = f"Invalid value for '{param}': {first['msg']}"
+        siblings = _siblings(errors, first)
+        if siblings:  # several bad entries of one field (logit_bias keys): name them all, as vLLM
+            message += "; also " + ", ".join(f"'{prefix + '.' if prefix else ''}{s}'" for s in siblings)
         raise RequestError(message, param) from None
+
+
+def _siblings(errors: list[Any], first: Any) -> list[str]:
+    """Params of the other errors of the same kind on entries of the same field as ``first``."""
+    own = error_param(first["loc"]) or ""
+    parent = own.rpartition(".")[0]
+    found = []
+    for error in errors:
+        param = error_param(error["loc"]) or ""
+        if error["type"] == first["type"] and param != own and parent and param.rpartition(".")[0] == parent:
+            if param not in found:
+                found.append(param)
+    return found

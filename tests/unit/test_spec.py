@@ -323,7 +323,7 @@ def test_overlay_limits(served: dict[str, Any]) -> None:
     for name in (*REQUESTS, "GenerateSamplingParams"):
         props = s[name]["properties"]
         if "model" in props:
-            assert props["model"]["enum"] == ["tiny", "tiny-alias"]
+            assert props["model"]["enum"] == ["tiny", "tiny-alias", None]  # null: not set (the first one)
         if "n" in props:
             assert props["n"]["maximum"] == (1 if name == "BatchChatCompletionRequest" else 8)
         for field in ("max_tokens", "max_completion_tokens"):
