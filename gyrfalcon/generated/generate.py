@@ -204,6 +204,12 @@ class GenerateResponse(BaseModel):
             description="vLLM's prompt_logprobs, when prompt_logprobs was asked for: per prompt position, null for the first, then by token id the prompt token and the k most likely tokens."
         ),
     ]
+    kv_transfer_params: Annotated[
+        None,
+        Field(
+            description="Always null (vLLM's field for disaggregated serving, which this server does not do)."
+        ),
+    ]
 
 
 class GenerateStreamResponse(BaseModel):

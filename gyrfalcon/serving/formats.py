@@ -299,6 +299,7 @@ class GenerateFormatter(Formatter):
     def final(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         body = super().final(outputs)
         body["prompt_logprobs"] = self._prompt_logprobs(outputs[0]) if outputs else None
+        body["kv_transfer_params"] = None  # vLLM always sends it
         return body
 
     def final_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:

@@ -181,7 +181,7 @@ def test_response_models_round_trip() -> None:
     generate = ok(g.GenerateResponse, {"request_id": "r", "model": "m", "created": 1, "usage": usage,
         "choices": [{"index": 0, "token_ids": [4], "text": None, "finish_reason": "stop", "stop_reason": None,
                      "logprobs": {"content": [{"token": "token_id:4", "logprob": -0.5, "top_logprobs": []}]}}],
-        "prompt_logprobs": [None, {"7": {"logprob": -0.25, "rank": 3, "decoded_token": "x"}}]})  # fmt: skip
+        "prompt_logprobs": [None, {"7": {"logprob": -0.25, "rank": 3, "decoded_token": "x"}}], "kv_transfer_params": None})  # fmt: skip
     assert generate.prompt_logprobs[0] is None and generate.prompt_logprobs[1]["7"].rank == 3
     assert rejects(g.PromptLogprob, {"logprob": -1.0, "rank": 0, "decoded_token": None})
     assert rejects(g.GenerateChoice, {"index": 0, "token_ids": [], "finish_reason": "done", "stop_reason": None,
