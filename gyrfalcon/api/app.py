@@ -45,10 +45,18 @@ class APIKeyMiddleware:
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         if not self.keys or req.path in PUBLIC_ROUTES:
             return
-        auth = req.get_header("Authorization") or ""
-        token = auth.removeprefix("Bearer ").strip().encode()
-        if not auth.startswith("Bearer ") or not any(hmac.compare_digest(token, k) for k in self.keys):
+        scheme, _, credentials = (req.get_header("Authorization") or "").strip().partition(" ")
+        token = credentials.strip().encode()
+        # the scheme is case-insensitive (RFC 9110 §11.1): "bearer" is "Bearer"
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token, k) for k in self.keys):
             raise APIError(401, "Missing or invalid API key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _route(app: falcon.App, path: str, resource: object) -> None:
+    """Add a route; a resource that answers GET answers HEAD too (headers only, as HTTP wants)."""
+    if hasattr(resource, "on_get") and not hasattr(resource, "on_head"):
+        resource.on_head = resource.on_get  # type: ignore[attr-defined]
+    app.add_route(path, resource)
 
 
 def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager) -> falcon.App:
@@ -57,17 +65,17 @@ def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager) -> 
     app = falcon.App(middleware=[APIKeyMiddleware(settings.api_keys)])
     app.req_options.strip_url_path_trailing_slash = True
     errors.install(app)
-    app.add_route("/health", HealthResource(ctx))
-    app.add_route("/version", VersionResource())
-    app.add_route("/metrics", MetricsResource(ctx))
-    app.add_route("/openapi.json", OpenAPIResource(ctx))
-    app.add_route("/v1/models", ModelsResource(ctx))
-    app.add_route("/inference/v1/generate", InferenceResource(ctx, "generate"))
-    app.add_route("/v1/completions", InferenceResource(ctx, "completions"))
-    app.add_route("/v1/chat/completions", InferenceResource(ctx, "chat"))
-    app.add_route("/v1/chat/completions/batch", InferenceResource(ctx, "chat_batch"))
-    app.add_route("/tokenize", TokenizeResource(ctx))
-    app.add_route("/detokenize", DetokenizeResource(ctx))
+    _route(app, "/health", HealthResource(ctx))
+    _route(app, "/version", VersionResource())
+    _route(app, "/metrics", MetricsResource(ctx))
+    _route(app, "/openapi.json", OpenAPIResource(ctx))
+    _route(app, "/v1/models", ModelsResource(ctx))
+    _route(app, "/inference/v1/generate", InferenceResource(ctx, "generate"))
+    _route(app, "/v1/completions", InferenceResource(ctx, "completions"))
+    _route(app, "/v1/chat/completions", InferenceResource(ctx, "chat"))
+    _route(app, "/v1/chat/completions/batch", InferenceResource(ctx, "chat_batch"))
+    _route(app, "/tokenize", TokenizeResource(ctx))
+    _route(app, "/detokenize", DetokenizeResource(ctx))
     pm.hook.gyrfalcon_add_routes(app=app, engine=engine, settings=settings)
     return app
 

@@ -20,7 +20,10 @@ def read_json(req: falcon.Request, max_bytes: int, max_items: Callable[[], int |
     length = req.content_length
     if length is not None and length > max_bytes:
         raise APIError(413, f"The request body is {length} bytes; the limit is {max_bytes}")
-    raw = req.bounded_stream.read(max_bytes + 1)
+    # a chunked body has no length: gunicorn's input then yields the decoded chunks until the end
+    # (falcon's bounded stream would read none of it)
+    stream = req.bounded_stream if length is not None else req.stream
+    raw = stream.read(max_bytes + 1)
     if len(raw) > max_bytes:
         raise APIError(413, f"The request body exceeds the limit of {max_bytes} bytes")
     return parse_json(raw, max_items())

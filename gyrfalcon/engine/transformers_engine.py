@@ -287,14 +287,28 @@ class TransformersEngine(EngineCore):
         if not self.prepare():
             return
         assert self.batcher is not None
-        while not self._stop.is_set():
-            try:
-                if not self.batcher.step():
-                    self.scheduler.wait(timeout=0.05)
-            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
-                log.exception("engine step failed")
-                self._fail_running(f"internal error: {exc}")
+        try:
+            while not self._stop.is_set():
+                try:
+                    if not self.batcher.step():
+                        self.scheduler.wait(timeout=0.05)
+                except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
+                    log.exception("engine step failed")
+                    self._fail_running(f"internal error: {exc}")
+        except BaseException as exc:  # the loop itself died: say so, and never leave a client waiting
+            log.exception("engine thread stopped")
+            self._died(f"the engine stopped: {exc!r}")
+            return
         self.batcher.abort_all()
+
+    def _died(self, message: str) -> None:
+        """The step loop is gone: health turns 503, new requests are refused, live ones fail."""
+        with self._lock:
+            self._accepting = False
+            self._health = EngineHealth(ready=False, message=message)
+            live = list(self._live.values())
+        for state in live:
+            self._fail(state, message)
 
     def _prompt_logprobs(self, request: EngineRequest, logits: torch.Tensor, start: int) -> TokenLogprobs:
         """Hook point for prompt logprobs, called once per prefill chunk: ``logits`` is ``[c, V]``

@@ -411,3 +411,11 @@ def test_generate_text_is_cut_at_the_stop_string_or_keeps_it_when_asked(client, 
         assert choice["text"] == expected and choice["stop_reason"] == stop
         streamed = stream_by_choice(sse_events(post(client, "/inference/v1/generate", {**sent, "stream": True}).text))
         assert streamed[0]["text"] == expected
+
+
+def test_head_answers_like_get_without_a_body(client):
+    for path in ("/health", "/v1/models", "/version", "/openapi.json", "/metrics"):
+        get, head = client.simulate_get(path), client.simulate_head(path)
+        assert head.status_code == get.status_code == 200, path
+        assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"], path
+    assert client.simulate_head("/v1/completions").status_code == 405  # POST routes stay POST

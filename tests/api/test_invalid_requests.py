@@ -226,3 +226,17 @@ def test_wire_param_mapping():
     assert wire_param("completions", "max_tokens") == "max_tokens"
     assert wire_param("generate", "request_id") == "request_id"
     assert wire_param("chat", None) is None
+
+
+def test_deep_nesting_is_a_400_not_a_500(client):
+    """Nesting below orjson's own limit (1024) used to overflow the Python walk: a 500 and a long
+    traceback per request."""
+    deep: object = 1
+    for _ in range(600):
+        deep = {"k": deep}
+    r = client.simulate_post(CHAT, json={"messages": MSG, "chat_template_kwargs": {"x": deep}})
+    assert r.status_code == 400, r.text
+    assert r.json["error"]["param"].startswith("chat_template_kwargs.x") and "levels deep" in r.text
+    r = client.simulate_post(COMPLETIONS, body=b'{"prompt": ' + b"[" * 900 + b"]" * 900 + b"}",
+                             headers={"Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 400, r.text

@@ -95,6 +95,16 @@ def test_errors_live(live_server):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
+def test_chunked_request_body_is_read(live_server):
+    """Clients that stream their body (Transfer-Encoding: chunked, no Content-Length) are served."""
+    body = b'{"prompt": "hello", "max_tokens": 2, "n": 2, "temperature": 1.0}'
+    chunks = (body[i : i + 7] for i in range(0, len(body), 7))
+    r = requests.post(live_server.url + "/v1/completions", data=chunks, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.request.headers.get("Transfer-Encoding") == "chunked"
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+
+
 def test_disconnect_mid_stream_leaves_server_healthy(live_server):
     body = {"prompt": "abc", "max_tokens": 60, "n": 4, "stream": True, **SAMPLED}
     with requests.post(live_server.url + "/v1/completions", json=body, stream=True, timeout=60) as r:

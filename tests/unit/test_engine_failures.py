@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
+
+from gyrfalcon.engine_api.errors import ShuttingDown
 
 from gyrfalcon.policies import LogitsProcessor
 from gyrfalcon.plugins.engines import create_transformers_engine
@@ -32,6 +35,36 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir)
         assert engine.stats()["requests_failed"] == 1 and not engine.core._live
         (ok,) = list(engine.submit(request(PROMPTS[1], temperature=0.0, max_tokens=5, ignore_eos=True)))
         assert ok.error is None and len(ok.outputs[0].token_ids) == 5
+    finally:
+        engine.shutdown(0)
+
+
+class LoopKilled(BaseException):
+    """Something the step loop's own handler does not catch."""
+
+
+def test_a_dead_step_loop_turns_health_503_fails_live_requests_and_refuses_new_ones(tiny_model_dir):
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir))
+    try:
+        assert engine.wait_ready(60).ready
+        step = engine.core.batcher.step
+        calls = []
+
+        def dying():
+            calls.append(1)
+            if len(calls) > 2:  # the request is running by then
+                raise LoopKilled("gone")
+            return step()
+
+        stream = engine.submit(request(PROMPTS[0], temperature=0.0, max_tokens=50, ignore_eos=True))
+        engine.core.batcher.step = dying
+        last = list(stream)[-1]  # never a hang: the live request ends with an error
+        assert last.finished and last.error is not None and "engine stopped" in last.error.message
+        engine.core._thread.join(5)
+        health = engine.health()
+        assert not health.ready and "LoopKilled" in health.message
+        with pytest.raises(ShuttingDown):
+            engine.submit(request(PROMPTS[1], max_tokens=2))
     finally:
         engine.shutdown(0)
 
