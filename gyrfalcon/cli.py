@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
-from gyrfalcon.config import SETTINGS_ENV, Settings
+from gyrfalcon.config import API_KEY_ENV, API_KEYS_FILE_ENV, SETTINGS_ENV, Settings, read_api_keys
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,10 +41,21 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scheduling-policy", default=Settings.scheduling_policy, choices=("fcfs", "priority"),
                    help="fcfs: arrival order; priority: a request's priority field orders it (lower first)")
     p.add_argument("--max-body-bytes", type=int, default=Settings.max_body_bytes)
-    p.add_argument("--api-key", action="append", default=[], dest="api_keys")
+    p.add_argument("--api-key", action="append", default=[], dest="api_keys",
+                   help=f"a key clients must send as 'Authorization: Bearer <key>' (also ${API_KEY_ENV})")
+    p.add_argument("--api-key-file", default=None, help="a file of API keys, one per line")
     p.add_argument("--plugins-allow", nargs="*", default=None)
     p.add_argument("--plugins-block", nargs="*", default=[])
     p.add_argument("--cache-dir", default=None)
+
+
+def private_keys_file(keys: list[str]) -> str:
+    """Write ``keys`` to a new file only this user can read; its path (the server's lifetime: workers
+    that gunicorn restarts read it again)."""
+    fd, path = tempfile.mkstemp(prefix="gyrfalcon-keys-", text=True)  # mode 0600
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write("\n".join(keys) + "\n")
+    return path
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -84,6 +96,18 @@ def serve(args: argparse.Namespace) -> int:
     settings.model = resolve_model(settings.model, settings.cache_dir)
     env = dict(os.environ)
     env[SETTINGS_ENV] = settings.to_env()
+    keys = list(settings.api_keys)
+    if env.get(API_KEY_ENV):
+        keys.append(env[API_KEY_ENV])
+    env.pop(API_KEY_ENV, None)  # never passed on: the workers read the keys from a private file
+    try:
+        if args.api_key_file:
+            keys.extend(read_api_keys(args.api_key_file))
+    except OSError as exc:
+        print(f"gyrfalcon: --api-key-file: {exc}", file=sys.stderr)
+        return 2
+    if keys:
+        env[API_KEYS_FILE_ENV] = private_keys_file(keys)
     env.setdefault("MALLOC_ARENA_MAX", "2")
     env.setdefault("HF_HUB_OFFLINE", "1")
     argv = [

@@ -9,6 +9,18 @@ from dataclasses import dataclass, field
 
 #: Environment variable through which `gyrfalcon serve` hands its settings to gunicorn workers.
 SETTINGS_ENV = "GYRFALCON_SETTINGS"
+#: Environment variable naming the private file (mode 0600) that holds the API keys for the workers:
+#: keys never travel in an environment, where child processes and /proc would see them.
+API_KEYS_FILE_ENV = "GYRFALCON_API_KEYS_FILE"
+#: Environment variable a user may set instead of ``--api-key`` (as vLLM's VLLM_API_KEY); `gyrfalcon
+#: serve` takes it out of the environment it passes on.
+API_KEY_ENV = "GYRFALCON_API_KEY"
+
+
+def read_api_keys(path: str) -> list[str]:
+    """API keys from a file: one per line, blank lines and ``#`` comments ignored."""
+    with open(path, encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
@@ -101,9 +113,14 @@ class Settings:
         return [os.path.basename(os.path.normpath(self.model)).removesuffix(".gguf")]
 
     def to_env(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        """The settings for the workers' environment, without the API keys (see :data:`API_KEYS_FILE_ENV`)."""
+        return json.dumps({**dataclasses.asdict(self), "api_keys": []})
 
     @classmethod
     def from_env(cls) -> Settings:
         raw = os.environ.get(SETTINGS_ENV)
-        return cls(**json.loads(raw)) if raw else cls()
+        settings = cls(**json.loads(raw)) if raw else cls()
+        keys_file = os.environ.get(API_KEYS_FILE_ENV)
+        if keys_file:
+            settings.api_keys = read_api_keys(keys_file)
+        return settings

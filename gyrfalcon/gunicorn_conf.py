@@ -16,3 +16,17 @@ timeout = 120  # a worker heartbeat, not a per-request limit
 graceful_timeout = 10
 keepalive = 5
 control_socket_disable = True
+
+
+def on_exit(server) -> None:  # noqa: ARG001 - gunicorn's hook signature
+    """The master is leaving: remove the private API-keys file `gyrfalcon serve` wrote for it."""
+    import os
+
+    from gyrfalcon.config import API_KEYS_FILE_ENV
+
+    path = os.environ.get(API_KEYS_FILE_ENV)
+    if path and os.path.basename(path).startswith("gyrfalcon-keys-"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

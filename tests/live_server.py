@@ -30,14 +30,14 @@ class LiveServer:
             return f.read()[-5000:]
 
 
-def start_server(args: list[str], log_path: str, timeout: float = 180.0) -> LiveServer:
+def start_server(args: list[str], log_path: str, timeout: float = 180.0, env: dict[str, str] | None = None) -> LiveServer:
     """Run ``gyrfalcon serve ARGS --port <free>`` and wait until ``/health`` answers 200.
 
     Read time-outs and refused connections while gunicorn boots are expected; the server is
-    killed if it exits or is not healthy within ``timeout`` seconds.
+    killed if it exits or is not healthy within ``timeout`` seconds. ``env`` adds variables.
     """
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
     log = open(log_path, "wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "gyrfalcon.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],

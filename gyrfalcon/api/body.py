@@ -1,4 +1,4 @@
-"""Reading a JSON request body: content type (415), size limit (413), then strict JSON (400)."""
+"""Reading a JSON request body: content type and encoding (415), size limit (413), then strict JSON (400)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ def read_json(req: falcon.Request, max_bytes: int, max_items: Callable[[], int |
     media_type = (req.content_type or "").split(";")[0].strip().lower()
     if media_type != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {req.content_type or 'none'!r}")
+    encoding = (req.get_header("Content-Encoding") or "identity").strip().lower()
+    if encoding != "identity":
+        raise APIError(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed")
     length = req.content_length
     if length is not None and length > max_bytes:
         raise APIError(413, f"The request body is {length} bytes; the limit is {max_bytes}")

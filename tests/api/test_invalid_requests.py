@@ -240,3 +240,13 @@ def test_deep_nesting_is_a_400_not_a_500(client):
     r = client.simulate_post(COMPLETIONS, body=b'{"prompt": ' + b"[" * 900 + b"]" * 900 + b"}",
                              headers={"Content-Type": "application/json"})  # fmt: skip
     assert r.status_code == 400, r.text
+
+
+def test_a_compressed_body_is_a_415(client):
+    import gzip
+
+    body = gzip.compress(b'{"prompt": "x", "max_tokens": 1}')
+    r = client.simulate_post(COMPLETIONS, body=body, headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert r.status_code == 415 and "gzip" in r.json["error"]["message"]
+    r = client.simulate_post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1}, headers={"Content-Encoding": "identity"})
+    assert r.status_code == 200
