@@ -44,6 +44,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", action="append", default=[], dest="api_keys",
                    help=f"a key clients must send as 'Authorization: Bearer <key>' (also ${API_KEY_ENV})")
     p.add_argument("--api-key-file", default=None, help="a file of API keys, one per line")
+    p.add_argument("--allowed-origins", nargs="*", default=[], help="CORS: origins browsers may call from ('*': any)")
+    p.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
+    p.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM)")
     p.add_argument("--plugins-allow", nargs="*", default=None)
     p.add_argument("--plugins-block", nargs="*", default=[])
     p.add_argument("--cache-dir", default=None)
@@ -114,9 +117,11 @@ def serve(args: argparse.Namespace) -> int:
         sys.executable, "-m", "gunicorn",
         "-c", "python:gyrfalcon.gunicorn_conf",
         "--bind", f"{args.host}:{args.port}",
+        *(["--keyfile", settings.ssl_keyfile, "--certfile", settings.ssl_certfile] if settings.ssl_certfile else []),
         "gyrfalcon.api.app:wsgi_app()",
     ]
-    print(f"gyrfalcon: serving {settings.model} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    scheme = "https" if settings.ssl_certfile else "http"
+    print(f"gyrfalcon: serving {settings.model} on {scheme}://{args.host}:{args.port}", file=sys.stderr, flush=True)
     os.execve(sys.executable, argv, env)
     return 0  # not reached
 

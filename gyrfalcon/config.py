@@ -65,6 +65,11 @@ class Settings:
     #: sized for max_request_seqs prompts of ~16 KB of text each
     max_body_bytes: int = 16 * 1024 * 1024
     api_keys: list[str] = field(default_factory=list)
+    #: origins a browser may call the API from (CORS; "*" for any); empty: no CORS headers
+    allowed_origins: list[str] = field(default_factory=list)
+    #: TLS: the server's private key and certificate (PEM); both or neither
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
     plugins_allow: list[str] | None = None  # None: every installed plugin
     plugins_block: list[str] = field(default_factory=list)
     cache_dir: str | None = None
@@ -94,6 +99,11 @@ class Settings:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            if getattr(self, name) is not None and not os.path.isfile(getattr(self, name)):
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: no such file")
         if self.model is not None and not os.path.exists(self.model):
             raise ValueError(f"--model {self.model!r}: no such file or folder")
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 
 import requests
@@ -30,11 +31,13 @@ class LiveServer:
             return f.read()[-5000:]
 
 
-def start_server(args: list[str], log_path: str, timeout: float = 180.0, env: dict[str, str] | None = None) -> LiveServer:
+def start_server(args: list[str], log_path: str, timeout: float = 180.0, env: dict[str, str] | None = None,
+                 scheme: str = "http") -> LiveServer:  # fmt: skip
     """Run ``gyrfalcon serve ARGS --port <free>`` and wait until ``/health`` answers 200.
 
     Read time-outs and refused connections while gunicorn boots are expected; the server is
-    killed if it exits or is not healthy within ``timeout`` seconds. ``env`` adds variables.
+    killed if it exits or is not healthy within ``timeout`` seconds. ``env`` adds variables;
+    ``scheme`` is "https" for a server started with a certificate (not verified by the health poll).
     """
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
@@ -43,13 +46,16 @@ def start_server(args: list[str], log_path: str, timeout: float = 180.0, env: di
         [sys.executable, "-m", "gyrfalcon.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )
-    server = LiveServer(f"http://127.0.0.1:{port}", process, log_path)
+    server = LiveServer(f"{scheme}://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
         try:
-            if requests.get(server.url + "/health", timeout=2).status_code == 200:
+            with warnings.catch_warnings():  # a test certificate is not verified while polling
+                warnings.simplefilter("ignore")
+                healthy = requests.get(server.url + "/health", timeout=2, verify=False).status_code == 200
+            if healthy:
                 return server
         except requests.RequestException:
             pass

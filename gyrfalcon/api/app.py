@@ -43,7 +43,7 @@ class APIKeyMiddleware:
         self.keys = [k.encode() for k in keys]
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if not self.keys or req.path in PUBLIC_ROUTES:
+        if not self.keys or req.path in PUBLIC_ROUTES or req.method == "OPTIONS":  # preflights carry no key
             return
         scheme, _, credentials = (req.get_header("Authorization") or "").strip().partition(" ")
         token = credentials.strip().encode()
@@ -62,7 +62,11 @@ def _route(app: falcon.App, path: str, resource: object) -> None:
 def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager) -> falcon.App:
     """A Falcon app serving ``engine``; plugins may add routes."""
     ctx = ServerContext(engine, settings, pm)
-    app = falcon.App(middleware=[APIKeyMiddleware(settings.api_keys)])
+    middleware: list[object] = [APIKeyMiddleware(settings.api_keys)]
+    if settings.allowed_origins:  # before the key check sees it: a browser's preflight carries no key
+        origins = "*" if "*" in settings.allowed_origins else settings.allowed_origins
+        middleware.insert(0, falcon.CORSMiddleware(allow_origins=origins, expose_headers=["X-Request-Id", "Retry-After"]))
+    app = falcon.App(middleware=middleware)
     app.req_options.strip_url_path_trailing_slash = True
     errors.install(app)
     _route(app, "/health", HealthResource(ctx))

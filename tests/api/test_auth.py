@@ -23,3 +23,22 @@ def test_api_key_required(tiny_engine, tiny_model_dir):
     assert client.simulate_get("/v1/models").status_code == 401
     for public in ("/health", "/version", "/openapi.json", "/metrics"):
         assert client.simulate_get(public).status_code == 200, public
+
+
+def test_cors_for_the_allowed_origins_and_preflights_need_no_key(tiny_engine, tiny_model_dir):
+    settings = Settings(model=tiny_model_dir, api_keys=["s3cret"], allowed_origins=["https://ui.example"])
+    client = falcon.testing.TestClient(create_app(tiny_engine, settings, plugin_manager()))
+    preflight = client.simulate_options("/v1/completions", headers={
+        "Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})  # fmt: skip
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "https://ui.example"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    body = {"prompt": "x", "max_tokens": 1}
+    r = client.simulate_post("/v1/completions", json=body, headers={"Origin": "https://ui.example", "Authorization": "Bearer s3cret"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
+    assert "X-Request-Id" in r.headers["access-control-expose-headers"]
+    other = client.simulate_post("/v1/completions", json=body, headers={"Origin": "https://evil.example", "Authorization": "Bearer s3cret"})
+    assert "access-control-allow-origin" not in other.headers
+    plain = falcon.testing.TestClient(create_app(tiny_engine, Settings(model=tiny_model_dir), plugin_manager()))
+    assert "access-control-allow-origin" not in plain.simulate_get("/v1/models", headers={"Origin": "https://ui.example"}).headers

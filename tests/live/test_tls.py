@@ -1,0 +1,29 @@
+"""``--ssl-keyfile`` / ``--ssl-certfile``: the server speaks HTTPS only."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import requests
+
+from tests.live_server import start_server, stop_server
+
+pytestmark = pytest.mark.live
+
+
+def test_https_with_a_certificate(tiny_model_dir, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)  # fmt: skip
+    server = start_server(["--model", tiny_model_dir, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)],
+                          str(tmp_path / "server.log"), scheme="https")  # fmt: skip
+    try:
+        r = requests.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2, "temperature": 1},
+                          verify=str(cert), timeout=30)  # fmt: skip
+        assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1]
+        with pytest.raises(requests.ConnectionError):  # plain HTTP is not spoken on that port
+            requests.get(server.url.replace("https://", "http://") + "/health", timeout=5)
+    finally:
+        stop_server(server)
