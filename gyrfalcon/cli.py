@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -52,12 +53,26 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", default=None)
 
 
+def _keys_from_env_and_file(args: argparse.Namespace) -> list[str]:
+    """``$GYRFALCON_API_KEY`` and the keys of ``--api-key-file``; a file or variable that was given
+    but holds no key is an error, never a server without authentication."""
+    keys = []
+    if API_KEY_ENV in os.environ:
+        keys.append(os.environ[API_KEY_ENV])
+    if args.api_key_file:
+        from_file = read_api_keys(args.api_key_file)
+        if not from_file:
+            raise ValueError(f"--api-key-file {args.api_key_file!r} holds no key")
+        keys.extend(from_file)
+    return keys
+
+
 def private_keys_file(keys: list[str]) -> str:
     """Write ``keys`` to a new file only this user can read; its path (the server's lifetime: workers
     that gunicorn restarts read it again)."""
     fd, path = tempfile.mkstemp(prefix="gyrfalcon-keys-", text=True)  # mode 0600
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write("\n".join(keys) + "\n")
+        json.dump(keys, f)
     return path
 
 
@@ -75,8 +90,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     try:
+        settings.api_keys = [*settings.api_keys, *_keys_from_env_and_file(args)]
         settings.validate()
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"gyrfalcon: {exc}", file=sys.stderr)
         return 2
     if not 0 < args.port < 65536:
@@ -99,18 +115,9 @@ def serve(args: argparse.Namespace) -> int:
     settings.model = resolve_model(settings.model, settings.cache_dir)
     env = dict(os.environ)
     env[SETTINGS_ENV] = settings.to_env()
-    keys = list(settings.api_keys)
-    if env.get(API_KEY_ENV):
-        keys.append(env[API_KEY_ENV])
     env.pop(API_KEY_ENV, None)  # never passed on: the workers read the keys from a private file
-    try:
-        if args.api_key_file:
-            keys.extend(read_api_keys(args.api_key_file))
-    except OSError as exc:
-        print(f"gyrfalcon: --api-key-file: {exc}", file=sys.stderr)
-        return 2
-    if keys:
-        env[API_KEYS_FILE_ENV] = private_keys_file(keys)
+    if settings.api_keys:
+        env[API_KEYS_FILE_ENV] = private_keys_file(settings.api_keys)
     env.setdefault("MALLOC_ARENA_MAX", "2")
     env.setdefault("HF_HUB_OFFLINE", "1")
     argv = [

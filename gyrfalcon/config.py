@@ -83,6 +83,9 @@ class Settings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for key in self.api_keys:
+            if not key.strip() or any(c in key for c in "\r\n") or key != key.strip():
+                raise ValueError("an API key must be non-empty, without surrounding spaces or line breaks")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
@@ -131,6 +134,7 @@ class Settings:
         raw = os.environ.get(SETTINGS_ENV)
         settings = cls(**json.loads(raw)) if raw else cls()
         keys_file = os.environ.get(API_KEYS_FILE_ENV)
-        if keys_file:
-            settings.api_keys = read_api_keys(keys_file)
+        if keys_file:  # written by `gyrfalcon serve` as a JSON list: every key exactly as given
+            with open(keys_file, encoding="utf-8") as f:
+                settings.api_keys = list(json.load(f))
         return settings

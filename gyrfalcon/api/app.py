@@ -39,11 +39,15 @@ PUBLIC_ROUTES = frozenset({"/health", "/version", "/openapi.json", "/metrics"})
 class APIKeyMiddleware:
     """``Authorization: Bearer <key>`` on every route but the public ones, when keys are configured."""
 
-    def __init__(self, keys: list[str]) -> None:
+    def __init__(self, keys: list[str], preflights: bool = False) -> None:
         self.keys = [k.encode() for k in keys]
+        #: CORS is on: a browser's preflight (which carries no key) passes
+        self.preflights = preflights
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if not self.keys or req.path in PUBLIC_ROUTES or req.method == "OPTIONS":  # preflights carry no key
+        if not self.keys or req.path in PUBLIC_ROUTES:
+            return
+        if self.preflights and req.method == "OPTIONS" and req.get_header("Access-Control-Request-Method"):
             return
         scheme, _, credentials = (req.get_header("Authorization") or "").strip().partition(" ")
         token = credentials.strip().encode()
@@ -62,7 +66,7 @@ def _route(app: falcon.App, path: str, resource: object) -> None:
 def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager) -> falcon.App:
     """A Falcon app serving ``engine``; plugins may add routes."""
     ctx = ServerContext(engine, settings, pm)
-    middleware: list[object] = [APIKeyMiddleware(settings.api_keys)]
+    middleware: list[object] = [APIKeyMiddleware(settings.api_keys, preflights=bool(settings.allowed_origins))]
     if settings.allowed_origins:  # before the key check sees it: a browser's preflight carries no key
         origins = "*" if "*" in settings.allowed_origins else settings.allowed_origins
         middleware.insert(0, falcon.CORSMiddleware(allow_origins=origins, expose_headers=["X-Request-Id", "Retry-After"]))

@@ -86,9 +86,11 @@ def _limit_messages(spec: dict[str, Any], template: TemplateSupport) -> None:
     """Message fields this template does not render are refused at run time: null (or, for the
     tool role, absent) in the served spec."""
     message = spec["components"]["schemas"]["ChatMessage"]["properties"]
-    for key, rendered in (("name", template.names), ("tool_calls", template.tool_calls)):
-        if not rendered:
-            message[key] = {"type": "null", "description": f"This model's chat template does not render {key}."}
+    if not template.names:
+        message["name"] = {"type": "null", "description": "This model's chat template does not render names."}
+    if not template.tool_calls:  # an empty list asks for nothing: accepted as null is
+        message["tool_calls"] = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}],
+                                 "description": "This model's chat template does not render tool calls."}  # fmt: skip
     if not template.tool_turns:
         message["role"]["enum"] = [role for role in message["role"]["enum"] if role != "tool"]
         message["tool_call_id"] = {"type": "null", "description": "This model's chat template does not render tool turns."}

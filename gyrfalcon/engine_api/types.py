@@ -123,8 +123,9 @@ class TokenLogprobs:
     A prompt position without a logprob (the first one) holds ``None`` in ``logprobs``.
 
     ``ranks`` / ``top_ranks``, when the engine computed them (prompt positions), are parallel to
-    ``token_ids`` / ``top_token_ids``: a token's rank is the number of vocabulary tokens at least as
-    likely as it at that position (1: the most likely; vLLM's rule). Empty when not computed.
+    ``token_ids`` / ``top_token_ids`` (vLLM's rule): the position's own token's rank is the number
+    of vocabulary tokens at least as likely as it; a listed token's is its place in the list (1: the
+    most likely). Empty when not computed.
     """
 
     token_ids: list[int] = field(default_factory=list)

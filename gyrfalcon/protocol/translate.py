@@ -9,12 +9,12 @@ is a :class:`RequestError` naming its ``param``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import jsonschema
+import orjson
 import pydantic
 import pydantic_core
 
@@ -259,6 +259,11 @@ class Translator:
                 if holders and render([{k: v for k, v in m.items() if k != key} for m in plain]) == text:
                     raise RequestError(f"This model's chat template does not render {what}; '{key}' would be ignored",
                                        f"{param}.{holders[0]}.{key}")  # fmt: skip
+            tools = [i for i, m in enumerate(plain) if m["role"] == "tool"]
+            others = [m for m in plain if m["role"] != "tool"]
+            if tools and others and render(others) == text:
+                raise RequestError("This model's chat template does not render tool turns; they would be ignored",
+                                   f"{param}.{tools[0]}.role")  # fmt: skip
         except RequestError:
             raise
         except Exception as exc:  # a template raising on these messages is the client's 400
@@ -430,8 +435,8 @@ def template_message(message: dict[str, Any], param: str) -> dict[str, Any]:
 
 
 def _template_tool_call(call: dict[str, Any], param: str) -> dict[str, Any]:
-    try:
-        arguments = json.loads(call["function"]["arguments"])
-    except ValueError as exc:
+    try:  # orjson: a decode error past 1024 levels, never a RecursionError
+        arguments = orjson.loads(call["function"]["arguments"])
+    except orjson.JSONDecodeError as exc:
         raise RequestError(f"Tool call arguments must be a JSON text: {exc}", f"{param}.function.arguments") from None
     return {"id": call["id"], "type": call["type"], "function": {"name": call["function"]["name"], "arguments": arguments}}

@@ -42,7 +42,8 @@ def _ints_from_whole_floats(value: Any, max_items: int | None, path: str | None,
         raise RequestError(f"The body nests arrays and objects more than {MAX_DEPTH} levels deep", path)
     if isinstance(value, list):
         if max_items is not None and len(value) > max_items:
-            raise RequestError(f"'{path}' holds {len(value)} items; no request field takes more than {max_items} here", path)
+            where = f"'{path}'" if path else "The body"
+            raise RequestError(f"{where} holds {len(value)} items; no request field takes more than {max_items} here", path)
         return [_ints_from_whole_floats(v, max_items, f"{path}.{i}" if isinstance(v, (list, dict)) else path, depth + 1)
                 for i, v in enumerate(value)]  # fmt: skip
     if isinstance(value, dict):

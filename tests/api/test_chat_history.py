@@ -56,7 +56,40 @@ def test_tool_calls_a_template_ignores_are_refused_and_the_served_spec_says_so(c
     r = client.simulate_post(CHAT, json={"messages": HISTORY, "max_tokens": 1})
     assert r.status_code == 400 and r.json["error"]["param"] == "messages.1.tool_calls", r.text
     message = client.simulate_get("/openapi.json").json["components"]["schemas"]["ChatMessage"]["properties"]
-    assert message["tool_calls"]["type"] == "null" and "tool" in message["role"]["enum"]
+    assert message["tool_calls"]["anyOf"] == [{"type": "null"}, {"type": "array", "maxItems": 0}]
+    assert "tool" in message["role"]["enum"]
+    empty = [HISTORY[0], {"role": "assistant", "content": "ok", "tool_calls": []}, {"role": "user", "content": "x"}]
+    assert client.simulate_post(CHAT, json={"messages": empty, "max_tokens": 1}).status_code == 200  # nothing asked
+
+
+def test_deeply_nested_tool_call_arguments_are_a_400(tool_client):
+    _, client = tool_client
+    deep = {**CALL, "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}
+    messages = [HISTORY[0], {"role": "assistant", "content": None, "tool_calls": [deep]}, {"role": "user", "content": "x"}]
+    r = client.simulate_post(CHAT, json={"messages": messages, "max_tokens": 1})
+    assert r.status_code == 400 and r.json["error"]["param"] == "messages.1.tool_calls.0.function.arguments", r.text
+
+
+def test_tool_turns_a_template_drops_are_refused(tiny_model_dir, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHATML_TEMPLATE.replace("{% for message in messages %}",
+                                                      "{% for message in messages if message.role != 'tool' %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    settings = tiny_settings(str(folder), served_model_name=["tiny"])
+    pm = plugin_manager()
+    engine = create_transformers_engine(settings, pm)
+    try:
+        assert engine.wait_ready(60).ready
+        client = falcon.testing.TestClient(create_app(engine, settings, pm))
+        assert "tool" not in client.simulate_get("/openapi.json").json["components"]["schemas"]["ChatMessage"][
+            "properties"]["role"]["enum"]  # fmt: skip
+        r = client.simulate_post(CHAT, json={"messages": [HISTORY[0], HISTORY[2]], "max_tokens": 1})
+        assert r.status_code == 400 and r.json["error"]["param"] == "messages.1.role", r.text
+    finally:
+        engine.shutdown(0)
 
 
 @pytest.fixture(scope="module")

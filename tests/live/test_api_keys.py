@@ -12,7 +12,7 @@ import requests
 from tests.live_server import start_server, stop_server
 
 pytestmark = pytest.mark.live
-KEYS = ("from-flag-1", "from-env-22", "from-file-333")
+KEYS = ("#from-flag-1", "from-env-22", "from-file-333")  # a key may start with "#"
 
 
 def test_keys_from_flag_env_and_file_and_never_in_an_environment(tiny_model_dir, tmp_path):
@@ -38,3 +38,15 @@ def test_keys_from_flag_env_and_file_and_never_in_an_environment(tiny_model_dir,
     finally:
         stop_server(server)
     assert not os.path.exists(keys_path)  # removed when the server exits
+
+
+def test_a_key_source_that_holds_no_key_stops_the_server_instead_of_opening_it(tmp_path, monkeypatch):
+    from gyrfalcon.cli import main
+
+    empty = tmp_path / "keys"
+    empty.write_text("# nothing yet\n\n")
+    assert main(["serve", "--api-key-file", str(empty)]) == 2
+    monkeypatch.setenv("GYRFALCON_API_KEY", "")
+    assert main(["serve"]) == 2
+    monkeypatch.delenv("GYRFALCON_API_KEY")
+    assert main(["serve", "--api-key", " padded "]) == 2

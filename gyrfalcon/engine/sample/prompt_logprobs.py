@@ -8,8 +8,9 @@ engine's prompt-position gatherers (``LogprobGatherer.positions == "prompt"``) a
 merge rules as generated positions apply. The engine calls it once per prefill chunk (``start``),
 so a long prompt's logits are never held, or log-softmaxed, all at once.
 
-Every token a prompt position reports also gets its rank (vLLM's ``Logprob.rank``: how many
-vocabulary tokens are at least as likely), counted on the device over the whole vocabulary.
+Every token a prompt position reports also gets its rank (vLLM's ``Logprob.rank``): the prompt
+token's is counted on the device over the whole vocabulary (how many tokens are at least as likely);
+a listed top token's is its place in the top list.
 """
 
 from __future__ import annotations
@@ -66,20 +67,15 @@ def compute_prompt_logprobs(
     return result
 
 
-#: most ``[rows, listed, vocabulary]`` comparisons held at once while counting ranks
+#: most ``[rows, vocabulary]`` comparisons held at once while counting ranks
 _RANK_CELLS = 1 << 25
 
 
 def _ranks(raw: torch.Tensor, positions: TokenLogprobs) -> tuple[list[int], list[list[int]]]:
-    """The rank of each position's own token and of each token it lists, in ``raw`` (``[P, V]``
-    log-softmax): the count of tokens at least as likely, one batched comparison per row block."""
-    width = 1 + max((len(top) for top in positions.top_token_ids), default=0)
-    ids = [[own, *top, *[own] * (width - 1 - len(top))] for own, top in zip(positions.token_ids, positions.top_token_ids)]
-    index = torch.tensor(ids, dtype=torch.long, device=raw.device)
-    values = raw.gather(1, index)
-    rows = max(1, _RANK_CELLS // (width * raw.shape[1]))
-    counts = torch.cat([
-        (raw[r : r + rows].unsqueeze(1) >= values[r : r + rows].unsqueeze(2)).sum(-1)
-        for r in range(0, raw.shape[0], rows)
-    ]).tolist()  # fmt: skip
-    return [row[0] for row in counts], [row[1 : 1 + len(top)] for row, top in zip(counts, positions.top_token_ids)]
+    """vLLM's ranks: the prompt token's is the count of tokens at least as likely as it in ``raw``
+    (``[P, V]`` log-softmax; one comparison per row block); a listed top token's is its place in
+    the top list (1 = the most likely)."""
+    own = raw.gather(1, torch.tensor(positions.token_ids, dtype=torch.long, device=raw.device).view(-1, 1))
+    rows = max(1, _RANK_CELLS // raw.shape[1])
+    counts = torch.cat([(raw[r : r + rows] >= own[r : r + rows]).sum(-1) for r in range(0, raw.shape[0], rows)])
+    return counts.tolist(), [list(range(1, len(top) + 1)) for top in positions.top_token_ids]
