@@ -41,3 +41,17 @@ def stream_by_choice(events: list[Any], text_of=lambda c: c.get("text", "")) -> 
 
 def chat_delta_text(choice: dict[str, Any]) -> str:
     return choice.get("delta", {}).get("content") or ""
+
+
+def ok(r) -> dict[str, Any]:
+    """A ``requests`` response that must be a 200: its JSON."""
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def refused(r, param: str) -> dict[str, Any]:
+    """A ``requests`` response that must be a 400 in the error envelope naming ``param``: its error."""
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == 400 and error["message"], error
+    return error

@@ -21,7 +21,7 @@ import openai
 import pytest
 import requests
 
-from tests.helpers import sse_events
+from tests.helpers import ok, refused, sse_events
 
 pytestmark = pytest.mark.live
 
@@ -52,19 +52,6 @@ def token_id(name: str) -> int:
 
 def post(server, endpoint: str, body: dict) -> requests.Response:
     return requests.post(server.url + PATHS[endpoint], json=body, timeout=60)
-
-
-def ok(r: requests.Response) -> dict:
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def refused(r: requests.Response, param: str) -> dict:
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == param, error
-    assert error["code"] == 400 and error["message"], error
-    return error
 
 
 def param_name(endpoint: str, field: str) -> str:

@@ -22,7 +22,7 @@ import openai
 import pytest
 import requests
 
-from tests.helpers import sse_events
+from tests.helpers import ok, refused, sse_events
 
 pytestmark = pytest.mark.live
 
@@ -38,18 +38,6 @@ def client(live_server) -> openai.OpenAI:
 
 def post(server, path: str, body: dict) -> requests.Response:
     return requests.post(server.url + path, json=body, timeout=60)
-
-
-def ok(r: requests.Response) -> dict:
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def refused(r: requests.Response, param: str) -> dict:
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == param and error["code"] == 400 and error["message"], error
-    return error
 
 
 def tokenize(server, **body) -> list[int]:
