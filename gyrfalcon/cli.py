@@ -42,6 +42,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scheduling-policy", default=Settings.scheduling_policy, choices=("fcfs", "priority"),
                    help="fcfs: arrival order; priority: a request's priority field orders it (lower first)")
     p.add_argument("--max-body-bytes", type=int, default=Settings.max_body_bytes)
+    p.add_argument("--client-header-timeout", type=float, default=Settings.client_header_timeout,
+                   help="seconds a client has to send a request's headers (then a 408 and the connection closes)")
+    p.add_argument("--client-body-timeout", type=float, default=Settings.client_body_timeout,
+                   help="seconds a client has to send a request's body (then a 408)")
+    p.add_argument("--send-timeout", type=float, default=Settings.send_timeout,
+                   help="seconds a response waits for a client that reads nothing (then the request is aborted)")
     p.add_argument("--api-key", action="append", default=[], dest="api_keys",
                    help=f"a key clients must send as 'Authorization: Bearer <key>' (also ${API_KEY_ENV})")
     p.add_argument("--api-key-file", default=None, help="a file of API keys, one per line")
@@ -125,7 +131,7 @@ def serve(args: argparse.Namespace) -> int:
         "-c", "python:gyrfalcon.gunicorn_conf",
         "--bind", f"{args.host}:{args.port}",
         *(["--keyfile", settings.ssl_keyfile, "--certfile", settings.ssl_certfile] if settings.ssl_certfile else []),
-        "gyrfalcon.api.app:wsgi_app()",
+        "gyrfalcon.api.app:asgi_app()",
     ]
     scheme = "https" if settings.ssl_certfile else "http"
     print(f"gyrfalcon: serving {settings.model} on {scheme}://{args.host}:{args.port}", file=sys.stderr, flush=True)

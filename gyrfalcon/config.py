@@ -64,6 +64,14 @@ class Settings:
     num_threads: int = 2
     #: sized for max_request_seqs prompts of ~16 KB of text each
     max_body_bytes: int = 16 * 1024 * 1024
+    #: seconds a client has to send a request's line and headers (nginx's client_header_timeout); a
+    #: connection that takes longer is closed with a 408
+    client_header_timeout: float = 20.0
+    #: seconds a client has to send a request's body once its headers are in (a 408)
+    client_body_timeout: float = 60.0
+    #: seconds a response may wait for a client that reads nothing (nginx's send_timeout): the
+    #: connection is then dropped and its request aborted
+    send_timeout: float = 30.0
     api_keys: list[str] = field(default_factory=list)
     #: origins a browser may call the API from (CORS; "*" for any); empty: no CORS headers
     allowed_origins: list[str] = field(default_factory=list)
@@ -86,6 +94,9 @@ class Settings:
         for key in self.api_keys:
             if not key.strip() or any(c in key for c in "\r\n") or key != key.strip():
                 raise ValueError("an API key must be non-empty, without surrounding spaces or line breaks")
+        for name in ("client_header_timeout", "client_body_timeout", "send_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

@@ -1,17 +1,12 @@
 """gunicorn settings for gyrfalcon (``gunicorn -c python:gyrfalcon.gunicorn_conf``).
 
-gthread workers: each concurrent stream holds a thread, so threads cover running + queued requests
-plus a few, or overflow waits in the backlog instead of getting a 503. The engine is built per
-worker by the app factory, never in the master.
+One uvicorn worker (:class:`gyrfalcon.api.worker.Worker`) serves the ASGI app: every connection is
+a socket on its event loop, not a thread. The engine is built in the worker by the app factory,
+never in the master.
 """
 
-from gyrfalcon.config import Settings
-
-_settings = Settings.from_env()
-
-worker_class = "gthread"
+worker_class = "gyrfalcon.api.worker.Worker"
 workers = 1
-threads = _settings.max_num_seqs + _settings.max_queue_len + 4
 timeout = 120  # a worker heartbeat, not a per-request limit
 graceful_timeout = 10
 keepalive = 5

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
-    import falcon
+    import falcon.asgi
 
     from gyrfalcon.config import Settings
     from gyrfalcon.engine_api.interface import Engine
@@ -71,17 +71,22 @@ def gyrfalcon_validate_request(endpoint: str, request: EngineRequest, info: Engi
 
 
 @hookspec
-def gyrfalcon_add_routes(app: falcon.App, engine: Engine, settings: Settings) -> None:
-    """Add routes of your own to the Falcon app (``app.add_route(...)``) at start-up.
+def gyrfalcon_add_routes(app: falcon.asgi.App, engine: Engine, settings: Settings) -> None:
+    """Add routes of your own to the Falcon ASGI app (``app.add_route(...)``) at start-up.
 
-    Your resources answer errors with :class:`gyrfalcon.errors.RequestError` so that they share the
-    error envelope of every other route.
+    The app is ``falcon.asgi.App``: responders are coroutines (``async def on_get(self, req, resp)``)
+    running on the worker's event loop, so anything that takes CPU time or blocks (the tokenizer,
+    file or network I/O without ``await``) goes to a thread (``await asyncio.to_thread(...)``), or
+    every other client waits. A route that answers GET answers HEAD too. Your resources answer errors
+    with :class:`gyrfalcon.errors.RequestError` so that they share the error envelope of every other
+    route; the API-key check covers your routes as well.
     """
 
 
 @hookspec
 def gyrfalcon_startup(settings: Settings) -> None:
-    """Called once per worker process after the app and its engine are built, before it serves.
+    """Called once per worker process after the app and its engine are built, before it serves
+    (the ASGI server's lifespan start-up).
 
     Open what your plugin needs for the worker's lifetime here (not at import: the gunicorn master
     imports plugins before forking). Exceptions abort the worker's start.

@@ -2,9 +2,45 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import defaultdict
 from typing import Any
+
+import falcon.testing
+
+
+class WaitingClient:
+    """ASGI middleware for in-process tests: the client waits for its whole answer.
+
+    Falcon's simulated client sends ``http.disconnect`` as soon as its body is read, as if it hung
+    up at once; the app notices disconnects and would end the request. A real client keeps its
+    connection open until the answer is in: here the disconnect waits for the response's last body.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        answered = asyncio.Event()
+
+        async def patient_receive() -> dict[str, Any]:
+            message = await receive()
+            if message["type"] == "http.disconnect" and scope["type"] == "http":
+                await answered.wait()
+            return message
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                answered.set()
+
+        await self.app(scope, patient_receive, tracking_send)
+
+
+def api_client(app: Any) -> falcon.testing.TestClient:
+    """A Falcon test client for ``app`` whose requests wait for their answer (see :class:`WaitingClient`)."""
+    return falcon.testing.TestClient(WaitingClient(app))
 
 
 def sse_events(text: str) -> list[Any]:
@@ -55,3 +91,37 @@ def refused(r, param: str) -> dict[str, Any]:
     error = r.json()["error"]
     assert error["param"] == param and error["code"] == 400 and error["message"], error
     return error
+
+
+class ServedInThread:
+    """An ASGI app on a local port: uvicorn with gyrfalcon's guarded protocol, in a thread, for
+    clients that speak HTTP (``with ServedInThread(app, limits) as url: ...``)."""
+
+    def __init__(self, app: Any, limits: Any = None, protocol_class: Any = None) -> None:
+        import functools
+
+        import uvicorn
+
+        from gyrfalcon.api.protocol import ConnectionLimits, GuardedHttpProtocol
+
+        protocol = functools.partial(protocol_class or GuardedHttpProtocol, limits=limits or ConnectionLimits())
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, http=protocol, lifespan="off", log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = None
+
+    def __enter__(self) -> str:
+        import threading
+        import time
+
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

@@ -1,21 +1,22 @@
-"""The Falcon WSGI app factory.
+"""The Falcon ASGI app factory.
 
 ``create_app(engine, settings, pm)`` wires the routes around an engine it is given (tests pass the
-real engine on a tiny model); ``wsgi_app()`` is the gunicorn entry point
-(``gunicorn 'gyrfalcon.api.app:wsgi_app()'``) that builds the engine from the settings in the
-environment, in the worker process.
+real engine on a tiny model); ``asgi_app()`` is the entry point of gunicorn's worker
+(:mod:`gyrfalcon.api.worker`) that builds the engine from the settings in the environment, in the
+worker process.
 """
 
 from __future__ import annotations
 
-import atexit
 import hmac
 import logging
 
 import falcon
+import falcon.asgi
 import pluggy
 
 from gyrfalcon.api import errors
+from gyrfalcon.api.connection import WatchedApp
 from gyrfalcon.api.context import ServerContext
 from gyrfalcon.api.errors import APIError
 from gyrfalcon.api.resources import (
@@ -44,7 +45,7 @@ class APIKeyMiddleware:
         #: CORS is on: a browser's preflight (which carries no key) passes
         self.preflights = preflights
 
-    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+    async def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         if not self.keys or req.path in PUBLIC_ROUTES:
             return
         if self.preflights and req.method == "OPTIONS" and req.get_header("Access-Control-Request-Method"):
@@ -56,36 +57,57 @@ class APIKeyMiddleware:
             raise APIError(401, "Missing or invalid API key", headers={"WWW-Authenticate": "Bearer"})
 
 
-def _route(app: falcon.App, path: str, resource: object) -> None:
-    """Add a route; a resource that answers GET answers HEAD too (headers only, as HTTP wants)."""
-    if hasattr(resource, "on_get") and not hasattr(resource, "on_head"):
-        resource.on_head = resource.on_get  # type: ignore[attr-defined]
-    app.add_route(path, resource)
+class App(falcon.asgi.App):
+    """Falcon's ASGI app whose routes that answer GET answer HEAD too (headers only, as HTTP
+    wants), plugin routes included."""
+
+    def add_route(self, uri_template: str, resource: object, **kwargs: object) -> None:
+        if hasattr(resource, "on_get") and not hasattr(resource, "on_head"):
+            resource.on_head = resource.on_get  # type: ignore[attr-defined]
+        super().add_route(uri_template, resource, **kwargs)
 
 
-def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager) -> falcon.App:
-    """A Falcon app serving ``engine``; plugins may add routes."""
+class EngineLifespan:
+    """Falcon middleware: plugins' start-up and shut-down hooks, and the engine's shutdown, with
+    the ASGI server's lifespan."""
+
+    def __init__(self, engine: Engine, pm: pluggy.PluginManager, settings: Settings) -> None:
+        self.engine, self.pm, self.settings = engine, pm, settings
+
+    async def process_startup(self, scope: dict, event: dict) -> None:
+        self.pm.hook.gyrfalcon_startup(settings=self.settings)
+
+    async def process_shutdown(self, scope: dict, event: dict) -> None:
+        self.pm.hook.gyrfalcon_shutdown()
+        self.engine.shutdown(grace=5.0)
+
+
+def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager, *, lifespan: bool = False) -> WatchedApp:
+    """An ASGI app serving ``engine``; plugins may add routes. With ``lifespan`` the ASGI server's
+    start-up and shut-down run the plugins' hooks and shut the engine down."""
     ctx = ServerContext(engine, settings, pm)
     middleware: list[object] = [APIKeyMiddleware(settings.api_keys, preflights=bool(settings.allowed_origins))]
     if settings.allowed_origins:  # before the key check sees it: a browser's preflight carries no key
         origins = "*" if "*" in settings.allowed_origins else settings.allowed_origins
         middleware.insert(0, falcon.CORSMiddleware(allow_origins=origins, expose_headers=["X-Request-Id", "Retry-After"]))
-    app = falcon.App(middleware=middleware)
+    if lifespan:
+        middleware.append(EngineLifespan(engine, pm, settings))
+    app = App(middleware=middleware)
     app.req_options.strip_url_path_trailing_slash = True
     errors.install(app)
-    _route(app, "/health", HealthResource(ctx))
-    _route(app, "/version", VersionResource())
-    _route(app, "/metrics", MetricsResource(ctx))
-    _route(app, "/openapi.json", OpenAPIResource(ctx))
-    _route(app, "/v1/models", ModelsResource(ctx))
-    _route(app, "/inference/v1/generate", InferenceResource(ctx, "generate"))
-    _route(app, "/v1/completions", InferenceResource(ctx, "completions"))
-    _route(app, "/v1/chat/completions", InferenceResource(ctx, "chat"))
-    _route(app, "/v1/chat/completions/batch", InferenceResource(ctx, "chat_batch"))
-    _route(app, "/tokenize", TokenizeResource(ctx))
-    _route(app, "/detokenize", DetokenizeResource(ctx))
+    app.add_route("/health", HealthResource(ctx))
+    app.add_route("/version", VersionResource())
+    app.add_route("/metrics", MetricsResource(ctx))
+    app.add_route("/openapi.json", OpenAPIResource(ctx))
+    app.add_route("/v1/models", ModelsResource(ctx))
+    app.add_route("/inference/v1/generate", InferenceResource(ctx, "generate"))
+    app.add_route("/v1/completions", InferenceResource(ctx, "completions"))
+    app.add_route("/v1/chat/completions", InferenceResource(ctx, "chat"))
+    app.add_route("/v1/chat/completions/batch", InferenceResource(ctx, "chat_batch"))
+    app.add_route("/tokenize", TokenizeResource(ctx))
+    app.add_route("/detokenize", DetokenizeResource(ctx))
     pm.hook.gyrfalcon_add_routes(app=app, engine=engine, settings=settings)
-    return app
+    return WatchedApp(app)
 
 
 def build_engine(settings: Settings, pm: pluggy.PluginManager) -> Engine:
@@ -96,18 +118,9 @@ def build_engine(settings: Settings, pm: pluggy.PluginManager) -> Engine:
     return engines[settings.engine](settings, pm)
 
 
-def wsgi_app() -> falcon.App:
-    """gunicorn entry point: settings from the environment, engine built in this worker."""
+def asgi_app() -> WatchedApp:
+    """The worker's entry point: settings from the environment, engine built in this worker."""
     settings = Settings.from_env()
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s")
     pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
-    engine = build_engine(settings, pm)
-    app = create_app(engine, settings, pm)
-    pm.hook.gyrfalcon_startup(settings=settings)
-
-    def _stop() -> None:
-        pm.hook.gyrfalcon_shutdown()
-        engine.shutdown(grace=5.0)
-
-    atexit.register(_stop)
-    return app
+    return create_app(build_engine(settings, pm), settings, pm, lifespan=True)

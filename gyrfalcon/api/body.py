@@ -1,19 +1,16 @@
-"""Reading a JSON request body: content type and encoding (415), size limit (413), then strict JSON (400)."""
+"""Reading a JSON request body: content type and encoding (415), size limit (413), time limit (408).
+Parsing (strict JSON, a 400) is :func:`gyrfalcon.protocol.wire.parse_json`, run off the event loop."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-import falcon
+import asyncio
+import falcon.asgi
 
 from gyrfalcon.api.errors import APIError
-from gyrfalcon.protocol.wire import parse_json
 
 
-def read_json(req: falcon.Request, max_bytes: int, max_items: Callable[[], int | None] = lambda: None) -> Any:
-    """The body as JSON: 415 unless JSON, 413 beyond ``max_bytes``, 400 when malformed or holding
-    an array longer than ``max_items()`` (asked only once the body is read)."""
+def check_json_headers(req: falcon.asgi.Request, max_bytes: int) -> None:
+    """415 unless the body is uncompressed JSON; 413 when its declared length is over ``max_bytes``."""
     media_type = (req.content_type or "").split(";")[0].strip().lower()
     if media_type != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {req.content_type or 'none'!r}")
@@ -23,10 +20,16 @@ def read_json(req: falcon.Request, max_bytes: int, max_items: Callable[[], int |
     length = req.content_length
     if length is not None and length > max_bytes:
         raise APIError(413, f"The request body is {length} bytes; the limit is {max_bytes}")
-    # a chunked body has no length: gunicorn's input then yields the decoded chunks until the end
-    # (falcon's bounded stream would read none of it)
-    stream = req.bounded_stream if length is not None else req.stream
-    raw = stream.read(max_bytes + 1)
+
+
+async def read_raw(req: falcon.asgi.Request, max_bytes: int, timeout_s: float) -> bytes:
+    """The body's bytes (chunked or not): 413 beyond ``max_bytes``, 408 when the client takes more
+    than ``timeout_s`` to send it."""
+    try:
+        raw = await asyncio.wait_for(req.stream.read(max_bytes + 1), timeout_s)
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout_s:g} s",
+                       headers={"Connection": "close"}) from None  # fmt: skip
     if len(raw) > max_bytes:
         raise APIError(413, f"The request body exceeds the limit of {max_bytes} bytes")
-    return parse_json(raw, max_items())
+    return raw

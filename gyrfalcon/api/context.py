@@ -6,11 +6,11 @@ import threading
 import time
 from typing import Any
 
-import falcon
+import falcon.asgi
 import orjson
 import pluggy
 
-from gyrfalcon.api.body import read_json
+from gyrfalcon.api.body import check_json_headers, read_raw
 from gyrfalcon.api.errors import APIError
 from gyrfalcon.api.spec import (
     TemplateSupport,
@@ -24,6 +24,7 @@ from gyrfalcon.engine_api.interface import Engine
 from gyrfalcon.engine_api.types import EngineInfo
 from gyrfalcon.plugins import merged_dict
 from gyrfalcon.protocol.translate import Translator
+from gyrfalcon.protocol.wire import parse_json
 
 
 class ServerContext:
@@ -65,9 +66,15 @@ class ServerContext:
                     )
         return self._translator
 
-    def read_body(self, req: falcon.Request) -> Any:
-        """A request's JSON body within this server's byte and array limits."""
-        return read_json(req, self.settings.max_body_bytes, lambda: self.translator().max_array_items)
+    async def read_body(self, req: falcon.asgi.Request) -> bytes:
+        """A request's JSON body, unparsed, within this server's byte and time limits."""
+        check_json_headers(req, self.settings.max_body_bytes)
+        return await read_raw(req, self.settings.max_body_bytes, self.settings.client_body_timeout)
+
+    def parse_body(self, raw: bytes) -> Any:
+        """A body from :meth:`read_body` as JSON (a 400 when malformed or holding an array longer
+        than any field takes); CPU work, for a worker thread."""
+        return parse_json(raw, self.translator().max_array_items)
 
     def served_spec_bytes(self) -> bytes:
         if self._spec is None:

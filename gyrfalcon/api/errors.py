@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import falcon
+import falcon.asgi
 import orjson
 
 from gyrfalcon.engine_api.errors import EngineUnavailable
@@ -23,8 +24,11 @@ _TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
+    414: "URITooLongError",
     415: "UnsupportedMediaTypeError",
+    431: "RequestHeaderFieldsTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -61,23 +65,23 @@ def serialize_error(req: falcon.Request, resp: falcon.Response, exception: falco
     resp.data = orjson.dumps(error_body(status, message, type_, param))
 
 
-def handle_request_error(req: falcon.Request, resp: falcon.Response, ex: RequestError, params: dict) -> None:
+async def handle_request_error(req: falcon.Request, resp: falcon.Response, ex: RequestError, params: dict) -> None:
     raise APIError.from_request_error(ex)
 
 
-def handle_engine_unavailable(req: falcon.Request, resp: falcon.Response, ex: EngineUnavailable, params: dict) -> None:
+async def handle_engine_unavailable(req: falcon.Request, resp: falcon.Response, ex: EngineUnavailable, params: dict) -> None:
     retry = str(max(1, math.ceil(ex.retry_after)))
     raise APIError(503, ex.message, "server_overloaded", None, {"Retry-After": retry})
 
 
-def handle_unexpected(req: falcon.Request, resp: falcon.Response, ex: Exception, params: dict) -> None:
+async def handle_unexpected(req: falcon.Request, resp: falcon.Response, ex: Exception, params: dict) -> None:
     if isinstance(ex, falcon.HTTPError):
         raise ex
     log.exception("unhandled error on %s %s", req.method, req.path)
     raise APIError(500, f"Internal error: {type(ex).__name__}")
 
 
-def install(app: falcon.App) -> None:
+def install(app: falcon.asgi.App) -> None:
     app.set_error_serializer(serialize_error)
     app.add_error_handler(Exception, handle_unexpected)
     app.add_error_handler(RequestError, handle_request_error)

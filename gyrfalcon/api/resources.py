@@ -2,23 +2,35 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import socket
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import falcon
 import orjson
 
 from gyrfalcon import __version__
+from gyrfalcon.api.connection import connection_of
 from gyrfalcon.api.context import ServerContext
 from gyrfalcon.api.errors import APIError
 from gyrfalcon.api.sse import start_stream
+from gyrfalcon.engine_api.interface import OutputStream
+from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.serving.runner import complete, stream_chunks, submit_all
 
 
 access_log = logging.getLogger("gyrfalcon.access")
+
+
+T = TypeVar("T")
+
+
+async def offload(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread: CPU work (JSON, tokenizer, template) never holds the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 def _json(resp: falcon.Response, body: object, status: int = 200) -> None:
@@ -31,7 +43,7 @@ class HealthResource:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
 
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+    async def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         health = self.ctx.engine.health()
         if not health.ready:
             raise APIError(503, health.message or "The model is loading", headers={"Retry-After": "1"})
@@ -39,7 +51,7 @@ class HealthResource:
 
 
 class VersionResource:
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+    async def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         _json(resp, {"version": __version__})
 
 
@@ -47,7 +59,7 @@ class ModelsResource:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
 
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+    async def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         info = self.ctx.ready_info()
         created = self.ctx.started
         root = self.ctx.served_model_names[0]
@@ -66,9 +78,9 @@ class OpenAPIResource:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
 
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+    async def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.content_type = falcon.MEDIA_JSON
-        resp.data = self.ctx.served_spec_bytes()
+        resp.data = await offload(self.ctx.served_spec_bytes)
 
 
 class InferenceResource:
@@ -78,28 +90,47 @@ class InferenceResource:
         self.ctx = ctx
         self.endpoint = endpoint
 
-    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        body = self.ctx.read_body(req)
-        serving = self.ctx.translator().translate(self.endpoint, body, req.get_header("X-Request-Id"))
+    async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        raw = await self.ctx.read_body(req)
+        accepting = asyncio.get_running_loop().run_in_executor(None, self._accept, raw, req.get_header("X-Request-Id"))
+        try:
+            serving, streams = await asyncio.shield(accepting)
+        except asyncio.CancelledError:  # the server is stopping this task: what was submitted is aborted
+            accepting.add_done_callback(_close_accepted)
+            raise
+        engine = self.ctx.engine
+        connection = connection_of(req)
+        if connection is not None:
+            connection.watch()
+        if serving.stream:
+            start_stream(resp, stream_chunks(engine, serving, streams, connection))
+        else:
+            _json(resp, await complete(engine, serving, streams, connection))
+        # ids come from clients: percent-encode whatever a header cannot carry
+        resp.set_header("X-Request-Id", quote(serving.response_id, safe="-_.~:/+="))
+
+    def _accept(self, raw: bytes, request_id: str | None) -> tuple[ServingRequest, list[OutputStream]]:
+        """Parse, translate and submit (in a worker thread)."""
+        serving = self.ctx.translator().translate(self.endpoint, self.ctx.parse_body(raw), request_id)
         access_log.info("%s %s user=%r prompts=%d n=%d stream=%s%s", self.endpoint, serving.response_id, serving.user,
                         len(serving.requests), serving.n, serving.stream,
                         "".join(f" {k}={v!r}" for k, v in serving.recorded.items()))  # fmt: skip
-        engine = self.ctx.engine
-        streams = [] if serving.prompt_only else submit_all(engine, serving)
-        if serving.stream:
-            start_stream(resp, stream_chunks(engine, serving, streams, client_alive(req)))
-        else:
-            _json(resp, complete(engine, serving, streams, client_alive(req)))
-        # ids come from clients: percent-encode whatever a header cannot carry
-        resp.set_header("X-Request-Id", quote(serving.response_id, safe="-_.~:/+="))
+        return serving, [] if serving.prompt_only else submit_all(self.ctx.engine, serving)
+
+
+def _close_accepted(accepting: asyncio.Future[tuple[ServingRequest, list[OutputStream]]]) -> None:
+    if not accepting.cancelled() and accepting.exception() is None:
+        for stream in accepting.result()[1]:
+            stream.close()
 
 
 class TokenizeResource:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
 
-    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        tokens, strings = self.ctx.translator().tokenize(self.ctx.read_body(req))
+    async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        raw = await self.ctx.read_body(req)
+        tokens, strings = await offload(lambda: self.ctx.translator().tokenize(self.ctx.parse_body(raw)))
         _json(resp, {"count": len(tokens), "max_model_len": self.ctx.engine.info().max_model_len, "tokens": tokens,
                      "token_strs": strings})  # fmt: skip
 
@@ -108,30 +139,9 @@ class DetokenizeResource:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
 
-    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        _json(resp, {"prompt": self.ctx.translator().detokenize(self.ctx.read_body(req))})
-
-
-def client_alive(req: falcon.Request) -> Callable[[], bool] | None:
-    """A non-blocking check that the client of ``req`` is still connected (None if unknowable).
-
-    gunicorn exposes the client socket; a peek that reads end-of-file means the client hung up.
-    """
-    sock = req.env.get("gunicorn.socket")
-    if sock is None:
-        return None
-
-    def alive() -> bool:
-        try:
-            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-        except BlockingIOError:
-            return True  # connected, nothing to read
-        except ValueError:
-            return True  # a TLS socket takes no recv flags: cannot tell, keep going
-        except OSError:
-            return False
-
-    return alive
+    async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        raw = await self.ctx.read_body(req)
+        _json(resp, {"prompt": await offload(lambda: self.ctx.translator().detokenize(self.ctx.parse_body(raw)))})
 
 
 class MetricsResource:
@@ -140,7 +150,7 @@ class MetricsResource:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
 
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+    async def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         lines = [f"gyrfalcon_uptime_seconds {time.time() - self.ctx.started:.3f}"]
         for key, value in sorted(self.ctx.engine.stats().items()):
             if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -1,14 +1,14 @@
-"""Server-sent events under WSGI: ``resp.stream`` is an iterable of ``data: ...`` frames with a ``close()``."""
+"""Server-sent events: ``resp.stream`` is an async iterator of ``data: ...`` frames with a ``close()``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import falcon
 import orjson
 
-from gyrfalcon.api.errors import error_body
+from gyrfalcon.api.errors import error_body, log
 from gyrfalcon.errors import RequestError
 
 DONE = b"data: [DONE]\n\n"
@@ -19,47 +19,48 @@ def frame(data: Any) -> bytes:
 
 
 class EventStream:
-    """The WSGI body of a streamed response: SSE frames of ``chunks``, then ``data: [DONE]``.
+    """The body of a streamed response: SSE frames of ``chunks``, then ``data: [DONE]``.
 
-    An error mid-stream becomes one error event, then ``[DONE]``. When the client disconnects the
-    WSGI server calls :meth:`close`, which closes ``chunks`` and so aborts the engine work behind
-    it, whether or not iteration had started.
+    An error mid-stream becomes one error event, then ``[DONE]``. Falcon awaits :meth:`close`
+    however the response ends, which closes ``chunks`` and so aborts the engine work behind it,
+    whether or not iteration had started.
     """
 
-    def __init__(self, chunks: Iterator[dict[str, Any]]) -> None:
+    def __init__(self, chunks: AsyncIterator[dict[str, Any]]) -> None:
         self._chunks = chunks
         self._frames = self._generate()
 
-    def __iter__(self) -> EventStream:
+    def __aiter__(self) -> EventStream:
         return self
 
-    def __next__(self) -> bytes:
-        return next(self._frames)
+    async def __anext__(self) -> bytes:
+        return await self._frames.__anext__()
 
-    def close(self) -> None:
-        self._frames.close()
-        self._close_chunks()
+    async def close(self) -> None:
+        await self._frames.aclose()
+        await self._close_chunks()
 
-    def _close_chunks(self) -> None:
+    async def _close_chunks(self) -> None:
         close = getattr(self._chunks, "close", None)
         if close is not None:
-            close()
+            await close()
 
-    def _generate(self) -> Iterator[bytes]:
+    async def _generate(self) -> AsyncIterator[bytes]:
         try:
-            for chunk in self._chunks:
+            async for chunk in self._chunks:
                 yield frame(chunk)
         except RequestError as exc:
             type_ = exc.type if exc.type != "invalid_request_error" else None
             yield frame(error_body(exc.status, exc.message, type_, exc.param))
         except Exception as exc:  # noqa: BLE001 - the stream is committed; report in-band
+            log.exception("error in a stream")
             yield frame(error_body(500, f"Internal error: {type(exc).__name__}"))
         finally:
-            self._close_chunks()
+            await self._close_chunks()
         yield DONE
 
 
-def start_stream(resp: falcon.Response, chunks: Iterator[dict[str, Any]]) -> None:
+def start_stream(resp: falcon.Response, chunks: AsyncIterator[dict[str, Any]]) -> None:
     resp.status = falcon.HTTP_200
     resp.content_type = "text/event-stream; charset=utf-8"
     resp.set_header("Cache-Control", "no-cache")

@@ -59,6 +59,10 @@ class ClientStream(OutputStream):
             self._done = True
         return output
 
+    def set_waker(self, waker: Any) -> None:
+        # outputs are made as the stream is read: the core's items are what wake the reader
+        self.core_stream.set_waker(waker)
+
     def close(self) -> None:
         self._done = True
         self.core_stream.close()

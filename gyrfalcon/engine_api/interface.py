@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from gyrfalcon.engine_api.types import EngineHealth, EngineInfo, EngineRequest, RequestOutput
@@ -23,7 +23,9 @@ class OutputStream:
     """Iterator over one request's :class:`RequestOutput` items; closing it aborts the request.
 
     The producer (an engine's step loop) calls :meth:`put` and finally :meth:`finish`; the consumer
-    iterates. The last item has ``finished=True``. Iteration blocks until the next item arrives.
+    iterates. The last item has ``finished=True``. Iteration blocks until the next item arrives; an
+    asyncio consumer instead sets a waker (:meth:`set_waker`) and takes what is ready with
+    ``get(timeout=0)``.
     """
 
     _END = object()
@@ -34,13 +36,27 @@ class OutputStream:
         self._on_close = on_close
         self._closed = False
         self._lock = threading.Lock()
+        self._waker: Callable[[], None] | None = None
 
     # producer side
     def put(self, output: RequestOutput) -> None:
         self._queue.put(output)
+        self._wake()
 
     def finish(self) -> None:
         self._queue.put(self._END)
+        self._wake()
+
+    def _wake(self) -> None:
+        waker = self._waker
+        if waker is not None:
+            waker()
+
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        """Have ``waker()`` called, in the producer's thread, after every item put and at the end
+        (None: no more calls). It must be cheap and must not block; an asyncio reader passes a
+        function that wakes its task from another thread."""
+        self._waker = waker
 
     # consumer side
     def __iter__(self) -> Iterator[RequestOutput]:

@@ -18,7 +18,6 @@ import collections
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 from gyrfalcon.engine_api.interface import OutputStream
@@ -78,11 +77,13 @@ class CoalescingOutputStream(OutputStream):
             else:
                 self._items.append(output)
             self._cond.notify()
+        self._wake()
 
     def finish(self) -> None:
         with self._cond:
             self._items.append(self._END)
             self._cond.notify()
+        self._wake()
 
     def _take(self, timeout: float | None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -93,24 +94,3 @@ class CoalescingOutputStream(OutputStream):
                     raise queue.Empty
                 self._cond.wait(remaining)
             return self._items.popleft()
-
-
-def follow(stream: OutputStream, client_alive: Callable[[], bool], poll_s: float = 0.25) -> Iterator[RequestOutput]:
-    """Iterate ``stream``, asking ``client_alive()`` whenever no output came for ``poll_s`` seconds.
-
-    For a non-streaming request the serving thread blocks on the stream while the client may have
-    gone; with this it notices within ``poll_s`` (plus a step) and closes the stream, which aborts
-    the request in the engine. ``client_alive`` is a plain callable of the frontend (e.g. a
-    non-blocking peek at the request's socket); the engine never sees the socket.
-    """
-    while True:
-        try:
-            item = stream.get(timeout=poll_s)
-        except queue.Empty:
-            if not client_alive():
-                stream.close()
-                return
-            continue
-        if item is None:
-            return
-        yield item

@@ -1,19 +1,35 @@
-"""Run a :class:`ServingRequest` on the engine: submit synchronously, then collect or stream."""
+"""Run a :class:`ServingRequest` on the engine: submit, then collect or stream its outputs in asyncio.
+
+The engine's outputs arrive from its own thread (or process): each stream wakes the request's task
+through a :class:`Wakeup`, so no thread waits on a stream and an idle or slow client costs nothing
+but its socket. A :class:`Disconnect` (the API's watch of the client's connection) wakes the task
+too: a client that went away ends the work, and closing a stream aborts its request in the engine.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import queue
-import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 from gyrfalcon.engine_api.interface import Engine, OutputStream
-from gyrfalcon.engine_api.streams import follow
 from gyrfalcon.engine_api.types import RequestOutput
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.protocol.rules import wire_param
 from gyrfalcon.serving.formats import FORMATTERS, CompletionFormatter
+
+#: status logged for a request whose client went away before its answer (nginx's convention)
+CLIENT_CLOSED = 499
+
+
+class Disconnect(Protocol):
+    """What the runner knows of the client: whether it went away, and a call when it does."""
+
+    def is_set(self) -> bool: ...
+
+    def add_listener(self, callback: Callable[[], None]) -> None: ...
 
 
 def submit_all(engine: Engine, serving: ServingRequest) -> list[OutputStream]:
@@ -31,141 +47,171 @@ def submit_all(engine: Engine, serving: ServingRequest) -> list[OutputStream]:
     return streams
 
 
-def _raise_in_band(serving: ServingRequest, output: RequestOutput) -> None:
-    if output.error is not None:
-        error = output.error
-        raise RequestError(error.message, wire_param(serving.endpoint, error.param), status=error.status, type=error.type)
+class Wakeup:
+    """Wakes one asyncio task from any thread; many calls before the task runs wake it once."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._event = asyncio.Event()
+        self._scheduled = False
+
+    def __call__(self) -> None:
+        """From any thread (the engine's step loop)."""
+        if self._scheduled:
+            return
+        self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._set)
+        except RuntimeError:  # the loop is closed: its request is over
+            pass
+
+    def _set(self) -> None:
+        self._scheduled = False
+        self._event.set()
+
+    def set(self) -> None:
+        """From the loop's own thread."""
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event.clear()
 
 
-#: status logged for a request whose client went away before its answer (nginx's convention)
-CLIENT_CLOSED = 499
+class ClientGone(Exception):
+    """The client went away while its request was being read."""
 
 
-def complete(
-    engine: Engine,
-    serving: ServingRequest,
-    streams: list[OutputStream],
-    client_alive: Callable[[], bool] | None = None,
-    poll_s: float = 0.25,
+class OutputReader:
+    """The outputs of one request's streams, awaited; :meth:`close` aborts what is still running."""
+
+    def __init__(self, serving: ServingRequest, streams: list[OutputStream], gone: Disconnect | None) -> None:
+        self.serving = serving
+        self.streams = streams
+        self.gone = gone
+        self.wakeup = Wakeup()
+        for stream in streams:
+            stream.set_waker(self.wakeup)
+        if gone is not None:
+            gone.add_listener(self.wakeup.set)
+
+    def client_gone(self) -> bool:
+        return self.gone is not None and self.gone.is_set()
+
+    def ready(self, i: int) -> RequestOutput | None:
+        """Stream ``i``'s next output (None at its end); ``queue.Empty`` when none is ready yet.
+        An in-band error is raised as the :class:`RequestError` it carries."""
+        output = self.streams[i].get(timeout=0)
+        if output is not None and output.error is not None:
+            error = output.error
+            raise RequestError(error.message, wire_param(self.serving.endpoint, error.param), status=error.status,
+                               type=error.type)  # fmt: skip
+        return output
+
+    async def next(self, i: int) -> RequestOutput | None:
+        """Stream ``i``'s next output, None at its end; :class:`ClientGone` when the client left."""
+        while True:
+            if self.client_gone():
+                raise ClientGone
+            try:
+                return self.ready(i)
+            except queue.Empty:
+                await self.wakeup.wait()
+
+    async def last_outputs(self) -> list[RequestOutput | None]:
+        """Each stream's last output, all streams read as their outputs come (the client side of
+        the engine turns token ids into text, and ends choices at stop strings, only as a stream is
+        read); None for a stream that ended without one."""
+        lasts: list[RequestOutput | None] = [None] * len(self.streams)
+        reading = set(range(len(self.streams)))
+        while reading:
+            if self.client_gone():
+                raise ClientGone
+            for i in list(reading):
+                while True:
+                    try:
+                        output = self.ready(i)
+                    except queue.Empty:
+                        break
+                    if output is None:
+                        reading.discard(i)
+                        break
+                    lasts[i] = output
+            if reading:
+                await self.wakeup.wait()
+        return lasts
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.set_waker(None)
+            stream.close()
+
+
+async def complete(
+    engine: Engine, serving: ServingRequest, streams: list[OutputStream], gone: Disconnect | None = None
 ) -> dict[str, Any]:
-    """Wait for every stream's final output and build the response body.
-
-    ``client_alive`` (a cheap, non-blocking check of the client's connection) is asked whenever no
-    output came for a moment; once the client is gone every stream is closed, which aborts the
-    request's sequences in the engine within a step.
-    """
+    """Wait for every stream's final output and build the response body; a client that goes away
+    ends it with :data:`CLIENT_CLOSED` and aborts its sequences in the engine within a step."""
     formatter = FORMATTERS[serving.endpoint](serving, engine)
     if serving.prompt_only:
         assert isinstance(formatter, CompletionFormatter)
         return formatter.prompt_only()
-    finals: list[RequestOutput] = []
+    reader = OutputReader(serving, streams, gone)
     try:
-        for last in _last_outputs(serving, streams, client_alive, poll_s):
-            if last is None or not last.finished:
-                if client_alive is not None and not client_alive():
-                    raise RequestError("The client closed the connection", None, status=CLIENT_CLOSED, type="client_closed")
-                raise RequestError("The engine ended the request without a final output", None, status=500, type="engine_error")
-            finals.append(last)
+        lasts = await reader.last_outputs()
+    except ClientGone:
+        raise RequestError("The client closed the connection", None, status=CLIENT_CLOSED, type="client_closed") from None
     finally:
-        for stream in streams:
-            stream.close()
+        reader.close()
+    finals: list[RequestOutput] = []
+    for last in lasts:
+        if last is None or not last.finished:
+            raise RequestError("The engine ended the request without a final output", None, status=500, type="engine_error")
+        finals.append(last)
     return formatter.final(finals)
 
 
-def _last_outputs(
-    serving: ServingRequest, streams: list[OutputStream], client_alive: Callable[[], bool] | None, poll_s: float
-) -> list[RequestOutput | None]:
-    """Each stream's last output (None: it ended without one, or the client left).
-
-    Several streams (prompts) are read in turn, a short wait each, not one after the other: the
-    client side of the engine turns a stream's token ids into text (and checks its stop strings,
-    ending choices early) only as the stream is read.
-    """
-    if len(streams) == 1:
-        last = None
-        for output in streams[0] if client_alive is None else follow(streams[0], client_alive, poll_s):
-            _raise_in_band(serving, output)
-            last = output
-        return [last]
-    lasts: list[RequestOutput | None] = [None] * len(streams)
-    reading = list(range(len(streams)))
-    quiet_since = time.monotonic()
-    while reading:
-        for i in list(reading):
-            try:
-                output = streams[i].get(timeout=_TURN_S)
-            except queue.Empty:
-                continue
-            quiet_since = time.monotonic()
-            if output is None:
-                reading.remove(i)
-                continue
-            _raise_in_band(serving, output)
-            lasts[i] = output
-        if client_alive is not None and time.monotonic() - quiet_since > poll_s:
-            if not client_alive():
-                break
-            quiet_since = time.monotonic()
-    return lasts
-
-
-#: how long one stream is waited for before the next one's turn (several prompts in one request)
-_TURN_S = 0.005
-
-
 class StreamedResponse:
-    """The chunks of a streamed response (an iterator of dicts).
+    """The chunks of a streamed response (an async iterator of dicts).
 
     ``close()`` aborts whatever engine work is still running, even when iteration never started
-    (a client that hangs up before the first event), which a plain generator's ``finally`` misses.
+    (a client that hangs up before the first event), which an async generator's ``finally`` misses.
     """
 
-    def __init__(self, chunks: Iterator[dict[str, Any]], streams: list[OutputStream]) -> None:
+    def __init__(self, chunks: AsyncIterator[dict[str, Any]], reader: OutputReader | None) -> None:
         self._chunks = chunks
-        self._streams = streams
+        self._reader = reader
 
-    def __iter__(self) -> StreamedResponse:
+    def __aiter__(self) -> StreamedResponse:
         return self
 
-    def __next__(self) -> dict[str, Any]:
-        return next(self._chunks)
+    async def __anext__(self) -> dict[str, Any]:
+        return await self._chunks.__anext__()
 
-    def close(self) -> None:
-        close = getattr(self._chunks, "close", None)
-        if close is not None:
-            close()
-        for stream in self._streams:
-            stream.close()
+    async def close(self) -> None:
+        aclose = getattr(self._chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        if self._reader is not None:
+            self._reader.close()
 
 
 def stream_chunks(
-    engine: Engine,
-    serving: ServingRequest,
-    streams: list[OutputStream],
-    client_alive: Callable[[], bool] | None = None,
-    poll_s: float = 0.25,
+    engine: Engine, serving: ServingRequest, streams: list[OutputStream], gone: Disconnect | None = None
 ) -> StreamedResponse:
     """The response's SSE chunks; iterating raises :class:`RequestError` for an in-band error.
 
-    Streams are read one after the other (their outputs queue up meanwhile); every choice's last
-    chunk carries its ``finish_reason``. ``client_alive`` is asked whenever nothing arrived for
-    ``poll_s`` (a queued request, text held back for a stop string): a client that is gone ends the
-    response and aborts the work.
+    Streams are read one after the other (their outputs coalesce meanwhile); every choice's last
+    chunk carries its ``finish_reason``. A client that goes away ends the chunks and the work.
     """
-    return StreamedResponse(_chunks(engine, serving, streams, client_alive, poll_s), streams)
+    reader = None if serving.prompt_only else OutputReader(serving, streams, gone)
+    return StreamedResponse(_chunks(engine, serving, reader), reader)
 
 
-def _chunks(
-    engine: Engine,
-    serving: ServingRequest,
-    streams: list[OutputStream],
-    client_alive: Callable[[], bool] | None,
-    poll_s: float,
-) -> Iterator[dict[str, Any]]:
+async def _chunks(engine: Engine, serving: ServingRequest, reader: OutputReader | None) -> AsyncIterator[dict[str, Any]]:
     formatter = FORMATTERS[serving.endpoint](serving, engine)
     each = formatter.with_usage if serving.continuous_usage else (lambda chunk: chunk)
-    prompt_tokens = completion_tokens = 0
-    if serving.prompt_only:
+    if reader is None:
         assert isinstance(formatter, CompletionFormatter)
         body = formatter.prompt_only()
         for choice in body["choices"]:  # one choice per chunk
@@ -173,13 +219,13 @@ def _chunks(
         if serving.include_usage:
             yield formatter.usage_chunk(body["usage"]["prompt_tokens"], 0)
         return
+    prompt_tokens = completion_tokens = 0
     try:
         for chunk in formatter.opening_chunks():
             yield each(chunk)
-        for i, stream in enumerate(streams):
+        for i in range(len(reader.streams)):
             finished = False
-            for output in stream if client_alive is None else follow(stream, client_alive, poll_s):
-                _raise_in_band(serving, output)
+            while (output := await reader.next(i)) is not None:
                 formatter.count_generated(i, output)
                 for chunk in formatter.delta_chunks(i, output):
                     yield each(chunk)
@@ -188,11 +234,10 @@ def _chunks(
                     prompt_tokens += len(output.prompt_token_ids)
                     completion_tokens += output.num_generated_tokens
             if not finished:
-                if client_alive is not None and not client_alive():
-                    return  # nobody is listening: the finally below aborts the rest
                 raise RequestError("The engine ended the request without a final output", None, status=500, type="engine_error")
         if serving.include_usage:
             yield formatter.usage_chunk(prompt_tokens, completion_tokens)
+    except ClientGone:
+        return  # nobody is listening: the finally below aborts the rest
     finally:
-        for stream in streams:
-            stream.close()
+        reader.close()

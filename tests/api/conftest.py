@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
 import falcon.testing
 import pytest
 
 from gyrfalcon.api.app import create_app
 from gyrfalcon.config import Settings
 from gyrfalcon.plugins import plugin_manager
+from gyrfalcon.plugins.engines import create_transformers_engine
+from tests.conftest import tiny_settings
+from tests.helpers import api_client
 
 
 @pytest.fixture(scope="session")
@@ -18,4 +23,22 @@ def app(tiny_engine, tiny_model_dir):
 
 @pytest.fixture
 def client(app) -> falcon.testing.TestClient:
-    return falcon.testing.TestClient(app)
+    return api_client(app)
+
+
+@pytest.fixture
+def slow_engine(tiny_model_dir, request):
+    """The tiny model's engine with a few ms added to every forward (``@pytest.mark.parametrize``
+    ``slow_engine`` indirectly with the delay in seconds), so requests are surely still running."""
+    delay = getattr(request, "param", 0.004)
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir, max_model_len=256))
+    assert engine.wait_ready(60).ready
+    forward = engine.core.runner.forward
+
+    def slowed(*args, **kwargs):
+        time.sleep(delay)
+        return forward(*args, **kwargs)
+
+    engine.core.runner.forward = slowed
+    yield engine
+    engine.shutdown(0)

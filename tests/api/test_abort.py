@@ -1,66 +1,78 @@
-"""A client that disconnects mid-stream: the WSGI server closes the response iterable, the engine
+"""A client that disconnects mid-stream: the ASGI server reports it, the engine
 frees the request's sequences within a few steps, and a concurrent request is unaffected."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
-
-import falcon.testing
-import pytest
 
 from gyrfalcon.api.app import create_app
 from gyrfalcon.config import Settings
 from gyrfalcon.plugins import plugin_manager
-from gyrfalcon.plugins.engines import create_transformers_engine
-from tests.conftest import tiny_settings
+from tests.helpers import api_client
 
 
-@pytest.fixture
-def slow_engine(tiny_model_dir):
-    engine = create_transformers_engine(tiny_settings(tiny_model_dir, max_model_len=256))
-    assert engine.wait_ready(60).ready
-    forward = engine.core.runner.forward
-
-    def slowed(*args, **kwargs):  # a few ms per step, so requests are surely still running
-        time.sleep(0.004)
-        return forward(*args, **kwargs)
-
-    engine.core.runner.forward = slowed
-    yield engine
-    engine.shutdown(0)
+def http_scope(path: str, body: bytes) -> dict:
+    """The ASGI scope of a JSON POST, as uvicorn builds it."""
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}  # fmt: skip
 
 
 def test_stream_disconnect_frees_the_sequences(slow_engine, tiny_model_dir):
     engine = slow_engine
     app = create_app(engine, Settings(model=tiny_model_dir, served_model_name=["tiny"]), plugin_manager())
-    client = falcon.testing.TestClient(app)
-    body = {"prompt": "The quick brown fox", "max_tokens": 150, "temperature": 1.0, "n": 3,
-            "ignore_eos": True, "stream": True}  # fmt: skip
-    environ = falcon.testing.create_environ(path="/v1/completions", method="POST", body=falcon.testing.helpers.json.dumps(body),
-                                            headers={"Content-Type": "application/json"})  # fmt: skip
-    statuses = []
-    result = app(environ, lambda status, headers, exc_info=None: statuses.append(status))
-    chunks = iter(result)
-    first = next(chunks)
-    assert statuses == ["200 OK"] and first.startswith(b"data: ")
-
+    client = api_client(app)
+    body = json.dumps({"prompt": "The quick brown fox", "max_tokens": 150, "temperature": 1.0, "n": 3,
+                       "ignore_eos": True, "stream": True}).encode()  # fmt: skip
     other: dict = {}
-    worker = threading.Thread(target=lambda: other.update(client.simulate_post(
-        "/v1/completions", json={"prompt": "Hello", "max_tokens": 40, "temperature": 0, "ignore_eos": True}).json))
-    worker.start()
-    deadline = time.monotonic() + 20
-    while engine.stats()["running_sequences"] < 4:
-        assert time.monotonic() < deadline, engine.stats()
-        time.sleep(0.002)
-    aborted, steps = engine.stats()["requests_aborted"], engine.stats()["decode_forwards"]
-    result.close()  # what the WSGI server does when the client has gone
-    while engine.stats()["requests_aborted"] == aborted:
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
-    assert engine.stats()["decode_forwards"] - steps <= 3
-    assert engine.stats()["running_sequences"] <= 1  # only the other request is left
-    worker.join(20)
+    counts: dict = {}
+
+    async def leave_mid_stream() -> list[dict]:
+        sent: list[dict] = []
+        first_event, leave = asyncio.Event(), asyncio.Event()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop(0)
+            await leave.wait()  # the server reports the client's disconnect
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+            if message.get("body", b"").startswith(b"data: "):
+                first_event.set()
+
+        task = asyncio.create_task(app(http_scope("/v1/completions", body), receive, send))
+        await asyncio.wait_for(first_event.wait(), 20)
+        worker = threading.Thread(target=lambda: other.update(client.simulate_post(
+            "/v1/completions", json={"prompt": "Hello", "max_tokens": 40, "temperature": 0, "ignore_eos": True}).json))
+        worker.start()
+        deadline = time.monotonic() + 20
+        while engine.stats()["running_sequences"] < 4:
+            assert time.monotonic() < deadline, engine.stats()
+            await asyncio.sleep(0.002)
+        counts["aborted"], counts["steps"] = engine.stats()["requests_aborted"], engine.stats()["decode_forwards"]
+        leave.set()
+        await asyncio.wait_for(task, 20)  # the response ends without waiting for its 150 tokens
+        while engine.stats()["requests_aborted"] == counts["aborted"]:  # the engine drops it at its next step
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.002)
+        counts["steps_after"] = engine.stats()["decode_forwards"]
+        counts["running_after"] = engine.stats()["running_sequences"]
+        counts["aborted_after"] = engine.stats()["requests_aborted"]
+        await asyncio.get_running_loop().run_in_executor(None, worker.join, 20)
+        return sent
+
+    sent = asyncio.run(leave_mid_stream())
+    assert sent[0]["status"] == 200
+    assert counts["aborted_after"] == counts["aborted"] + 1
+    assert counts["steps_after"] - counts["steps"] <= 3
+    assert counts["running_after"] <= 1  # only the other request is left
     choice = other["choices"][0]
     assert choice["finish_reason"] == "length" and other["usage"]["completion_tokens"] == 40
     alone = client.simulate_post("/v1/completions", json={"prompt": "Hello", "max_tokens": 40, "temperature": 0,

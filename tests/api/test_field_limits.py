@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import falcon.testing
 import pytest
 
 from gyrfalcon.api.app import create_app
@@ -16,6 +15,8 @@ from gyrfalcon.openapi import FIELD_LIMITS
 from gyrfalcon.plugins import plugin_manager
 from gyrfalcon.plugins.engines import create_transformers_engine
 from tests.conftest import TINY_MAX_MODEL_LEN, tiny_settings
+from tests.helpers import api_client
+
 
 MSG = {"role": "user", "content": "hi"}
 #: endpoint -> (request schema, minimal valid body, where its sampling fields go)
@@ -38,7 +39,7 @@ def small(tiny_model_dir):
     pm = plugin_manager()
     engine = create_transformers_engine(settings, pm)
     assert engine.wait_ready(60).ready
-    client = falcon.testing.TestClient(create_app(engine, settings, pm))
+    client = api_client(create_app(engine, settings, pm))
     yield client, client.simulate_get("/openapi.json").json
     engine.shutdown(0)
 

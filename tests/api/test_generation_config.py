@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import shutil
 
-import falcon.testing
 import pytest
 
 from gyrfalcon.api.app import create_app
 from gyrfalcon.plugins import plugin_manager
 from gyrfalcon.plugins.engines import create_transformers_engine
 from tests.conftest import tiny_settings
+from tests.helpers import api_client
+
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -32,7 +33,7 @@ def _client(model_dir, mode):
     pm = plugin_manager()
     engine = create_transformers_engine(settings, pm)
     assert engine.wait_ready(60).ready
-    return engine, falcon.testing.TestClient(create_app(engine, settings, pm))
+    return engine, api_client(create_app(engine, settings, pm))
 
 
 def test_the_models_defaults_fill_what_the_client_leaves_unset(model_with_defaults):

@@ -15,10 +15,12 @@ in-process on the same folder; accuracy must be identical and every loglikelihoo
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
+
+from tests.helpers import ServedInThread
+
 
 COMPLETIONS = "/v1/completions"
 PAIRS = [
@@ -116,21 +118,9 @@ ITEMS = [
 
 @pytest.fixture
 def served_url(app):
-    """The app on a local port (wsgiref in a thread), for clients that speak HTTP."""
-    from wsgiref.simple_server import WSGIRequestHandler, make_server
-
-    class Quiet(WSGIRequestHandler):
-        def log_message(self, *args):
-            pass
-
-    server = make_server("127.0.0.1", 0, app, handler_class=Quiet)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        thread.join(5)
+    """The app on a local port, for clients that speak HTTP."""
+    with ServedInThread(app) as url:
+        yield url
 
 
 @pytest.mark.slow

@@ -3,14 +3,13 @@ become HTTP answers in the API layer only)."""
 
 from __future__ import annotations
 
-import falcon.testing
-
 from gyrfalcon.api.app import create_app
 from gyrfalcon.config import Settings
 from gyrfalcon.plugins.engines import create_transformers_engine
 from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
 from gyrfalcon.plugins import plugin_manager
 from tests.conftest import tiny_settings
+from tests.helpers import api_client
 
 
 def test_a_full_queue_is_503_with_retry_after(tiny_model_dir):
@@ -19,7 +18,7 @@ def test_a_full_queue_is_503_with_retry_after(tiny_model_dir):
     try:
         waiting = engine.submit(EngineRequest("filler", [1, 2, 3], SamplingParams(max_tokens=2)))
         app = create_app(engine, Settings(model=tiny_model_dir, served_model_name=["tiny"]), plugin_manager())
-        client = falcon.testing.TestClient(app)
+        client = api_client(app)
         r = client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json["error"]["type"] == "server_overloaded" and r.json["error"]["code"] == 503

@@ -4,13 +4,13 @@ vLLM has it (the scheduler's order is tested in ``tests/unit``); refused on an f
 
 from __future__ import annotations
 
-import falcon.testing
 import pytest
 
 from gyrfalcon.api.app import create_app
 from gyrfalcon.plugins import plugin_manager
 from gyrfalcon.plugins.engines import create_transformers_engine
 from tests.conftest import tiny_settings
+from tests.helpers import api_client
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def priority_client(tiny_model_dir):
     pm = plugin_manager()
     engine = create_transformers_engine(settings, pm)
     assert engine.wait_ready(60).ready
-    yield falcon.testing.TestClient(create_app(engine, settings, pm))
+    yield api_client(create_app(engine, settings, pm))
     engine.shutdown(0)
 
 

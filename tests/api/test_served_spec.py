@@ -6,13 +6,13 @@ import json
 import shutil
 from pathlib import Path
 
-import falcon.testing
 import pytest
 
 from gyrfalcon.api.app import create_app
 from gyrfalcon.plugins import plugin_manager
 from gyrfalcon.plugins.engines import create_transformers_engine
 from tests.conftest import tiny_settings
+from tests.helpers import api_client
 
 
 NAMED_TEMPLATE = (
@@ -36,7 +36,7 @@ def client_for_template(tiny_model_dir, folder: Path, template: str | None):
     pm = plugin_manager()
     engine = create_transformers_engine(settings, pm)
     assert engine.wait_ready(60).ready
-    return engine, falcon.testing.TestClient(create_app(engine, settings, pm))
+    return engine, api_client(create_app(engine, settings, pm))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from gyrfalcon.contract import configure_schema
 
 @pytest.fixture(scope="session")
 def served_schema(fuzz_app):
-    schema = schemathesis.openapi.from_wsgi("/openapi.json", fuzz_app)
+    schema = schemathesis.openapi.from_asgi("/openapi.json", fuzz_app)
     return configure_schema(schema, max_examples=40)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -132,3 +133,20 @@ def test_schemathesis_cli_against_the_live_spec(live_server, tmp_path):
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+def test_the_live_servers_own_parse_errors_are_the_envelope(live_server):
+    """What the HTTP parser refuses under gunicorn's uvicorn worker is JSON, not a text page."""
+    import socket
+    from urllib.parse import urlsplit
+
+    address = urlsplit(live_server.url)
+    with socket.create_connection((address.hostname, address.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nBad Header\r\n\r\n")
+        sock.settimeout(30)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+    assert json.loads(body)["error"]["code"] == 400

@@ -100,19 +100,55 @@ def test_close_from_another_thread_frees_a_running_request(tiny_model_dir):
         engine.shutdown(0)
 
 
-def test_follow_closes_the_stream_when_the_client_is_gone(stepped):
-    from gyrfalcon.engine_api.streams import follow
+class Gone:
+    """A :class:`gyrfalcon.serving.runner.Disconnect` the test sets by hand."""
+
+    def __init__(self):
+        self.gone, self.listeners = False, []
+
+    def is_set(self):
+        return self.gone
+
+    def add_listener(self, callback):
+        self.listeners.append(callback)
+
+    def leave(self):
+        self.gone = True
+        for callback in self.listeners:
+            callback()
+
+
+def test_a_reader_wakes_on_outputs_from_the_step_thread_and_stops_when_the_client_leaves(stepped):
+    import asyncio
+
+    import pytest
+
+    from gyrfalcon.protocol.requests import ServingRequest
+    from gyrfalcon.serving.runner import ClientGone, OutputReader
 
     engine = stepped()
-    stream = engine.submit(request(PROMPTS[0], temperature=0.0, max_tokens=40, ignore_eos=True))
+    stream = engine.submit(request(PROMPTS[0], temperature=0.0, max_tokens=40, ignore_eos=True, kind=OutputKind.DELTA))
+    serving = ServingRequest(endpoint="completions", model="tiny", response_id="r", requests=[])
+    gone = Gone()
+
+    async def read():
+        reader = OutputReader(serving, [stream], gone)
+        waiting = asyncio.ensure_future(reader.next(0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # nothing yet: the reader sleeps, no thread blocks on the stream
+        # the engine steps in another thread (the prefill gives the first token): its output wakes the reader
+        assert await asyncio.get_running_loop().run_in_executor(None, engine.core.batcher.step)
+        first = await asyncio.wait_for(waiting, 10)
+        gone.leave()
+        with pytest.raises(ClientGone):
+            await reader.next(0)
+        reader.close()
+        return first
+
+    first = asyncio.run(read())
+    assert first is not None and len(first.outputs[0].token_ids) == 1
     engine.core.batcher.step()
-    alive = iter([True, False])
-    assert list(follow(stream, lambda: next(alive), poll_s=0.01)) == []  # FINAL_ONLY: nothing before the end
-    engine.core.batcher.step()
-    assert engine.core.batcher.idle and not engine.core._live
-    done = engine.submit(request(PROMPTS[0], max_tokens=3))
-    run(engine, [])
-    assert [o.finished for o in follow(done, lambda: True, poll_s=0.01)] == [True]
+    assert engine.core.batcher.idle and not engine.core._live and engine.stats()["requests_aborted"] == 1
 
 
 def test_abort_during_the_last_prefill_forward_still_ends_the_request(stepped):

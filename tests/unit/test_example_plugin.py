@@ -16,27 +16,30 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gyrfalcon-example-
 PROBE = textwrap.dedent(
     """
     import json, sys
-    import falcon.testing
     from gyrfalcon.api.app import create_app
     from gyrfalcon.config import Settings
     from gyrfalcon.plugins import plugin_manager
     from gyrfalcon.plugins.engines import create_transformers_engine
+    from tests.helpers import api_client
 
     pm = plugin_manager()
     assert pm.has_plugin("suppress_tokens"), [pm.get_name(p) for p in pm.get_plugins()]
     settings = Settings(model=sys.argv[1], max_model_len=64, served_model_name=["tiny"])
     engine = create_transformers_engine(settings, pm)
     assert engine.wait_ready(60).ready
-    client = falcon.testing.TestClient(create_app(engine, settings, pm))
+    client = api_client(create_app(engine, settings, pm))
     body = {"token_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_tokens": 3, "ignore_eos": True}}
     plain = client.simulate_post("/inference/v1/generate", json=body).json["choices"][0]["token_ids"]
     body["extensions"] = {"suppress_token_ids": [plain[0]]}
     changed = client.simulate_post("/inference/v1/generate", json=body).json["choices"][0]["token_ids"]
     bad = client.simulate_post("/inference/v1/generate", json={**body, "extensions": {"suppress_token_ids": [-1]}})
     spec = client.simulate_get("/openapi.json").json
+    route = client.simulate_get("/suppress_token_ids")
+    head = client.simulate_head("/suppress_token_ids")
     ext = spec["components"]["schemas"]["Extensions"]["properties"]["suppress_token_ids"]
     print(json.dumps({"plain": plain, "changed": changed, "bad": [bad.status_code, bad.json["error"]["param"]],
-                      "max_id": ext["items"]["maximum"], "caps": sorted(engine.info().capabilities)}))
+                      "max_id": ext["items"]["maximum"], "caps": sorted(engine.info().capabilities),
+                      "route": [route.status_code, route.json], "head": [head.status_code, head.text]}))
     engine.shutdown(1)
     """
 )
@@ -60,3 +63,6 @@ def test_example_plugin_loaded_through_its_entry_point(tmp_path, tiny_model_dir)
     assert result["bad"] == [400, "extensions.suppress_token_ids.0"]
     assert result["max_id"] == 511  # x-token-id: capped below the tiny vocabulary
     assert "suppress_token_ids" in result["caps"]
+    # its async route, HEAD included
+    assert result["route"] == [200, {"field": "extensions.suppress_token_ids", "max_items": 16, "max_token_id": 511}]
+    assert result["head"] == [200, ""]

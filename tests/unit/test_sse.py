@@ -2,76 +2,76 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from gyrfalcon.api.sse import DONE, EventStream as events
 from gyrfalcon.errors import RequestError
 
 
-def decode(frames):
-    return [f.decode() for f in frames]
+class Source:
+    """An async chunk source with the ``close()`` the serving runner's responses have."""
+
+    def __init__(self, items, then=None):
+        self.items = list(items)
+        self.then = then
+        self.closed = []
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.items:
+            return self.items.pop(0)
+        if self.then is not None:
+            raise self.then
+        raise StopAsyncIteration
+
+    async def close(self):
+        self.closed.append(True)
+
+
+def frames_of(stream) -> list[str]:
+    async def collect():
+        return [frame.decode() async for frame in stream]
+
+    return asyncio.run(collect())
 
 
 def test_chunks_then_done():
-    frames = decode(events(iter([{"a": 1}, {"b": "é"}])))
-    assert frames == ['data: {"a":1}\n\n', 'data: {"b":"é"}\n\n', DONE.decode()]
+    source = Source([{"a": 1}, {"b": "é"}])
+    assert frames_of(events(source)) == ['data: {"a":1}\n\n', 'data: {"b":"é"}\n\n', DONE.decode()]
+    assert source.closed  # a finished stream closes its source too
 
 
 def test_error_mid_stream_is_one_event_then_done():
-    closed = []
-
-    def chunks():
-        try:
-            yield {"a": 1}
-            raise RequestError("engine went away", None, status=503)
-        finally:
-            closed.append(True)
-
-    frames = decode(events(chunks()))
+    source = Source([{"a": 1}], then=RequestError("engine went away", None, status=503))
+    frames = frames_of(events(source))
     assert frames[0] == 'data: {"a":1}\n\n' and frames[-1] == DONE.decode() and len(frames) == 3
     error = json.loads(frames[1][len("data: "):])
     assert error == {"error": {"message": "engine went away", "type": "ServiceUnavailableError", "param": None, "code": 503}}
-    assert closed == [True]
+    assert source.closed
 
 
 def test_unexpected_exception_is_a_500_event_not_a_broken_stream():
-    def chunks():
-        yield {"a": 1}
-        raise ValueError("boom")
-
-    frames = decode(events(chunks()))
+    frames = frames_of(events(Source([{"a": 1}], then=ValueError("boom"))))
     assert json.loads(frames[1][len("data: "):])["error"]["code"] == 500 and frames[-1] == DONE.decode()
 
 
 def test_client_disconnect_closes_the_chunk_source():
-    closed = []
+    source = Source([{"a": 1}] * 100)
 
-    def chunks():
-        try:
-            while True:
-                yield {"a": 1}
-        finally:
-            closed.append(True)
+    async def read_one_then_close():
+        stream = events(source)
+        await stream.__anext__()
+        await stream.close()  # what Falcon does however the response ends
 
-    gen = events(chunks())
-    next(gen)
-    gen.close()  # what the WSGI server does when the client hangs up
-    assert closed == [True]
+    asyncio.run(read_one_then_close())
+    assert source.closed
 
 
 def test_close_before_the_first_event_still_closes_the_source():
     """A client that hangs up before the first event: the chunk source is closed all the same."""
-    closed = []
-
-    class Source:
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            return {"a": 1}
-
-        def close(self):
-            closed.append(True)
-
-    events(Source()).close()
-    assert closed == [True]
+    source = Source([{"a": 1}] * 100)
+    asyncio.run(events(source).close())
+    assert source.closed
