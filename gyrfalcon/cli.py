@@ -48,6 +48,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds a client has to send a request's body (then a 408)")
     p.add_argument("--send-timeout", type=float, default=Settings.send_timeout,
                    help="seconds a response waits for a client that reads nothing (then the request is aborted)")
+    p.add_argument("--drain-timeout", type=float, default=Settings.drain_timeout,
+                   help="seconds running requests may finish after SIGTERM (queued ones get a 503 at once)")
     p.add_argument("--api-key", action="append", default=[], dest="api_keys",
                    help=f"a key clients must send as 'Authorization: Bearer <key>' (also ${API_KEY_ENV})")
     p.add_argument("--api-key-file", default=None, help="a file of API keys, one per line")

@@ -72,6 +72,9 @@ class Settings:
     #: seconds a response may wait for a client that reads nothing (nginx's send_timeout): the
     #: connection is then dropped and its request aborted
     send_timeout: float = 30.0
+    #: seconds running requests may finish after SIGTERM: queued ones get a 503 at once, new ones
+    #: are refused, and what still runs after this ends with a 503 error (before any hard kill)
+    drain_timeout: float = 25.0
     api_keys: list[str] = field(default_factory=list)
     #: origins a browser may call the API from (CORS; "*" for any); empty: no CORS headers
     allowed_origins: list[str] = field(default_factory=list)
@@ -94,7 +97,7 @@ class Settings:
         for key in self.api_keys:
             if not key.strip() or any(c in key for c in "\r\n") or key != key.strip():
                 raise ValueError("an API key must be non-empty, without surrounding spaces or line breaks")
-        for name in ("client_header_timeout", "client_body_timeout", "send_timeout"):
+        for name in ("client_header_timeout", "client_body_timeout", "send_timeout", "drain_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:

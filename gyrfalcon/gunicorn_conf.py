@@ -5,10 +5,16 @@ a socket on its event loop, not a thread. The engine is built in the worker by t
 never in the master.
 """
 
+import math
+
+from gyrfalcon.api.worker import DRAIN_MARGIN_S
+from gyrfalcon.config import Settings
+
 worker_class = "gyrfalcon.api.worker.Worker"
 workers = 1
 timeout = 120  # a worker heartbeat, not a per-request limit
-graceful_timeout = 10
+# SIGTERM: the worker drains for --drain-timeout, then ends what is left; the hard kill comes after
+graceful_timeout = math.ceil(Settings.from_env().drain_timeout + 2 * DRAIN_MARGIN_S)
 keepalive = 5
 control_socket_disable = True
 

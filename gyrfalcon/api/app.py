@@ -107,7 +107,7 @@ def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager, *, 
     app.add_route("/tokenize", TokenizeResource(ctx))
     app.add_route("/detokenize", DetokenizeResource(ctx))
     pm.hook.gyrfalcon_add_routes(app=app, engine=engine, settings=settings)
-    return WatchedApp(app)
+    return WatchedApp(app, drain=lambda: engine.drain(settings.drain_timeout))
 
 
 def build_engine(settings: Settings, pm: pluggy.PluginManager) -> Engine:

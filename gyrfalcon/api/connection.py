@@ -73,11 +73,16 @@ def connection_of(req: falcon.Request) -> Connection | None:
 
 
 class WatchedApp:
-    """The served ASGI app: the Falcon app, each HTTP request given a :class:`Connection`."""
+    """The served ASGI app: the Falcon app, each HTTP request given a :class:`Connection`.
 
-    def __init__(self, app: falcon.asgi.App) -> None:
+    ``drain`` (called when the server is told to stop) stops admitting requests and gives the
+    running ones their last seconds (see ``EngineCore.drain``).
+    """
+
+    def __init__(self, app: falcon.asgi.App, drain: Callable[[], None] = lambda: None) -> None:
         #: the Falcon app (routes, middleware, error handlers)
         self.falcon = app
+        self.drain = drain
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Callable[..., Awaitable[None]]) -> None:
         if scope["type"] != "http":  # lifespan

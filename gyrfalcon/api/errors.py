@@ -71,7 +71,7 @@ async def handle_request_error(req: falcon.Request, resp: falcon.Response, ex: R
 
 async def handle_engine_unavailable(req: falcon.Request, resp: falcon.Response, ex: EngineUnavailable, params: dict) -> None:
     retry = str(max(1, math.ceil(ex.retry_after)))
-    raise APIError(503, ex.message, "server_overloaded", None, {"Retry-After": retry})
+    raise APIError(503, ex.message, ex.type, None, {"Retry-After": retry})
 
 
 async def handle_unexpected(req: falcon.Request, resp: falcon.Response, ex: Exception, params: dict) -> None:

@@ -103,7 +103,9 @@ class InferenceResource:
         if connection is not None:
             connection.watch()
         if serving.stream:
-            start_stream(resp, stream_chunks(engine, serving, streams, connection))
+            chunks = stream_chunks(engine, serving, streams, connection)
+            await chunks.started()  # the status waits for the first output: an error before it is a status
+            start_stream(resp, chunks)
         else:
             _json(resp, await complete(engine, serving, streams, connection))
         # ids come from clients: percent-encode whatever a header cannot carry

@@ -2,14 +2,23 @@
 
 An idle, slow or non-reading client costs a socket, not a thread: the open-files soft limit is
 raised to the hard limit so that sockets are not what runs out first.
+
+SIGTERM (gunicorn's graceful stop) drains: the app stops admitting at once (queued requests get a
+503 with ``Retry-After``, new ones too), uvicorn stops listening and waits for the running requests,
+which have ``--drain-timeout`` seconds before the engine ends them with a 503 error event; gunicorn's
+own hard kill comes later (``graceful_timeout`` in :mod:`gyrfalcon.gunicorn_conf`).
 """
 
 from __future__ import annotations
 
 import functools
 import resource
+import sys
+from types import FrameType
 from typing import Any
 
+from gunicorn.arbiter import Arbiter
+from uvicorn import Config, Server
 from uvicorn_worker import UvicornWorker
 
 from gyrfalcon.api.protocol import ConnectionLimits, GuardedHttpProtocol
@@ -25,6 +34,23 @@ def raise_open_files_limit() -> int:
     return soft
 
 
+#: seconds uvicorn waits, after the drain's own time, for responses to end before cancelling them
+DRAIN_MARGIN_S = 3.0
+
+
+class DrainingServer(Server):
+    """uvicorn's server that drains the app (``app.drain()``) at the first exit signal."""
+
+    def __init__(self, config: Config, drain: Any) -> None:
+        super().__init__(config)
+        self._drain = drain
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit and self._drain is not None:
+            self._drain()
+        super().handle_exit(sig, frame)
+
+
 class Worker(UvicornWorker):
     """uvicorn with the guarded protocol, the app's lifespan on, and the settings' time limits."""
 
@@ -35,9 +61,19 @@ class Worker(UvicornWorker):
             "loop": "auto",
             "http": functools.partial(GuardedHttpProtocol, limits=limits),
             "lifespan": "on",
+            "timeout_graceful_shutdown": settings.drain_timeout + DRAIN_MARGIN_S,
         }
         super().__init__(*args, **kwargs)
 
     def init_process(self) -> None:
         raise_open_files_limit()
         super().init_process()
+
+    async def _serve(self) -> None:
+        # UvicornWorker's, with a server that drains the app before it stops
+        self.config.app = self.wsgi
+        server = DrainingServer(self.config, getattr(self.wsgi, "drain", None))
+        self._install_sigquit_handler()
+        await server.serve(sockets=self.sockets)
+        if not server.started:
+            sys.exit(Arbiter.WORKER_BOOT_ERROR)

@@ -103,6 +103,9 @@ class EngineClient(Engine):
     def shutdown(self, grace: float = 5.0) -> None:
         self.core.shutdown(grace)
 
+    def drain(self, timeout: float) -> None:
+        self.core.drain(timeout)
+
     def wait_ready(self, timeout: float = 60.0, poll_s: float = 0.01) -> EngineHealth:
         """Block until the core is ready (or ``timeout`` seconds); returns its health."""
         deadline = time.monotonic() + timeout

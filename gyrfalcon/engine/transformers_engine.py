@@ -32,7 +32,7 @@ from gyrfalcon.engine_api.streams import CoalescingOutputStream
 from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind, TokenLogprobs
 from gyrfalcon.engine.validation import NATIVE_CAPABILITIES, validate_request
 from gyrfalcon.engine_api.config import EngineConfig
-from gyrfalcon.engine_api.errors import ShuttingDown
+from gyrfalcon.engine_api.errors import SHUTTING_DOWN, ShuttingDown
 from gyrfalcon.errors import RequestError
 from gyrfalcon.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 
@@ -102,6 +102,8 @@ class TransformersEngine(EngineCore):
         self._lock = threading.Lock()
         self._live: dict[str, RequestState] = {}
         self._accepting = True
+        #: monotonic time at which running requests are cut short (drain); None: not draining
+        self._cut_at: float | None = None
         self._stop = threading.Event()
         self._health = EngineHealth(ready=False, message="loading model")
         self._counters = dict.fromkeys(
@@ -229,6 +231,15 @@ class TransformersEngine(EngineCore):
             self._emit(state)
         self._health = EngineHealth(ready=False, message="shut down")
 
+    def drain(self, timeout: float) -> None:
+        with self._lock:
+            self._accepting = False
+            self._health = EngineHealth(ready=False, message="the server is shutting down")
+            self._cut_at = time.monotonic() + max(timeout, 0.0)
+        for state in self.scheduler.drain():
+            self._fail(state, SHUTTING_DOWN)
+        self.scheduler.wake()
+
     # ------------------------------------------------------------------ internals
 
     def _make_sequences(self, request: EngineRequest) -> list[Sequence]:
@@ -290,6 +301,11 @@ class TransformersEngine(EngineCore):
         try:
             while not self._stop.is_set():
                 try:
+                    if self._cut_at is not None and time.monotonic() >= self._cut_at:
+                        self._cut_at = None  # the drain's time is up: what still runs ends with a 503
+                        self._fail_running(SHUTTING_DOWN)
+                        for state in self.scheduler.drain():  # preempted ones, requeued meanwhile
+                            self._fail(state, SHUTTING_DOWN)
                     if not self.batcher.step():
                         self.scheduler.wait(timeout=0.05)
                 except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
@@ -319,7 +335,7 @@ class TransformersEngine(EngineCore):
         """
         return self.sampler.gather_prompt_logprobs(logits, request, start)
 
-    def _fail_running(self, message: str) -> None:
+    def _fail_running(self, message: EngineError | str) -> None:
         """Fail every request in the batch and the prefill (their KV state is unknown after a failed
         decode step; a failed prefill is handled by the batcher and fails its group only)."""
         assert self.batcher is not None

@@ -7,6 +7,7 @@ same type plugin validators raise). An engine that cannot take a valid request n
 
 from __future__ import annotations
 
+from gyrfalcon.engine_api.types import EngineError
 from gyrfalcon.errors import RequestError
 
 #: an invalid request, naming its ``param``
@@ -15,6 +16,9 @@ InvalidRequest = RequestError
 
 class EngineUnavailable(Exception):
     """The engine cannot take the request now; a retry after ``retry_after`` seconds may succeed."""
+
+    #: the error envelope's ``type``
+    type = "server_overloaded"
 
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
@@ -28,3 +32,10 @@ class QueueFull(EngineUnavailable):
 
 class ShuttingDown(EngineUnavailable):
     """The engine is stopping (or failed to start) and takes no new requests."""
+
+    type = "server_shutting_down"
+
+
+#: what a request still queued or running when the server stops ends with (see ``EngineCore.drain``)
+SHUTTING_DOWN = EngineError("The server is shutting down; retry the request", type=ShuttingDown.type,
+                            status=503, retry_after=1.0)  # fmt: skip

@@ -137,6 +137,13 @@ class EngineCore(abc.ABC):
     def shutdown(self, grace: float = 5.0) -> None:
         """Stop accepting, let running requests finish for up to ``grace`` seconds, abort the rest."""
 
+    def drain(self, timeout: float) -> None:
+        """The server is stopping (SIGTERM): return at once, having stopped admitting — health turns
+        503, new requests are refused with :class:`gyrfalcon.engine_api.errors.ShuttingDown`, queued
+        ones end at once with an in-band 503 error (``retry_after`` set); running requests may
+        finish for ``timeout`` seconds, then end with that error too. Default: nothing (the
+        server's :meth:`shutdown` then aborts what is left)."""
+
 
 class Engine(EngineCore):
     """What the HTTP frontend talks to: an engine core plus the text work of the API side

@@ -185,6 +185,8 @@ class EngineError:
     type: str = "engine_error"
     param: str | None = None
     status: int = 500
+    #: seconds after which a retry may succeed (a 503's ``Retry-After``); None: no such header
+    retry_after: float | None = None
 
 
 @dataclass

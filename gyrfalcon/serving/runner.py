@@ -9,12 +9,13 @@ too: a client that went away ends the work, and closing a stream aborts its requ
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from gyrfalcon.engine_api.interface import Engine, OutputStream
-from gyrfalcon.engine_api.types import RequestOutput
+from gyrfalcon.engine_api.types import EngineError, RequestOutput
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.protocol.rules import wire_param
@@ -22,6 +23,11 @@ from gyrfalcon.serving.formats import FORMATTERS, CompletionFormatter
 
 #: status logged for a request whose client went away before its answer (nginx's convention)
 CLIENT_CLOSED = 499
+
+
+def client_closed() -> RequestError:
+    """The error of a request whose client went away (for the log: nobody reads the answer)."""
+    return RequestError("The client closed the connection", None, status=CLIENT_CLOSED, type="client_closed")
 
 
 class Disconnect(Protocol):
@@ -90,6 +96,7 @@ class OutputReader:
         self.streams = streams
         self.gone = gone
         self.wakeup = Wakeup()
+        self._held: dict[int, RequestOutput | None] = {}
         for stream in streams:
             stream.set_waker(self.wakeup)
         if gone is not None:
@@ -101,12 +108,22 @@ class OutputReader:
     def ready(self, i: int) -> RequestOutput | None:
         """Stream ``i``'s next output (None at its end); ``queue.Empty`` when none is ready yet.
         An in-band error is raised as the :class:`RequestError` it carries."""
+        if i in self._held:
+            return self._held.pop(i)
         output = self.streams[i].get(timeout=0)
         if output is not None and output.error is not None:
-            error = output.error
-            raise RequestError(error.message, wire_param(self.serving.endpoint, error.param), status=error.status,
-                               type=error.type)  # fmt: skip
+            raise self._request_error(output.error)
         return output
+
+    def _request_error(self, error: EngineError) -> RequestError:
+        headers = None if error.retry_after is None else {"Retry-After": str(max(1, math.ceil(error.retry_after)))}
+        return RequestError(error.message, wire_param(self.serving.endpoint, error.param), status=error.status,
+                            type=error.type, headers=headers)  # fmt: skip
+
+    async def started(self) -> None:
+        """Wait for the first stream's first output (or its end), kept for :meth:`next`: an error
+        before it is raised here, while a response's status can still tell it."""
+        self._held[0] = await self.next(0)
 
     async def next(self, i: int) -> RequestOutput | None:
         """Stream ``i``'s next output, None at its end; :class:`ClientGone` when the client left."""
@@ -160,7 +177,7 @@ async def complete(
     try:
         lasts = await reader.last_outputs()
     except ClientGone:
-        raise RequestError("The client closed the connection", None, status=CLIENT_CLOSED, type="client_closed") from None
+        raise client_closed() from None
     finally:
         reader.close()
     finals: list[RequestOutput] = []
@@ -187,6 +204,20 @@ class StreamedResponse:
 
     async def __anext__(self) -> dict[str, Any]:
         return await self._chunks.__anext__()
+
+    async def started(self) -> None:
+        """Wait until the engine has the request's first output, so that an error before it (a
+        server shutting down, a failed prefill) is the response's status, not an event after a 200;
+        a client that leaves meanwhile is a :data:`CLIENT_CLOSED`."""
+        if self._reader is None:
+            return
+        try:
+            await self._reader.started()
+        except BaseException as exc:
+            await self.close()
+            if isinstance(exc, ClientGone):
+                raise client_closed() from None
+            raise
 
     async def close(self) -> None:
         aclose = getattr(self._chunks, "aclose", None)
