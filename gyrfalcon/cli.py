@@ -84,6 +84,25 @@ def private_keys_file(keys: list[str]) -> str:
     return path
 
 
+#: prometheus-client's multiprocess directory: every API worker writes its request metrics there
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+#: prefix of the directory `gyrfalcon serve` makes when the user names none (removed at exit)
+METRICS_DIR_PREFIX = "gyrfalcon-metrics-"
+
+
+def metrics_dir(env: dict[str, str]) -> str:
+    """The multiprocess metrics directory for a new server: the user's (``$PROMETHEUS_MULTIPROC_DIR``),
+    cleared of an earlier server's files, or a new private one."""
+    path = env.get(METRICS_DIR_ENV)
+    if not path:
+        return tempfile.mkdtemp(prefix=METRICS_DIR_PREFIX)
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(path):
+        if name.endswith(".db"):  # counts of a server that is gone would be added to ours
+            os.unlink(os.path.join(path, name))
+    return path
+
+
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from gyrfalcon.bench.run import add_arguments
 
@@ -126,6 +145,7 @@ def serve(args: argparse.Namespace) -> int:
     env.pop(API_KEY_ENV, None)  # never passed on: the workers read the keys from a private file
     if settings.api_keys:
         env[API_KEYS_FILE_ENV] = private_keys_file(settings.api_keys)
+    env[METRICS_DIR_ENV] = metrics_dir(env)
     env.setdefault("MALLOC_ARENA_MAX", "2")
     env.setdefault("HF_HUB_OFFLINE", "1")
     argv = [

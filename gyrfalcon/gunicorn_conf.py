@@ -6,6 +6,8 @@ never in the master.
 """
 
 import math
+import os
+import shutil
 
 from gyrfalcon.api.worker import DRAIN_MARGIN_S
 from gyrfalcon.config import Settings
@@ -19,10 +21,18 @@ keepalive = 5
 control_socket_disable = True
 
 
-def on_exit(server) -> None:  # noqa: ARG001 - gunicorn's hook signature
-    """The master is leaving: remove the private API-keys file `gyrfalcon serve` wrote for it."""
-    import os
+def child_exit(server, worker) -> None:  # noqa: ARG001 - gunicorn's hook signature
+    """A worker is gone: prometheus-client drops its live gauges (its counts stay summed)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
 
+        multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server) -> None:  # noqa: ARG001 - gunicorn's hook signature
+    """The master is leaving: remove the private API-keys file and the metrics directory that
+    `gyrfalcon serve` made for it (never a directory the user named)."""
+    from gyrfalcon.cli import METRICS_DIR_PREFIX
     from gyrfalcon.config import API_KEYS_FILE_ENV
 
     path = os.environ.get(API_KEYS_FILE_ENV)
@@ -31,3 +41,6 @@ def on_exit(server) -> None:  # noqa: ARG001 - gunicorn's hook signature
             os.unlink(path)
         except FileNotFoundError:
             pass
+    metrics = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if metrics and os.path.basename(os.path.normpath(metrics)).startswith(METRICS_DIR_PREFIX):
+        shutil.rmtree(metrics, ignore_errors=True)

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import quote
 
 import falcon
 import orjson
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from gyrfalcon import __version__
 from gyrfalcon.api.connection import connection_of
 from gyrfalcon.api.context import ServerContext
 from gyrfalcon.api.errors import APIError
+from gyrfalcon.api.metrics import MetricsExposition
 from gyrfalcon.api.sse import start_stream
 from gyrfalcon.engine_api.interface import OutputStream
 from gyrfalcon.protocol.requests import ServingRequest
@@ -147,15 +148,13 @@ class DetokenizeResource:
 
 
 class MetricsResource:
-    """Prometheus text exposition of the engine's counters."""
+    """Prometheus text exposition: request metrics and the engine's stats (:mod:`gyrfalcon.api.metrics`)."""
 
     def __init__(self, ctx: ServerContext) -> None:
-        self.ctx = ctx
+        # the engine labels its request metrics; an engine without a name takes the served one
+        model_name = getattr(ctx.engine, "model_name", None) or ctx.served_model_names[0]
+        self.exposition = MetricsExposition(ctx.engine, model_name)
 
     async def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        lines = [f"gyrfalcon_uptime_seconds {time.time() - self.ctx.started:.3f}"]
-        for key, value in sorted(self.ctx.engine.stats().items()):
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                lines.append(f"gyrfalcon_{key} {value}")
-        resp.content_type = "text/plain; version=0.0.4"
-        resp.text = "\n".join(lines) + "\n"
+        resp.content_type = CONTENT_TYPE_LATEST
+        resp.data = await offload(self.exposition.render)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any
 
 from gyrfalcon.client.choice import ChoiceText
 from gyrfalcon.client.detokenizer import IncrementalDetokenizer, NoText
+from gyrfalcon.client.metrics import RequestTimer, serving_metrics
 from gyrfalcon.engine_api.interface import Engine, EngineCore, OutputStream
 from gyrfalcon.engine_api.outputs import OutputAggregator
 from gyrfalcon.engine_api.types import EngineHealth, EngineInfo, EngineRequest, OutputKind, RequestOutput
@@ -18,12 +20,14 @@ class ClientStream(OutputStream):
     in the consumer's thread. A choice whose text hits a stop string is finished at once here and
     in the core (which drops it at its next step); closing the stream aborts the core request."""
 
-    def __init__(self, request: EngineRequest, core_stream: OutputStream, choices: list[ChoiceText], core: EngineCore) -> None:
+    def __init__(self, request: EngineRequest, core_stream: OutputStream, choices: list[ChoiceText], core: EngineCore,
+                 timer: RequestTimer | None = None) -> None:  # fmt: skip
         super().__init__(request.request_id)
         self.core_stream = core_stream
         self._core = core
         self._state = OutputAggregator(request, choices)
         self._done = False
+        self._timer = timer
 
     def get(self, timeout: float | None = None) -> RequestOutput | None:
         """The next output, None at the end. With a ``timeout``, it waits at most that long for
@@ -44,6 +48,8 @@ class ClientStream(OutputStream):
         return None
 
     def _apply(self, item: RequestOutput) -> RequestOutput | None:
+        if self._timer is not None:
+            self._timer.output(item)
         state = self._state
         if item.error is not None:
             self._done = True
@@ -55,6 +61,8 @@ class ClientStream(OutputStream):
             if choice.add(delta):
                 self._core.finish_choice(self.request_id, delta.index, choice.stop_reason)
         output = state.make_output()
+        if output is not None and output.finished:
+            output.queue_time = item.queue_time
         if state.finished:
             self._done = True
         return output
@@ -71,9 +79,10 @@ class ClientStream(OutputStream):
 class EngineClient(Engine):
     """Tokenizer, chat template, detokenizer and stop strings around ``core``; every other call
     goes to the core. ``tokenizer``: the served model's (loaded from ``core.info().model_path``
-    when None)."""
+    when None); ``model_name`` labels its request metrics."""
 
-    def __init__(self, core: EngineCore, tokenizer: Any = None) -> None:
+    def __init__(self, core: EngineCore, tokenizer: Any = None, *, model_name: str | None = None,
+                 metrics: bool = True) -> None:  # fmt: skip
         if tokenizer is None:
             from gyrfalcon.models.loading import load_tokenizer
 
@@ -82,6 +91,10 @@ class EngineClient(Engine):
         self.tokenizer = tokenizer
         self.special_ids = frozenset(tokenizer.all_special_ids)
         self._token_bytes = None  # gyrfalcon.client.token_bytes.TokenBytes, built on first use
+        #: request metrics (prometheus-client, this process's), labelled with ``model_name`` (default:
+        #: the model folder's name); False: not counted
+        self._metrics = metrics
+        self._model_name = model_name
 
     # ------------------------------------------------------------------ the core's calls
 
@@ -119,7 +132,18 @@ class EngineClient(Engine):
         core_stream = self.core.submit(dataclasses.replace(request, output_kind=OutputKind.DELTA))
         params = request.sampling
         choices = [ChoiceText(index, params, self._detokenizer(request)) for index in range(params.n)]
-        return ClientStream(request, core_stream, choices, self.core)
+        return ClientStream(request, core_stream, choices, self.core, self._timer(request))
+
+    @property
+    def model_name(self) -> str:
+        """The ``model_name`` label of this engine's metrics."""
+        return self._model_name or os.path.basename(os.path.normpath(self.core.info().model_path))
+
+    def _timer(self, request: EngineRequest) -> RequestTimer | None:
+        if not self._metrics:
+            return None
+        metrics = serving_metrics(self.core.info().max_model_len)
+        return metrics.timer(self.model_name, len(request.prompt_token_ids), request.sampling.n)
 
     # ------------------------------------------------------------------ text
 

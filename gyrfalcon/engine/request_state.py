@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine_api.interface import OutputStream
 from gyrfalcon.engine_api.outputs import OutputAggregator
@@ -25,6 +27,9 @@ class RequestState(OutputAggregator):
         self.forked = False
         #: arrival number, given when the scheduler first queues it (orders equal priorities)
         self.arrival = 0
+        #: monotonic times it was submitted and first scheduled (its queue time)
+        self.submitted_at = time.monotonic()
+        self.scheduled_at: float | None = None
 
     def unfinished(self) -> list[Sequence]:
         return [seq for seq in self.sequences if not seq.finished]

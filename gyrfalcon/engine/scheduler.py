@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -292,6 +293,8 @@ class Scheduler:
                     return  # the oldest waits for blocks or budget to free up
                 continue  # it was aborted (taken out of the queue) meanwhile
             bisect.insort(self.running, state, key=self.order)
+            if state.scheduled_at is None:
+                state.scheduled_at = time.monotonic()
             rows += len(state.sequences)
             plan.extend(scheduled)
 

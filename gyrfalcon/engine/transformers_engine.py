@@ -256,12 +256,17 @@ class TransformersEngine(EngineCore):
     def _emit(self, state: RequestState) -> None:
         """Send what a step produced; end the stream and forget the request once it has finished."""
         output = state.make_output()
+        # read before the output goes out: a client that closes its stream once it has the final
+        # output (an abort of a finished request) must not turn it into an aborted one
+        aborted = state.abort_requested
         if output is not None:
+            if output.finished and state.scheduled_at is not None:
+                output.queue_time = state.scheduled_at - state.submitted_at
             state.stream.put(output)
         if state.finished and not state.closed:
             state.closed = True
             state.stream.finish()
-            self._forget(state, "requests_aborted" if state.abort_requested else "requests_finished")
+            self._forget(state, "requests_aborted" if aborted else "requests_finished")
 
     def _forget(self, state: RequestState, counter: str) -> None:
         with self._lock:

@@ -205,6 +205,8 @@ class RequestOutput:
     prompt_logprobs: TokenLogprobs | None = None
     num_generated_tokens: int = 0
     error: EngineError | None = None
+    #: on the last output: seconds the request waited in the engine's queue before its first step
+    queue_time: float | None = None
 
 
 @dataclass

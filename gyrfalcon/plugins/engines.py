@@ -35,7 +35,7 @@ def create_transformers_engine(
 
         pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
     core = TransformersEngine(EngineConfig.from_settings(settings, model_path), pm, start=start)
-    return EngineClient(core, core.tokenizer)
+    return EngineClient(core, core.tokenizer, model_name=settings.served_names()[0])
 
 
 @hookimpl

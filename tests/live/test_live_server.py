@@ -150,3 +150,26 @@ def test_the_live_servers_own_parse_errors_are_the_envelope(live_server):
     head, _, body = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
     assert json.loads(body)["error"]["code"] == 400
+
+
+def test_metrics_under_gunicorn_count_across_the_multiprocess_directory(live_server):
+    """The worker writes its request metrics to prometheus-client's multiprocess directory (set by
+    `gyrfalcon serve`); a scrape sums them and adds the engine's gauges."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples() -> dict:
+        text = requests.get(live_server.url + "/metrics", timeout=30).text
+        return {(s.name, s.labels.get("finished_reason")): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+
+    before = samples()
+    r = requests.post(live_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "n": 3,
+                                                                  "ignore_eos": True, **SAMPLED}, timeout=60)  # fmt: skip
+    assert r.status_code == 200
+    after = samples()
+    key = ("gyrfalcon:request_success_total", "length")
+    assert after[key] - before.get(key, 0) == 3
+    assert after[("gyrfalcon:generation_tokens_total", None)] - before.get(("gyrfalcon:generation_tokens_total", None), 0) == 12
+    assert ("gyrfalcon:num_requests_waiting", None) in after and ("gyrfalcon:kv_cache_usage_perc", None) in after
+    # the multiprocess collector answered (the process's own default collectors are not in it)
+    assert ("process_cpu_seconds_total", None) not in after
