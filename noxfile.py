@@ -1,5 +1,7 @@
 """Sessions: ``nox -s tests`` (the whole suite), ``nox -s serve`` (the default model on :8000),
-``nox -s codegen`` (regenerate models; ``-- --check`` fails when they are stale).
+``nox -s codegen`` (regenerate models; ``-- --check`` fails when they are stale), and the campaigns
+``slow-clients``, ``sigterm``, ``soak``, ``fuzz`` (``python -m gyrfalcon.campaigns``; options after
+``--``).
 
 pip/venv sessions only: uv ignores the CPU build of torch this project pins and would fetch a CUDA
 build. torch is installed first and explicitly, so no other requirement can pull another build.
@@ -37,6 +39,36 @@ def serve(session: nox.Session) -> None:
     """Serve the embedded default model (or ``-- --model PATH …``) on 127.0.0.1:8000."""
     _install(session)
     session.run("gyrfalcon", "serve", *session.posargs)
+
+
+def _campaign(session: nox.Session, name: str) -> None:
+    _install(session, "[test]")
+    session.env["HF_HUB_OFFLINE"] = "1"
+    session.run("python", "-m", "gyrfalcon.campaigns", name, *session.posargs)
+
+
+@nox.session(name="slow-clients")
+def slow_clients(session: nox.Session) -> None:
+    """1,000 idle and one-byte connections and 100 unread streams beside a normal client."""
+    _campaign(session, "slow-clients")
+
+
+@nox.session
+def sigterm(session: nox.Session) -> None:
+    """SIGTERM with queued and running work: every request gets a status and a closing event."""
+    _campaign(session, "sigterm")
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """2,000 mixed requests with abandoned streams and invalid bodies: 0 x 5xx."""
+    _campaign(session, "soak")
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """Schemathesis, 1,000 examples per operation, against a server on the default model."""
+    _campaign(session, "fuzz")
 
 
 @nox.session

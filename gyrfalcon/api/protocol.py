@@ -89,9 +89,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             timer.cancel()
             setattr(self, name, None)
 
+    def _responding(self) -> bool:
+        """A request is being answered (or waits in the pipeline for its turn)."""
+        return bool(self.pipeline) or (self.cycle is not None and not self.cycle.response_complete)
+
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing() or not self._reading_head:
+        if self.transport.is_closing() or not self._reading_head or self._responding():
             return
         if not self._in_head:
             self.transport.close()  # nothing of a request came: nothing to answer
@@ -129,8 +133,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         self._cancel("_probe_timer")
-        super().on_response_complete()
-        if self._peer_eof and not self.pipeline:  # the client sends nothing more: the connection is done
+        super().on_response_complete()  # starts a pipelined request, if one waits
+        if self._responding():
+            return
+        if self._peer_eof:  # the client sends nothing more: the connection is done
             self.transport.close()
         elif not self.transport.is_closing():
             self._arm_head_timer()
@@ -145,11 +151,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._reject(400, "Invalid HTTP request: the request line, a header or the body's framing is malformed")
 
     def _reject(self, status: int, message: str) -> None:
-        """Answer ``status`` with the envelope and close; mid-response, only stop reading."""
+        """Answer ``status`` with the envelope and close; while a whole request is being answered
+        (the bad bytes come after it), only stop reading: that answer ends, then the connection."""
         self._rejected = True
         self._cancel("_head_timer")
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.cycle.keep_alive = False  # the running request ends normally, then the connection
+        cycle = self.cycle
+        answering = cycle is not None and not cycle.response_complete and (
+            cycle.response_started or not cycle.more_body or self.pipeline)
+        if answering:
+            cycle.keep_alive = False
             self.flow.pause_reading()
             return
         if not self.transport.is_closing():
@@ -178,14 +188,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self.cycle is None or self.cycle.response_complete:
             return None  # between requests: close
         self._peer_eof = True
-        if not self.cycle.response_started and self.scope.get("http_version", "1.1") == "1.1":
+        if not self.pipeline and not self.cycle.response_started and self.scope.get("http_version", "1.1") == "1.1":
             self._probe_timer = self.loop.call_later(self.limits.probe_interval, self._probe)
         return True  # keep the sending side open: the answer is still wanted
 
     def _probe(self) -> None:
         self._probe_timer = None
         cycle = self.cycle
-        if self.transport.is_closing() or cycle is None or cycle.response_started or cycle.response_complete:
+        if (self.transport.is_closing() or cycle is None or cycle.response_started or cycle.response_complete
+                or self.pipeline):  # while pipelined, ``self.cycle`` is not the one answering
             return
         self.transport.write(CONTINUE)  # a client that is gone answers with a reset
         self._probe_timer = self.loop.call_later(self.limits.probe_interval, self._probe)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import resource
 import sys
+import threading
 from types import FrameType
 from typing import Any
 
@@ -47,7 +48,9 @@ class DrainingServer(Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit and self._drain is not None:
-            self._drain()
+            # never inside the signal handler: it interrupts the loop thread, which may hold the
+            # engine's lock (an abort, a stop string) that the drain takes
+            threading.Thread(target=self._drain, name="gyrfalcon-drain", daemon=True).start()
         super().handle_exit(sig, frame)
 
 

@@ -48,11 +48,13 @@ class ClientStream(OutputStream):
         return None
 
     def _apply(self, item: RequestOutput) -> RequestOutput | None:
-        if self._timer is not None:
-            self._timer.output(item)
-        state = self._state
+        timer, state = self._timer, self._state
+        if timer is not None:
+            timer.output(item)
         if item.error is not None:
             self._done = True
+            if timer is not None:
+                timer.failed()
             return state.fail(item.error)
         if item.prompt_logprobs is not None:
             state.prompt_logprobs = item.prompt_logprobs
@@ -61,10 +63,10 @@ class ClientStream(OutputStream):
             if choice.add(delta):
                 self._core.finish_choice(self.request_id, delta.index, choice.stop_reason)
         output = state.make_output()
-        if output is not None and output.finished:
-            output.queue_time = item.queue_time
         if state.finished:
             self._done = True
+            if timer is not None:
+                timer.finish([choice.finish_reason for choice in state.sequences], state.num_generated_tokens())
         return output
 
     def set_waker(self, waker: Any) -> None:
@@ -73,6 +75,11 @@ class ClientStream(OutputStream):
 
     def close(self) -> None:
         self._done = True
+        if self._state.finished:
+            # every choice ended here or in the core: the core finishes the last ones (stop strings)
+            # at its next step; an abort now would count a finished request as aborted
+            self.core_stream.set_waker(None)
+            return
         self.core_stream.close()
 
 

@@ -92,7 +92,7 @@ def serving_metrics(max_model_len: int) -> ServingMetrics:
 
 
 class RequestTimer:
-    """One engine request seen from the API worker: its outputs as they arrive, then its end."""
+    """One engine request seen from the API worker: the core's outputs as they arrive, then its end."""
 
     def __init__(self, metrics: ServingMetrics, labels: tuple[str, str], prompt_tokens: int, n: int) -> None:
         self.metrics = metrics
@@ -101,6 +101,7 @@ class RequestTimer:
         self.n = n
         self.arrival = time.monotonic()
         self.last_token: float | None = None
+        self.queue_time: float | None = None
         self.done = False
 
     def output(self, item: RequestOutput) -> None:
@@ -108,36 +109,41 @@ class RequestTimer:
         if self.done:
             return
         m, labels, now = self.metrics, self.labels, time.monotonic()
-        new = max((len(choice.token_ids) for choice in item.outputs), default=0)
+        if item.queue_time is not None:
+            self.queue_time = item.queue_time
         generated = sum(len(choice.token_ids) for choice in item.outputs)
         if generated:
             m.generation_tokens.labels(*labels).inc(generated)
-        if new:
-            if self.last_token is None:
-                m.ttft.labels(*labels).observe(now - self.arrival)
-                new -= 1
-            else:
-                # several tokens in one output (a reader that lagged): the gap is theirs together
-                gap = (now - self.last_token) / new
-                for _ in range(new):
-                    m.inter_token.labels(*labels).observe(gap)
-            self.last_token = now
-        if item.error is None:
-            for choice in item.outputs:  # a choice's finish comes once, in the delta that ends it
-                if choice.finish_reason is not None:
-                    m.request_success.labels(*labels, choice.finish_reason).inc()
-        if item.finished:
-            self.finish(item, now)
+        new = max((len(choice.token_ids) for choice in item.outputs), default=0)
+        if not new:
+            return
+        if self.last_token is None:
+            m.ttft.labels(*labels).observe(now - self.arrival)
+            new -= 1
+        else:
+            # several tokens in one output (a reader that lagged): the gap is theirs together
+            gap = (now - self.last_token) / new
+            for _ in range(new):
+                m.inter_token.labels(*labels).observe(gap)
+        self.last_token = now
 
-    def finish(self, item: RequestOutput, now: float) -> None:
+    def finish(self, finish_reasons: list[str | None], generated_tokens: int) -> None:
+        """Every choice has ended (in the core, or here at a stop string)."""
+        if self.done:
+            return
         self.done = True
         m, labels = self.metrics, self.labels
-        if item.error is not None:
-            return  # a failed request is not a success of any reason
         m.prompt_tokens.labels(*labels).inc(self.prompt_tokens)
-        m.e2e.labels(*labels).observe(now - self.arrival)
-        if item.queue_time is not None:
-            m.queue_time.labels(*labels).observe(item.queue_time)
+        m.e2e.labels(*labels).observe(time.monotonic() - self.arrival)
+        if self.queue_time is not None:
+            m.queue_time.labels(*labels).observe(self.queue_time)
         m.request_prompt_tokens.labels(*labels).observe(self.prompt_tokens)
-        m.request_generation_tokens.labels(*labels).observe(item.num_generated_tokens)
+        m.request_generation_tokens.labels(*labels).observe(generated_tokens)
         m.request_params_n.labels(*labels).observe(self.n)
+        for reason in finish_reasons:
+            if reason is not None:
+                m.request_success.labels(*labels, reason).inc()
+
+    def failed(self) -> None:
+        """The request ended with an error: not a success of any reason."""
+        self.done = True

@@ -30,6 +30,7 @@ class RequestState(OutputAggregator):
         #: monotonic times it was submitted and first scheduled (its queue time)
         self.submitted_at = time.monotonic()
         self.scheduled_at: float | None = None
+        self.queue_time_sent = False
 
     def unfinished(self) -> list[Sequence]:
         return [seq for seq in self.sequences if not seq.finished]

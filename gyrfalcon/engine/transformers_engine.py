@@ -260,8 +260,9 @@ class TransformersEngine(EngineCore):
         # output (an abort of a finished request) must not turn it into an aborted one
         aborted = state.abort_requested
         if output is not None:
-            if output.finished and state.scheduled_at is not None:
+            if state.scheduled_at is not None and not state.queue_time_sent:
                 output.queue_time = state.scheduled_at - state.submitted_at
+                state.queue_time_sent = True
             state.stream.put(output)
         if state.finished and not state.closed:
             state.closed = True

@@ -44,6 +44,8 @@ def merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:
     second.outputs = sorted(choices.values(), key=lambda c: c.index)
     if second.prompt_logprobs is None:
         second.prompt_logprobs = first.prompt_logprobs
+    if second.queue_time is None:
+        second.queue_time = first.queue_time
     return second
 
 

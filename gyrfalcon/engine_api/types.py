@@ -205,7 +205,7 @@ class RequestOutput:
     prompt_logprobs: TokenLogprobs | None = None
     num_generated_tokens: int = 0
     error: EngineError | None = None
-    #: on the last output: seconds the request waited in the engine's queue before its first step
+    #: on the first output after its first step: seconds the request waited in the engine's queue
     queue_time: float | None = None
 
 

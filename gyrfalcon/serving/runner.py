@@ -169,7 +169,12 @@ async def complete(
 ) -> dict[str, Any]:
     """Wait for every stream's final output and build the response body; a client that goes away
     ends it with :data:`CLIENT_CLOSED` and aborts its sequences in the engine within a step."""
-    formatter = FORMATTERS[serving.endpoint](serving, engine)
+    try:
+        formatter = FORMATTERS[serving.endpoint](serving, engine)
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
     if serving.prompt_only:
         assert isinstance(formatter, CompletionFormatter)
         return formatter.prompt_only()

@@ -1,0 +1,41 @@
+"""Short versions of the campaigns (``python -m gyrfalcon.campaigns``) on the tiny model: what they
+count must hold; their speed figures are printed, not asserted (the full campaigns check those)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from gyrfalcon.bench.server import launch
+from gyrfalcon.campaigns import sigterm, slow_clients, soak
+
+pytestmark = pytest.mark.live
+
+
+def test_slow_clients_do_not_stall_the_server(live_server):
+    report = slow_clients.run(live_server.url, idle=150, one_byte=150, non_reading=20, repeat=3)
+    print("\n".join(report.lines()))
+    # a server whose threads the slow clients held would not answer at all (the old front: 45 s)
+    assert report.health_beside_ms < 2000 and report.beside_s < 30
+
+
+def test_soak_of_mixed_valid_and_invalid_requests(live_server):
+    report = soak.run(live_server.url, requests=280, concurrency=4)
+    print("\n".join(report.lines()))
+    assert report.met(), report.failures[:10]
+    assert sum(v for k, v in report.statuses.items() if k.startswith("4")) == 280 // 5
+
+
+def test_sigterm_under_load(tiny_model_dir, tmp_path):
+    argv = lambda port: [  # noqa: E731
+        sys.executable, "-m", "gyrfalcon.cli", "serve", "--port", str(port), "--model", tiny_model_dir, "--max-model-len",
+        "128", "--max-num-seqs", "2", "--num-threads", "1", "--drain-timeout", "1"]  # fmt: skip
+    server = launch(argv, str(tmp_path / "server.log"), timeout_s=180)
+    try:
+        report = sigterm.run(server, requests=16)
+    finally:
+        server.stop()
+    print("\n".join(report.lines()))
+    assert report.met(), report.failures
+    assert report.outcomes["503"] >= 8 - 2 and report.exit_s < 1 + 10
