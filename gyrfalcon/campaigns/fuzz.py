@@ -26,10 +26,12 @@ class FuzzReport:
         return [f"Schemathesis, {self.max_examples} examples per operation, all checks, both modes:", self.summary]
 
 
-def run(url: str, max_examples: int = 1000, workers: int = 2, seed: int = 1) -> FuzzReport:
+def run(url: str, max_examples: int = 1000, workers: int = 2, seed: int = 1, request_timeout: float = 300) -> FuzzReport:
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", url.rstrip("/") + "/openapi.json", "--checks", "all",
            "--mode", "all", "--max-examples", str(max_examples), "--seed", str(seed), "--workers", str(workers),
-           "--generation-database", "none", "--output-sanitize", "false"]  # fmt: skip
+           "--generation-database", "none", "--output-sanitize", "false",
+           # a real model on a CPU takes longer than Schemathesis's 10 s for the largest valid requests
+           "--request-timeout", str(request_timeout)]  # fmt: skip
     env = dict(os.environ, SCHEMATHESIS_HOOKS="gyrfalcon.contract")
     result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     out = result.stdout
