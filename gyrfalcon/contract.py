@@ -89,6 +89,12 @@ def prompt_token_bounds(path: str, body: dict[str, Any], chat: dict[str, int]) -
     return [chat["fixed"] + sum(_message_bound(m, chat) for m in conv if isinstance(m, dict)) for conv in conversations]
 
 
+def _may_tokenize_to_nothing(text: Any) -> bool:
+    """A text prompt with no printable character: a tokenizer may drop all of it (SmolLM2's drops
+    control characters), which the rule prompt_not_empty_after_tokenization refuses."""
+    return isinstance(text, str) and not any(ch.isprintable() for ch in text)
+
+
 def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
     """True when a schema-valid body may still break a runtime-only rule (context, min_tokens, sequences)."""
     if not isinstance(body, dict):
@@ -105,6 +111,11 @@ def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
         messages = [m for conversation in messages if isinstance(conversation, list) for m in conversation]
     if any(_message_breaks_rule(m) for m in messages):
         return True
+    if _is_completions(path):
+        prompt = body.get("prompt")
+        texts = prompt if isinstance(prompt, list) else [prompt]
+        if any(_may_tokenize_to_nothing(text) for text in texts):
+            return True
     chat = limits["chat"] or {"fixed": 0, "per_message": 0}  # None: the server serves no chat
     prompts = prompt_token_bounds(path, body, chat)
     n = params.get("n", 1)

@@ -31,7 +31,7 @@ def run(url: str, max_examples: int = 1000, workers: int = 2, seed: int = 1, req
            "--mode", "all", "--max-examples", str(max_examples), "--seed", str(seed), "--workers", str(workers),
            "--generation-database", "none", "--output-sanitize", "false",
            # a real model on a CPU takes longer than Schemathesis's 10 s for the largest valid requests
-           "--request-timeout", str(request_timeout)]  # fmt: skip
+           "--request-timeout", str(request_timeout), "--max-response-time", str(request_timeout)]  # fmt: skip
     env = dict(os.environ, SCHEMATHESIS_HOOKS="gyrfalcon.contract")
     result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     out = result.stdout

@@ -25,3 +25,11 @@ def test_n_times_the_sequence_must_fit_the_kv_cache():
     assert not breaks_runtime_rule("/v1/completions", {**body, "n": 32}, LIMITS)
     assert breaks_runtime_rule("/v1/completions", {**body, "n": 33}, LIMITS)
     assert breaks_runtime_rule("/inference/v1/generate", {"token_ids": [1] * 10, "sampling_params": {"n": 20, "max_tokens": 30}}, LIMITS)
+
+
+def test_a_prompt_without_a_printable_character_may_tokenize_to_nothing():
+    """Found by the fuzz campaign on the default model: "\\u0006" is a valid string its tokenizer drops."""
+    for prompt in ("\u0006", "", ["ok", "\u0007\u0008"]):
+        assert breaks_runtime_rule("/v1/completions", {"prompt": prompt, "max_tokens": 2}, LIMITS), prompt
+    for prompt in (" ", "a\u0006", ["ok", "fine"]):
+        assert not breaks_runtime_rule("/v1/completions", {"prompt": prompt, "max_tokens": 2}, LIMITS), prompt
