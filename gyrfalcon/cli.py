@@ -50,6 +50,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds a response waits for a client that reads nothing (then the request is aborted)")
     p.add_argument("--drain-timeout", type=float, default=Settings.drain_timeout,
                    help="seconds running requests may finish after SIGTERM (queued ones get a 503 at once)")
+    p.add_argument("--api-workers", type=int, default=Settings.api_workers,
+                   help="API worker processes (HTTP, tokenizer, detokenizer); the engine has its own")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=Settings.engine_process,
+                   help="run the engine in its own process (--no-engine-process: inside the one API worker)")
     p.add_argument("--api-key", action="append", default=[], dest="api_keys",
                    help=f"a key clients must send as 'Authorization: Bearer <key>' (also ${API_KEY_ENV})")
     p.add_argument("--api-key-file", default=None, help="a file of API keys, one per line")
@@ -155,8 +159,11 @@ def serve(args: argparse.Namespace) -> int:
         *(["--keyfile", settings.ssl_keyfile, "--certfile", settings.ssl_certfile] if settings.ssl_certfile else []),
         "gyrfalcon.api.app:asgi_app()",
     ]
+    argv[argv.index("--bind"):argv.index("--bind")] = ["--workers", str(settings.api_workers)]
     scheme = "https" if settings.ssl_certfile else "http"
     print(f"gyrfalcon: serving {settings.model} on {scheme}://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    if settings.engine_process:  # this process becomes the launcher: engine process, then gunicorn
+        argv = [sys.executable, "-m", "gyrfalcon.engine_process.launch", *argv]
     os.execve(sys.executable, argv, env)
     return 0  # not reached
 

@@ -75,6 +75,12 @@ class Settings:
     #: seconds running requests may finish after SIGTERM: queued ones get a 503 at once, new ones
     #: are refused, and what still runs after this ends with a 503 error (before any hard kill)
     drain_timeout: float = 25.0
+    #: gunicorn workers serving the API (each with its own tokenizer and detokenizers); more than
+    #: one needs the engine in its own process
+    api_workers: int = 1
+    #: the engine runs in a process of its own, reached by the API workers over ZeroMQ (False: in
+    #: the one API worker, for tests and small deployments)
+    engine_process: bool = True
     api_keys: list[str] = field(default_factory=list)
     #: origins a browser may call the API from (CORS; "*" for any); empty: no CORS headers
     allowed_origins: list[str] = field(default_factory=list)
@@ -89,7 +95,7 @@ class Settings:
         """Raise ValueError with one clear line for a bad setting."""
         positive = (
             "max_num_seqs", "max_num_batched_tokens", "max_queue_len", "max_request_seqs", "num_threads", "max_body_bytes",
-            "block_size",
+            "block_size", "api_workers",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -100,6 +106,8 @@ class Settings:
         for name in ("client_header_timeout", "client_body_timeout", "send_timeout", "drain_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(self, name)}")
+        if self.api_workers > 1 and not self.engine_process:
+            raise ValueError("--api-workers above 1 needs the engine in its own process (drop --no-engine-process)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

@@ -1,8 +1,9 @@
 """gunicorn settings for gyrfalcon (``gunicorn -c python:gyrfalcon.gunicorn_conf``).
 
-One uvicorn worker (:class:`gyrfalcon.api.worker.Worker`) serves the ASGI app: every connection is
-a socket on its event loop, not a thread. The engine is built in the worker by the app factory,
-never in the master.
+uvicorn workers (:class:`gyrfalcon.api.worker.Worker`; ``gyrfalcon serve --api-workers N``) serve
+the ASGI app: every connection is a socket on a worker's event loop, not a thread. Each worker
+reaches the engine process that ``gyrfalcon serve`` started (:mod:`gyrfalcon.engine_process`), or,
+without one, builds the engine itself; the master never imports torch.
 """
 
 import math

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 
 import falcon
 import falcon.asgi
@@ -31,7 +32,8 @@ from gyrfalcon.api.resources import (
 )
 from gyrfalcon.config import Settings
 from gyrfalcon.engine_api.interface import Engine
-from gyrfalcon.plugins import merged_dict, plugin_manager
+from gyrfalcon.plugins import plugin_manager
+from gyrfalcon.plugins.engines import build_engine
 
 #: routes that answer without an API key
 PUBLIC_ROUTES = frozenset({"/health", "/version", "/openapi.json", "/metrics"})
@@ -110,17 +112,25 @@ def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager, *, 
     return WatchedApp(app, drain=lambda: engine.drain(settings.drain_timeout))
 
 
-def build_engine(settings: Settings, pm: pluggy.PluginManager) -> Engine:
-    """The engine backend named by ``settings.engine``, from the plugins' offers."""
-    engines = merged_dict(pm.hook.gyrfalcon_engines(), "engine")
-    if settings.engine not in engines:
-        raise SystemExit(f"--engine {settings.engine!r} is not installed; available: {', '.join(sorted(engines))}")
-    return engines[settings.engine](settings, pm)
+def worker_engine(settings: Settings, pm: pluggy.PluginManager) -> Engine:
+    """The engine of an API worker: the engine process's core (when ``gyrfalcon serve`` started one,
+    :data:`~gyrfalcon.engine_process.ENGINE_ADDRESS_ENV`) behind this worker's text work, else an
+    engine built in this worker."""
+    from gyrfalcon.engine_process import ENGINE_ADDRESS_ENV
+
+    address = os.environ.get(ENGINE_ADDRESS_ENV)
+    if not address:
+        return build_engine(settings, pm)
+    from gyrfalcon.client import EngineClient
+    from gyrfalcon.engine_process.remote import RemoteEngineCore
+
+    core = RemoteEngineCore(address)
+    return EngineClient(core, model_name=settings.served_names()[0])
 
 
 def asgi_app() -> WatchedApp:
-    """The worker's entry point: settings from the environment, engine built in this worker."""
+    """The worker's entry point: settings from the environment, the engine from :func:`worker_engine`."""
     settings = Settings.from_env()
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s")
     pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
-    return create_app(build_engine(settings, pm), settings, pm, lifespan=True)
+    return create_app(worker_engine(settings, pm), settings, pm, lifespan=True)

@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 #: sharing a forward with the running sequences' decode tokens
 PREFILL_CHUNK_TOKENS = 512
 
+#: seconds one step may run before health reports the step loop hung (a step is at most
+#: max_num_batched_tokens tokens: seconds on a CPU, milliseconds on a GPU)
+STEP_STALL_S = 60.0
+
 
 class TransformersEngine(EngineCore):
     """An :class:`EngineCore` over a local Hugging Face causal-LM folder (token ids only; the
@@ -105,6 +109,8 @@ class TransformersEngine(EngineCore):
         #: monotonic time at which running requests are cut short (drain); None: not draining
         self._cut_at: float | None = None
         self._stop = threading.Event()
+        #: monotonic start of the step running now (None between steps): the loop's heartbeat
+        self._step_started: float | None = None
         self._health = EngineHealth(ready=False, message="loading model")
         self._counters = dict.fromkeys(
             ("requests_submitted", "requests_finished", "requests_aborted", "requests_failed",
@@ -148,6 +154,10 @@ class TransformersEngine(EngineCore):
         return self._info
 
     def health(self) -> EngineHealth:
+        started = self._step_started
+        if started is not None and self._health.ready and time.monotonic() - started > STEP_STALL_S:
+            return EngineHealth(ready=False, message=f"the step loop is stuck: one step has run for "
+                                                     f"{time.monotonic() - started:.0f} s")  # fmt: skip
         return self._health
 
     def wait_ready(self, timeout: float = 60.0) -> EngineHealth:
@@ -312,9 +322,13 @@ class TransformersEngine(EngineCore):
                         self._fail_running(SHUTTING_DOWN)
                         for state in self.scheduler.drain():  # preempted ones, requeued meanwhile
                             self._fail(state, SHUTTING_DOWN)
-                    if not self.batcher.step():
+                    self._step_started = time.monotonic()
+                    stepped = self.batcher.step()
+                    self._step_started = None
+                    if not stepped:
                         self.scheduler.wait(timeout=0.05)
                 except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
+                    self._step_started = None
                     log.exception("engine step failed")
                     self._fail_running(f"internal error: {exc}")
         except BaseException as exc:  # the loop itself died: say so, and never leave a client waiting

@@ -38,6 +38,24 @@ def create_transformers_engine(
     return EngineClient(core, core.tokenizer, model_name=settings.served_names()[0])
 
 
+def build_engine(settings: Settings, pm: Any) -> Any:
+    """The engine backend named by ``settings.engine``, from the plugins' offers (an ``Engine``)."""
+    from gyrfalcon.plugins import merged_dict
+
+    engines = merged_dict(pm.hook.gyrfalcon_engines(), "engine")
+    if settings.engine not in engines:
+        raise SystemExit(f"--engine {settings.engine!r} is not installed; available: {', '.join(sorted(engines))}")
+    return engines[settings.engine](settings, pm)
+
+
+def engine_core(engine: Any) -> Any:
+    """The token-id core of an engine a factory built: what the engine process serves (an
+    :class:`EngineClient`'s text work runs in the API workers instead)."""
+    from gyrfalcon.client import EngineClient
+
+    return engine.core if isinstance(engine, EngineClient) else engine
+
+
 @hookimpl
 def gyrfalcon_engines() -> dict[str, Any]:
     """Offer the ``transformers`` backend."""

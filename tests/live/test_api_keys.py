@@ -26,9 +26,12 @@ def test_keys_from_flag_env_and_file_and_never_in_an_environment(tiny_model_dir,
         for key in KEYS:
             r = requests.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
             assert r.status_code == 200, (key, r.text)
-        workers = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True).stdout.split()
-        assert workers, server.log()
-        for pid in [server.process.pid, *workers]:
+        processes, parents = [], [str(server.process.pid)]
+        while parents:  # the launcher, the engine process, gunicorn's master and its workers
+            processes += parents
+            parents = subprocess.run(["pgrep", "-P", ",".join(parents)], capture_output=True, text=True).stdout.split()
+        assert len(processes) >= 4, server.log()
+        for pid in processes:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 environ = f.read()
             assert not any(key.encode() in environ for key in KEYS), pid

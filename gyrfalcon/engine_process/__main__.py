@@ -1,0 +1,45 @@
+"""The engine process: ``python -m gyrfalcon.engine_process ADDRESS`` (started by ``gyrfalcon serve``).
+
+Settings come from the environment (as for the API workers). The process is the leader of its own
+session, so a signal to the server's process group (Ctrl-C in a terminal) never reaches it: its
+launcher signals it. SIGUSR1 drains the engine (health 503, queued requests end with a 503, running
+ones have ``--drain-timeout``) while the workers finish their streams; SIGTERM, or the launcher's
+death, stops it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m gyrfalcon.engine_process ADDRESS", file=sys.stderr)
+        return 2
+    from gyrfalcon.config import Settings
+    from gyrfalcon.engine_process.server import EngineServer
+    from gyrfalcon.plugins import plugin_manager
+    from gyrfalcon.plugins.engines import build_engine, engine_core
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(process)d] [%(levelname)s] engine: %(message)s")
+    settings = Settings.from_env()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
+    core = engine_core(build_engine(settings, pm))
+    server = EngineServer(core, argv[0], parent_pid=os.getppid())
+
+    signal.signal(signal.SIGUSR1, lambda signum, frame: server.drain(settings.drain_timeout))
+    signal.signal(signal.SIGTERM, lambda signum, frame: server.stop())
+    logging.getLogger(__name__).info("serving the engine at %s", argv[0])
+    try:
+        server.serve()
+    finally:
+        core.shutdown(grace=0.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,123 @@
+"""What ``gyrfalcon serve`` runs: the engine process, then gunicorn's master, stopped in order.
+
+This process imports neither torch nor the app; it starts the engine as a fresh interpreter
+(spawned, never forked, in a session of its own so that a signal to the server's process group
+reaches only the API side), waits until it listens, then runs gunicorn with the engine's address in
+the workers' environment.
+
+- SIGTERM (SIGINT, SIGQUIT likewise): the engine drains first (queued requests get a 503 at once),
+  gunicorn's workers then finish their streams; once gunicorn has exited, the engine stops.
+- Other signals gunicorn understands (HUP, TTIN, TTOU, USR1, USR2) are passed on to it.
+- The engine process dying stops the server with exit status 1, for its supervisor (systemd,
+  Kubernetes) to restart: the workers have already answered every waiting client with a 503.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from gyrfalcon.engine_process import ENGINE_ADDRESS_ENV
+
+log = logging.getLogger("gyrfalcon.launch")
+
+#: seconds the engine may take to start listening (it listens before loading the model)
+LISTEN_TIMEOUT_S = 300.0
+#: seconds the engine may take to stop once gunicorn has exited
+STOP_TIMEOUT_S = 10.0
+_STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+_PASSED_ON = (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m gyrfalcon.engine_process.launch GUNICORN_ARGV...``: what ``gyrfalcon serve`` execs
+    into, with the environment it has cleaned (no API key in this process's /proc environ either)."""
+    return run_server(argv, dict(os.environ))
+
+
+def _say(message: str) -> None:
+    print(f"gyrfalcon: {message}", file=sys.stderr, flush=True)
+
+
+def _wait_listening(engine: subprocess.Popen, socket_path: str) -> bool:
+    deadline = time.monotonic() + LISTEN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if os.path.exists(socket_path):
+            return True
+        if engine.poll() is not None:
+            return False
+        time.sleep(0.05)
+    return False
+
+
+def _stop(process: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM, then SIGKILL after ``timeout`` seconds; the exit status."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
+def run_server(gunicorn_argv: list[str], env: dict[str, str]) -> int:
+    """Run the engine process and gunicorn (``gunicorn_argv``) until both have stopped; the exit status."""
+    run_dir = tempfile.mkdtemp(prefix="gyrfalcon-run-")  # mode 0700: only this user reaches the engine
+    socket_path = os.path.join(run_dir, "engine.sock")
+    address = f"ipc://{socket_path}"
+    env = {**env, ENGINE_ADDRESS_ENV: address}
+    engine = subprocess.Popen([sys.executable, "-m", "gyrfalcon.engine_process", address], env=env,
+                              start_new_session=True)  # fmt: skip
+    gunicorn: subprocess.Popen | None = None
+    stopping: list[int] = []
+
+    def on_stop(signum: int, frame: object) -> None:
+        if not stopping:
+            stopping.append(signum)
+            if engine.poll() is None:
+                engine.send_signal(signal.SIGUSR1)  # its drain: queued requests end at once
+        if gunicorn is not None and gunicorn.poll() is None:
+            gunicorn.send_signal(signal.SIGTERM if signum == signal.SIGQUIT else signum)
+
+    def pass_on(signum: int, frame: object) -> None:
+        if gunicorn is not None and gunicorn.poll() is None:
+            gunicorn.send_signal(signum)
+
+    for sig in _STOPPING:
+        signal.signal(sig, on_stop)
+    for sig in _PASSED_ON:
+        signal.signal(sig, pass_on)
+    try:
+        if not _wait_listening(engine, socket_path):
+            _say(f"the engine process did not start (exit status {engine.poll()})")
+            return 1
+        if stopping:
+            return 0
+        gunicorn = subprocess.Popen(gunicorn_argv, env=env)
+        engine_died = False
+        while gunicorn.poll() is None:
+            if not engine_died and engine.poll() is not None:
+                engine_died = True
+                _say(f"the engine process exited (status {engine.returncode}): stopping the server for its supervisor")
+                gunicorn.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+        status = gunicorn.returncode
+        if engine_died or (engine.poll() is not None and not stopping):
+            return 1
+        return status
+    finally:
+        if gunicorn is not None and gunicorn.poll() is None:
+            _stop(gunicorn, STOP_TIMEOUT_S)
+        _stop(engine, STOP_TIMEOUT_S)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,292 @@
+"""The API worker's side: :class:`RemoteEngineCore`, the engine process behind the ``EngineCore`` API.
+
+One thread owns the worker's DEALER socket: callers' messages reach it through a queue and a
+wake-up pipe, and it puts the engine's outputs into each request's stream (whose waker wakes the
+request's asyncio task). ``submit`` waits for the engine's answer, so a refusal is still raised
+before the API commits a status.
+
+The engine's heartbeat carries its health; silence for ``SILENCE_S`` seconds, or the connection
+closing, means the engine process is gone: every open stream ends at once with a 503 error,
+``/health`` answers 503, and new requests are refused (the launcher stops the server, whose
+supervisor restarts it).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from gyrfalcon.engine_api.errors import SHUTTING_DOWN, EngineUnavailable, ShuttingDown
+from gyrfalcon.engine_api.interface import EngineCore, OutputStream
+from gyrfalcon.engine_api.streams import CoalescingOutputStream
+from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, RequestOutput
+from gyrfalcon.engine_process import BEAT_S, SILENCE_S, codec
+from gyrfalcon.engine_process.wakeup import PollWakeup
+from gyrfalcon.errors import RequestError
+
+log = logging.getLogger(__name__)
+
+#: seconds a worker waits for the engine to answer its hello (the engine answers while it loads)
+CONNECT_TIMEOUT_S = 120.0
+#: seconds a call (submit, stats) waits for the engine's answer
+CALL_TIMEOUT_S = 30.0
+
+ENGINE_GONE = "the engine process is gone"
+
+
+class _Call:
+    """A call waiting for the engine's reply."""
+
+    __slots__ = ("done", "value")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value: Any = None
+
+
+class RemoteEngineCore(EngineCore):
+    """An :class:`EngineCore` in another process, at ``address`` (see the package docstring).
+
+    ``identity`` names this worker to the engine (default: ``w<pid>-<random>``); the engine runs
+    each request as ``<identity>:<request id>`` and aborts a silent worker's requests.
+    """
+
+    def __init__(self, address: str, *, identity: str | None = None, connect_timeout: float = CONNECT_TIMEOUT_S,
+                 silence_s: float = SILENCE_S) -> None:  # fmt: skip
+        self.address = address
+        self.identity = identity or f"w{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.silence_s = silence_s
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.IDENTITY, self.identity.encode())
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._socket.connect(address)
+        self._streams: dict[str, OutputStream] = {}
+        self._calls: dict[int, _Call] = {}
+        self._call_ids = itertools.count()
+        self._outbox: collections.deque[list[bytes]] = collections.deque()
+        self._wake = PollWakeup()
+        self._lock = threading.Lock()
+        self._gone: str | None = None
+        self._draining = False
+        self._stop = threading.Event()
+        self._info, self._health, self.engine_pid = self._hello(connect_timeout)
+        self._last_heard = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="gyrfalcon-engine-link", daemon=True)
+        self._thread.start()
+
+    def _hello(self, timeout: float) -> tuple[EngineInfo, EngineHealth, int]:
+        self._socket.send_multipart([b"hello", b""])
+        if not self._socket.poll(timeout * 1000, zmq.POLLIN):
+            self._close_sockets()
+            raise ConnectionError(f"no engine answered at {self.address} within {timeout:.0f} s")
+        while True:
+            kind, payload = self._socket.recv_multipart()
+            if kind == b"info":
+                info, health, pid = codec.unpack(payload)
+                return codec.decode_info(info), codec.decode_health(health), pid
+
+    # ------------------------------------------------------------------ EngineCore
+
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def health(self) -> EngineHealth:
+        if self._gone is not None:
+            return EngineHealth(ready=False, message=self._gone)
+        if self._draining:
+            return EngineHealth(ready=False, message="the server is shutting down")
+        return self._health
+
+    def submit(self, request: EngineRequest) -> OutputStream:
+        if self._gone is not None:
+            raise ShuttingDown(self._gone)
+        if self._draining:
+            raise ShuttingDown("the server is shutting down")
+        stream = CoalescingOutputStream(request.request_id, request.output_kind, on_close=self.abort)
+        with self._lock:
+            if request.request_id in self._streams:
+                raise RequestError(f"request id {request.request_id!r} is already running", "request_id")
+            self._streams[request.request_id] = stream
+        try:
+            refusal = self._call(b"submit", codec.encode_request(request))
+        except BaseException:
+            self._drop(request.request_id)
+            raise
+        if refusal is not None:
+            self._drop(request.request_id)
+            codec.raise_refusal(refusal)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._post(b"abort", [request_id])
+
+    def finish_choice(self, request_id: str, index: int, stop_reason: str | int | None = None) -> None:
+        self._post(b"finish", [request_id, index, stop_reason])
+
+    def stats(self) -> dict[str, Any]:
+        if self._gone is not None:
+            return {}
+        error, stats = self._call(b"call", "stats", [])
+        return stats if error is None else {}
+
+    def drain(self, timeout: float) -> None:
+        """This worker stops (the engine drains on its own signal, see ``gyrfalcon.engine_process``):
+        new requests are refused, and those still open after ``timeout`` seconds end with a 503."""
+        self._draining = True
+        timer = threading.Timer(max(timeout, 0.0), self._cut, args=(SHUTTING_DOWN,))
+        timer.daemon = True
+        timer.start()
+
+    def shutdown(self, grace: float = 5.0) -> None:
+        deadline = time.monotonic() + max(grace, 0.0)
+        while self._streams and time.monotonic() < deadline and self._gone is None:
+            time.sleep(0.01)
+        self._post(b"bye", None)  # the engine aborts what is left of ours
+        self._stop.set()
+        self._wake.notify()
+        self._thread.join(timeout=5.0)
+        self._cut(EngineError("the server shut down", type=ShuttingDown.type, status=503, retry_after=1.0))
+
+    # ------------------------------------------------------------------ callers' side
+
+    def _post(self, kind: bytes, data: Any) -> None:
+        self._outbox.append([kind, codec.pack(data)])
+        self._wake.notify()
+
+    def _call(self, kind: bytes, *data: Any) -> Any:
+        call = _Call()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = call
+        try:
+            self._post(kind, [call_id, *data])
+            if not call.done.wait(CALL_TIMEOUT_S):
+                raise EngineUnavailable(f"the engine did not answer within {CALL_TIMEOUT_S:.0f} s")
+        finally:
+            self._calls.pop(call_id, None)
+        if call.value is _GONE:
+            raise ShuttingDown(self._gone or ENGINE_GONE)
+        return call.value
+
+    def _drop(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def _cut(self, error: EngineError) -> None:
+        """End every open stream with ``error`` and abort its request in the engine."""
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            stream.put(RequestOutput(request_id, [], finished=True, error=error))
+            stream.finish()
+            self._post(b"abort", [request_id])
+
+    # ------------------------------------------------------------------ the socket's thread
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._wake.fd, zmq.POLLIN)
+        next_ping = 0.0
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(BEAT_S * 1000))
+                if self._wake.fd in events:
+                    self._wake.take()
+                self._send_outbox()
+                if self._socket in events:
+                    self._receive()
+                if self._monitor in events and self._disconnected():
+                    self._engine_gone(f"{ENGINE_GONE}: its connection closed")
+                now = time.monotonic()
+                if now >= next_ping:
+                    next_ping = now + BEAT_S
+                    self._outbox.append([b"ping", b""])
+                    if self._gone is None and now - self._last_heard > self.silence_s:
+                        self._engine_gone(f"{ENGINE_GONE}: silent for {now - self._last_heard:.1f} s")
+            self._send_outbox()
+        finally:
+            self._close_sockets()
+
+    def _send_outbox(self) -> None:
+        while self._outbox:
+            frames = self._outbox.popleft()
+            try:
+                self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:  # no engine to take it: the heartbeat tells the rest
+                pass
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                kind, payload = self._socket.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:
+                continue
+            self._last_heard = time.monotonic()
+            data = codec.unpack(payload)
+            if kind == b"out":
+                self._deliver(data)
+            elif kind == b"reply":
+                call = self._calls.get(data[0])
+                if call is not None:
+                    call.value = data[1]
+                    call.done.set()
+            elif kind == b"beat":
+                self._health = codec.decode_health(data[0])
+                if self._gone is not None:
+                    log.warning("the engine answers again")
+                    self._gone = None
+
+    def _deliver(self, batch: list[Any]) -> None:
+        for request_id, output in batch:
+            stream = self._streams.get(request_id)
+            if stream is None:  # cut here already
+                continue
+            if output is None:
+                self._drop(request_id)
+                stream.finish()
+            else:
+                stream.put(codec.decode_output(request_id, output))
+
+    def _disconnected(self) -> bool:
+        gone = False
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return gone
+            gone = gone or event["event"] == zmq.EVENT_DISCONNECTED
+
+    def _engine_gone(self, why: str) -> None:
+        if self._gone is not None:
+            return
+        log.error("%s: its %d open requests end with a 503", why, len(self._streams))
+        self._gone = why
+        for call in list(self._calls.values()):
+            call.value = _GONE
+            call.done.set()
+        self._cut(EngineError(why, type=ShuttingDown.type, status=503, retry_after=1.0))
+
+    def _close_sockets(self) -> None:
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._socket.close(linger=0)
+        self._context.term()
+        self._wake.close()
+
+
+_GONE = object()

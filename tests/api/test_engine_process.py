@@ -1,0 +1,176 @@
+"""The engine behind ZeroMQ: the same results as in process, refusals, a dead worker's requests
+aborted, a dead engine's clients answered at once, a hung step seen by /health."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from gyrfalcon.client import EngineClient
+from gyrfalcon.engine_api.errors import ShuttingDown
+from gyrfalcon.engine_api.types import (
+    CompletionOutput,
+    EngineError,
+    EngineRequest,
+    OutputKind,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprobs,
+)
+from gyrfalcon.engine_process import codec
+from gyrfalcon.engine_process.remote import RemoteEngineCore
+from gyrfalcon.engine_process.server import EngineServer
+from gyrfalcon.errors import RequestError
+
+
+@pytest.fixture
+def served(slow_engine, tmp_path):
+    """``slow_engine``'s core served over ZeroMQ from a thread; yields (address, server)."""
+    address = f"ipc://{tmp_path}/engine.sock"
+    server = EngineServer(slow_engine.core, address, silence_s=1.0)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    yield address, server
+    server.stop()
+    thread.join(5)
+
+
+@pytest.fixture
+def remote(served, slow_engine):
+    """An API worker's engine: the text work here, the core over the socket."""
+    core = RemoteEngineCore(served[0], silence_s=1.0)
+    engine = EngineClient(core, slow_engine.tokenizer, model_name="tiny")
+    yield engine
+    engine.shutdown(0)
+
+
+def _request(engine, request_id: str, kind=OutputKind.FINAL_ONLY, **sampling) -> EngineRequest:
+    return EngineRequest(request_id, engine.tokenize("The quick brown fox"), SamplingParams(**sampling), kind)
+
+
+def test_codec_round_trips_every_field():
+    lp = TokenLogprobs([5, 6], [-0.5, None], [[1, 2], [3]], [[-1.0, -2.0], [-3.0]], [1, None], [[1, 2], [1]])
+    out = RequestOutput("r", [CompletionOutput(1, "hé", [5, 6], lp, "stop", "\n"), CompletionOutput(0)], True,
+                        [1, 2], lp, 7, EngineError("boom", "t", "p", 503, 1.5), 0.25)  # fmt: skip
+    assert codec.decode_output("r", codec.unpack(codec.pack(codec.encode_output(out)))) == out
+    request = EngineRequest("id", [1, 2], SamplingParams(n=3, seed=2**63, logit_bias={7: -1.5}, stop=["x"],
+                            logprob_token_ids=[4]), OutputKind.DELTA, {"ext": {"a": [1]}}, "salt", 2)  # fmt: skip
+    assert codec.decode_request(codec.unpack(codec.pack(codec.encode_request(request)))) == request
+
+
+@pytest.mark.parametrize("slow_engine", [0.0], indirect=True)
+def test_remote_results_equal_in_process(slow_engine, remote):
+    """Seeded sampling with n > 1, logprobs, explicit ids and prompt logprobs: token for token."""
+    asked = dict(n=3, seed=11, temperature=0.9, max_tokens=12, logprobs=2, logprob_token_ids=[3, 9],
+                 prompt_logprobs=1)  # fmt: skip
+    for kind in (OutputKind.FINAL_ONLY, OutputKind.DELTA):
+        here = list(slow_engine.submit(_request(slow_engine, f"local-{kind.value}", kind, **asked)))
+        there = list(remote.submit(_request(remote, f"remote-{kind.value}", kind, **asked)))
+
+        def totals(outputs):
+            by_choice = {}
+            for output in outputs:
+                for c in output.outputs:
+                    text, ids, lps = by_choice.get(c.index, ("", [], []))
+                    by_choice[c.index] = (text + c.text if kind is OutputKind.DELTA else c.text,
+                                          ids + c.token_ids if kind is OutputKind.DELTA else c.token_ids,
+                                          lps + [c.logprobs])  # fmt: skip
+            return {i: (t, ids) for i, (t, ids, _) in by_choice.items()}, outputs[-1].prompt_logprobs
+
+        assert totals(there) == totals(here)
+        assert len(totals(there)[0]) == 3 and there[-1].finished
+
+
+def test_refusals_travel_back_as_typed_errors(remote):
+    too_long = EngineRequest("long", [1] * 1000, SamplingParams(max_tokens=4))
+    with pytest.raises(RequestError) as refused:
+        remote.submit(too_long)
+    assert refused.value.param == "prompt" and refused.value.status == 400
+    stream = remote.submit(_request(remote, "same", OutputKind.DELTA, max_tokens=200, ignore_eos=True))
+    with pytest.raises(RequestError) as duplicate:
+        remote.submit(_request(remote, "same", max_tokens=2))
+    assert duplicate.value.param == "request_id"
+    stream.close()
+
+
+def test_abort_and_finish_choice_reach_the_engine(slow_engine, remote):
+    before = slow_engine.core.stats()["requests_aborted"]
+    stream = remote.submit(_request(remote, "to-abort", OutputKind.DELTA, max_tokens=200, ignore_eos=True))
+    first = stream.get(timeout=10)
+    assert first is not None and first.error is None
+    stream.close()
+    deadline = time.monotonic() + 5
+    while slow_engine.core.stats()["requests_aborted"] == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert slow_engine.core.stats()["requests_aborted"] == before + 1
+    assert slow_engine.core.stats()["running"] == 0
+
+
+def test_a_dead_workers_requests_are_aborted(slow_engine, served):
+    """A worker killed with SIGKILL sends no goodbye: the engine aborts its requests once it falls silent."""
+    before = slow_engine.core.stats()["requests_aborted"]
+    worker = textwrap.dedent(f"""
+        import os, sys
+        from gyrfalcon.engine_process.remote import RemoteEngineCore
+        from gyrfalcon.engine_api.types import EngineRequest, SamplingParams, OutputKind
+        core = RemoteEngineCore({served[0]!r})
+        stream = core.submit(EngineRequest("doomed", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True),
+                                           OutputKind.DELTA))
+        stream.get(timeout=10)
+        print("running", flush=True)
+        os._exit(0)
+    """)
+    done = subprocess.run([sys.executable, "-c", worker], capture_output=True, text=True, timeout=60)
+    assert "running" in done.stdout, done.stderr
+    deadline = time.monotonic() + 5
+    while slow_engine.core.stats()["requests_aborted"] == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert slow_engine.core.stats()["requests_aborted"] == before + 1
+    assert slow_engine.core.stats()["running"] == 0
+
+
+def test_a_gone_engine_ends_every_open_stream_at_once(served, remote):
+    address, server = served
+    streams = [remote.submit(_request(remote, f"open-{i}", OutputKind.DELTA, max_tokens=200, ignore_eos=True))
+               for i in range(3)]  # fmt: skip
+    for stream in streams:
+        assert stream.get(timeout=10) is not None
+    server.stop()  # closes the socket as the process's death would
+    started = time.monotonic()
+    for stream in streams:
+        last = list(stream)[-1]
+        assert last.finished and last.error is not None and last.error.status == 503
+    assert time.monotonic() - started < 2.0
+    assert not remote.health().ready and "engine process is gone" in remote.health().message
+    with pytest.raises(ShuttingDown):
+        remote.submit(_request(remote, "after", max_tokens=2))
+
+
+def test_worker_drain_refuses_new_and_cuts_what_is_left(remote):
+    stream = remote.submit(_request(remote, "draining", OutputKind.DELTA, max_tokens=240, ignore_eos=True))
+    assert stream.get(timeout=10) is not None
+    remote.drain(0.2)
+    with pytest.raises(ShuttingDown):
+        remote.submit(_request(remote, "late", max_tokens=2))
+    last = list(stream)[-1]
+    assert last.error is not None and last.error.status == 503 and last.error.retry_after == 1.0
+
+
+@pytest.mark.parametrize("slow_engine", [0.6], indirect=True)
+def test_health_reports_a_step_that_hangs(slow_engine, monkeypatch):
+    import gyrfalcon.engine.transformers_engine as engine_module
+
+    monkeypatch.setattr(engine_module, "STEP_STALL_S", 0.3)
+    stream = slow_engine.submit(_request(slow_engine, "stuck", OutputKind.DELTA, max_tokens=3))
+    deadline = time.monotonic() + 5
+    while slow_engine.health().ready and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "step loop is stuck" in slow_engine.health().message
+    list(stream)
+    time.sleep(0.1)
+    assert slow_engine.health().ready

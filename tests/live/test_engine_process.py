@@ -1,0 +1,121 @@
+"""`gyrfalcon serve --api-workers 2`: two API workers around one engine process, and their faults."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.live_server import start_server, stop_server
+
+pytestmark = pytest.mark.live
+
+
+@pytest.fixture
+def two_workers(tiny_model_dir, tmp_path):
+    server = start_server(["--model", tiny_model_dir, "--max-model-len", "256", "--max-num-seqs", "1", "--num-threads", "1",
+                           "--served-model-name", "tiny", "--api-workers", "2"], str(tmp_path / "server.log"))  # fmt: skip
+    yield server
+    stop_server(server)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _processes(server) -> tuple[int, list[int]]:
+    """(engine pid, API worker pids) of a server started by `gyrfalcon serve`."""
+    engine, master = None, None
+    for pid in _children(server.process.pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        if b"gyrfalcon.engine_process" in cmdline:
+            engine = pid
+        elif b"gunicorn" in cmdline:
+            master = pid
+    assert engine and master, server.log()
+    return engine, _children(master)
+
+
+def _engine_counts(url: str) -> dict[str, float]:
+    text = requests.get(url + "/metrics", timeout=10).text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith("gyrfalcon_requests_") or s.name.startswith("gyrfalcon:num_requests_")}  # fmt: skip
+
+
+def _complete(url: str, **body) -> requests.Response:
+    return requests.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Once upon", **body}, timeout=60)
+
+
+def test_two_workers_share_one_engine(two_workers):
+    engine, workers = _processes(two_workers)
+    assert len(workers) == 2
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: _complete(two_workers.url, max_tokens=4, n=2, seed=i), range(24)))
+    assert [r.status_code for r in answers] == [200] * 24
+    assert all(len(r.json()["choices"]) == 2 for r in answers)
+    # same seed through either worker: same tokens
+    texts = {_complete(two_workers.url, max_tokens=6, seed=5, temperature=1.0).json()["choices"][0]["text"]
+             for _ in range(6)}  # fmt: skip
+    assert len(texts) == 1
+    with open(two_workers.log_path, errors="replace") as f:
+        connected = set(re.findall(r"API worker w(\d+)-\w+ connected", f.read()))
+    assert connected == {str(pid) for pid in workers}
+
+
+def test_killed_workers_are_replaced_and_their_requests_aborted(two_workers):
+    url = two_workers.url
+    _, workers = _processes(two_workers)
+    before = _engine_counts(url)
+    # 16 × 240 steps of work queued behind one running sequence: far more than the time to notice
+    pool = concurrent.futures.ThreadPoolExecutor(16)
+    futures = [pool.submit(_complete, url, max_tokens=240, ignore_eos=True) for _ in range(16)]
+    deadline = time.monotonic() + 20
+    while _engine_counts(url).get("gyrfalcon:num_requests_waiting", 0) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    for future in futures:
+        with pytest.raises(requests.ConnectionError):
+            future.result()
+    pool.shutdown()
+    deadline = time.monotonic() + 30
+    counts = {}
+    while time.monotonic() < deadline:
+        try:
+            counts = _engine_counts(url)
+        except requests.RequestException:
+            counts = {}
+        if counts and counts["gyrfalcon:num_requests_running"] + counts["gyrfalcon:num_requests_waiting"] == 0:
+            break
+        time.sleep(0.2)
+    assert counts, two_workers.log()
+    aborted = counts["gyrfalcon_requests_aborted_total"] - before["gyrfalcon_requests_aborted_total"]
+    finished = counts["gyrfalcon_requests_finished_total"] - before["gyrfalcon_requests_finished_total"]
+    assert aborted + finished == 16 and aborted >= 10, counts
+    _, replaced = _processes(two_workers)
+    assert len(replaced) == 2 and not set(replaced) & set(workers)
+    assert _complete(url, max_tokens=2).status_code == 200
+
+
+def test_a_dead_engine_stops_the_server_for_its_supervisor(two_workers):
+    engine, _ = _processes(two_workers)
+    os.kill(engine, signal.SIGKILL)
+    assert two_workers.process.wait(timeout=15) == 1
+    assert "the engine process exited" in two_workers.log()
+
+
+def test_the_launcher_and_gunicorn_master_never_import_torch():
+    check = ("import sys, gyrfalcon.cli, gyrfalcon.engine_process.launch, gyrfalcon.gunicorn_conf; "
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
