@@ -37,8 +37,10 @@ log = logging.getLogger(__name__)
 
 #: seconds a worker waits for the engine to answer its hello (the engine answers while it loads)
 CONNECT_TIMEOUT_S = 120.0
-#: seconds a call (submit, stats) waits for the engine's answer
+#: seconds a submit waits for the engine's answer (then a 503)
 CALL_TIMEOUT_S = 30.0
+#: seconds a stats call waits (then /metrics shows the request metrics without the engine's)
+STATS_TIMEOUT_S = 5.0
 
 ENGINE_GONE = "the engine process is gone"
 
@@ -123,6 +125,7 @@ class RemoteEngineCore(EngineCore):
             refusal = self._call(b"submit", codec.encode_request(request))
         except BaseException:
             self._drop(request.request_id)
+            self.abort(request.request_id)  # in case the engine took it after all
             raise
         if refusal is not None:
             self._drop(request.request_id)
@@ -138,7 +141,10 @@ class RemoteEngineCore(EngineCore):
     def stats(self) -> dict[str, Any]:
         if self._gone is not None:
             return {}
-        error, stats = self._call(b"call", "stats", [])
+        try:
+            error, stats = self._call(b"call", "stats", [], timeout=STATS_TIMEOUT_S)
+        except EngineUnavailable:
+            return {}
         return stats if error is None else {}
 
     def drain(self, timeout: float) -> None:
@@ -165,14 +171,14 @@ class RemoteEngineCore(EngineCore):
         self._outbox.append([kind, codec.pack(data)])
         self._wake.notify()
 
-    def _call(self, kind: bytes, *data: Any) -> Any:
+    def _call(self, kind: bytes, *data: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
         call = _Call()
         call_id = next(self._call_ids)
         self._calls[call_id] = call
         try:
             self._post(kind, [call_id, *data])
-            if not call.done.wait(CALL_TIMEOUT_S):
-                raise EngineUnavailable(f"the engine did not answer within {CALL_TIMEOUT_S:.0f} s")
+            if not call.done.wait(timeout):
+                raise EngineUnavailable(f"the engine did not answer within {timeout:.0f} s")
         finally:
             self._calls.pop(call_id, None)
         if call.value is _GONE:
