@@ -95,6 +95,27 @@ def _may_tokenize_to_nothing(text: Any) -> bool:
     return isinstance(text, str) and not any(ch.isprintable() for ch in text)
 
 
+def _constraint_breaks_rule(params: dict[str, Any]) -> bool:
+    """A schema-valid constraint the server refuses (rule constraint_compiles)."""
+    from gyrfalcon.errors import RequestError
+    from gyrfalcon.structured.grammar import check
+
+    constraint = params.get("structured_outputs")
+    response_format = params.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") != "text":
+        if constraint is not None:
+            return True
+        if response_format.get("type") == "json_schema":
+            constraint = {"json": (response_format.get("json_schema") or {}).get("schema") or {}}
+    if not isinstance(constraint, dict):
+        return False
+    try:
+        check(constraint)
+    except RequestError:
+        return True
+    return False
+
+
 def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
     """True when a schema-valid body may still break a runtime-only rule (context, min_tokens, sequences)."""
     if not isinstance(body, dict):
@@ -110,6 +131,8 @@ def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
     if path.endswith("/batch"):
         messages = [m for conversation in messages if isinstance(conversation, list) for m in conversation]
     if any(_message_breaks_rule(m) for m in messages):
+        return True
+    if _constraint_breaks_rule(params):
         return True
     if _is_completions(path):
         prompt = body.get("prompt")

@@ -73,6 +73,11 @@ class SamplingParams:
     #: False: the output carries token ids only, no text (the client side skips detokenisation;
     #: stop strings need text, so they are refused with it, as in vLLM)
     detokenize: bool = True
+    #: a constraint on the generated text, vLLM's ``StructuredOutputsParams`` as plain data: exactly
+    #: one of ``json`` (a JSON schema object), ``json_object`` (true: any JSON object), ``regex``,
+    #: ``choice`` (a list of strings), ``grammar`` (Lark or GBNF text) or ``structural_tag`` (JSON
+    #: text); None: unconstrained. The structured-output plugin honours it.
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def greedy(self) -> bool:

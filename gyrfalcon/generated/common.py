@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from pydantic import MISSING, BaseModel, ConfigDict, Field
+from typing_extensions import TypeAliasType
 
 
 class ErrorDetail(BaseModel):
@@ -51,6 +52,126 @@ class StreamOptions(BaseModel):
             description="With include_usage, every chunk also carries `usage`: its prompt's tokens and its choice's tokens so far (vLLM's continuous usage stats; without include_usage, no effect)."
         ),
     ] = False
+
+
+Json = TypeAliasType(
+    "Json",
+    Annotated[
+        str,
+        Field(
+            description="A JSON schema (an object, or its JSON text) the output follows.",
+            max_length=65536,
+        ),
+    ],
+)
+
+
+ChoiceItem = TypeAliasType(
+    "ChoiceItem", Annotated[str, Field(max_length=1024, min_length=1)]
+)
+
+
+class StructuredOutputs(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    json_: Annotated[
+        dict[str, Any] | Json | MISSING,
+        Field(
+            alias="json",
+            description="A JSON schema (an object, or its JSON text) the output follows.",
+        ),
+    ] = MISSING
+    json_object: Annotated[
+        bool | MISSING,
+        Field(
+            description="true: any JSON object (false is refused: it asks for nothing)."
+        ),
+    ] = MISSING
+    regex: Annotated[
+        str | MISSING,
+        Field(
+            description="A regular expression (Rust syntax) the whole output matches.",
+            max_length=4096,
+            min_length=1,
+        ),
+    ] = MISSING
+    choice: Annotated[
+        list[ChoiceItem] | MISSING,
+        Field(
+            description="The output is exactly one of these strings.",
+            max_length=256,
+            min_length=1,
+        ),
+    ] = MISSING
+    grammar: Annotated[
+        str | MISSING,
+        Field(
+            description="A context-free grammar (Lark or GBNF).",
+            max_length=65536,
+            min_length=1,
+        ),
+    ] = MISSING
+    structural_tag: Annotated[
+        str | MISSING,
+        Field(
+            description='JSON text `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`: free text in which each trigger opens a tag whose content follows its schema.',
+            max_length=65536,
+            min_length=2,
+        ),
+    ] = MISSING
+
+
+class ResponseFormatText(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    name: Annotated[str, Field(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+    description: Annotated[str | None | MISSING, Field(max_length=4096)] = MISSING
+    schema_: Annotated[
+        dict[str, Any] | None | MISSING,
+        Field(
+            alias="schema",
+            description="The JSON schema of the output (absent or null - any JSON value).",
+        ),
+    ] = MISSING
+    strict: Annotated[
+        bool | None | MISSING,
+        Field(description="Accepted; the output always follows the schema."),
+    ] = MISSING
+
+
+class ResponseFormatJsonSchema(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = TypeAliasType(
+    "ResponseFormat",
+    Annotated[
+        ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema,
+        Field(
+            description='"text" (the default), "json_object" (any JSON object) or "json_schema" (the output follows `json_schema.schema`).'
+        ),
+    ],
+)
 
 
 class Extensions(BaseModel):

@@ -145,6 +145,7 @@ class GenerateSamplingParams(BaseModel):
             ge=0,
         ),
     ] = MISSING
+    structured_outputs: common.StructuredOutputs | None | MISSING = MISSING
     logprob_token_ids: Annotated[
         list[LogprobTokenId] | None | MISSING,
         Field(

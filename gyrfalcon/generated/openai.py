@@ -154,6 +154,8 @@ class CompletionRequest(BaseModel):
     ] = MISSING
     stream: bool | None = False
     stream_options: common.StreamOptions | None | MISSING = MISSING
+    response_format: common.ResponseFormat | None | MISSING = MISSING
+    structured_outputs: common.StructuredOutputs | None | MISSING = MISSING
     user: Annotated[
         str | None | MISSING,
         Field(description="An end-user id; recorded, never used for sampling."),
@@ -324,13 +326,6 @@ Stop5Item = TypeAliasType(
 Stop5 = TypeAliasType("Stop5", Annotated[list[Stop5Item], Field(max_length=16)])
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid",
-    )
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
@@ -473,12 +468,8 @@ class ChatCompletionRequest(BaseModel):
             description="Each choice also carries its `token_ids`, and the response the `prompt_token_ids`."
         ),
     ] = False
-    response_format: Annotated[
-        ResponseFormat | None | MISSING,
-        Field(
-            description='Only `{"type": "text"}` (the default: plain text) on this server.'
-        ),
-    ] = MISSING
+    response_format: common.ResponseFormat | None | MISSING = MISSING
+    structured_outputs: common.StructuredOutputs | None | MISSING = MISSING
     metadata: Annotated[
         dict[str, Any] | None | MISSING,
         Field(description="Recorded in the access log; changes nothing in the output."),
@@ -696,12 +687,8 @@ class BatchChatCompletionRequest(BaseModel):
             description="Each choice also carries its `token_ids`, and the response the `prompt_token_ids`."
         ),
     ] = False
-    response_format: Annotated[
-        ResponseFormat | None | MISSING,
-        Field(
-            description='Only `{"type": "text"}` (the default: plain text) on this server.'
-        ),
-    ] = MISSING
+    response_format: common.ResponseFormat | None | MISSING = MISSING
+    structured_outputs: common.StructuredOutputs | None | MISSING = MISSING
     metadata: Annotated[
         dict[str, Any] | None | MISSING,
         Field(description="Recorded in the access log; changes nothing in the output."),

@@ -69,6 +69,13 @@ RUNTIME_RULES: tuple[dict[str, str], ...] = (
         "tokenizers always do; others may drop some text).",
     },
     {
+        "id": "constraint_compiles",
+        "param": "structured_outputs",
+        "description": "A structured_outputs constraint sets exactly one kind, not together with a "
+        "response_format other than text, and its JSON schema, regex or grammar compiles; param names "
+        "the field (structured_outputs.<kind>, or response_format.json_schema.schema).",
+    },
+    {
         "id": "message_name_rendered",
         "param": "messages",
         "description": "A message name is refused when the model's chat template does not render it "

@@ -16,6 +16,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "gyrfalcon.plugins.sampling",
     "gyrfalcon.plugins.penalties",
     "gyrfalcon.plugins.logprobs",
+    "gyrfalcon.plugins.structured_outputs",
 )
 
 

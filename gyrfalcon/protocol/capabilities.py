@@ -26,7 +26,11 @@ WIRE_CAPABILITY: dict[str, str] = {
     "cache_salt": "cache_salt",
     "priority": "priority",
     "store": "store",  # no engine stores completions: only the default (false) is accepted
+    "response_format": "structured_outputs",
 }
+
+#: values of wire fields without a documented default that ask for nothing (any engine honours them)
+NEUTRAL_VALUES: dict[str, Any] = {"response_format": {"type": "text"}}
 
 #: what a deployment needs to honour a refused field, when it is a setting
 UNSUPPORTED_HINT: dict[str, str] = {
@@ -63,7 +67,7 @@ def check_supported(fields: RequestFields, defaults: dict[str, Any], capabilitie
         cap = capability_of(name)
         if cap is None or cap in capabilities:
             continue
-        if name in defaults and value == defaults[name]:
+        if (name in defaults and value == defaults[name]) or (name in NEUTRAL_VALUES and value == NEUTRAL_VALUES[name]):
             continue
         hint = UNSUPPORTED_HINT.get(name, "")
         raise fields.error(name, f"'{name}' is not supported by this server{hint}")

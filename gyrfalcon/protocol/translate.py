@@ -146,6 +146,7 @@ class Translator:
         response_id = f"{RESPONSE_ID_PREFIX[endpoint]}-{external_id or uuid.uuid4().hex}"
         prompts, prompt_texts, prompt_param = self._prompts(fields)
         sampling = self._sampling(fields)
+        sampling.structured_outputs = structured_constraint(fields, body)
         if self.max_seqs is not None and len(prompts) * sampling.n > self.max_seqs:
             raise fields.error(
                 "n", f"{len(prompts)} prompts x n={sampling.n} asks for more than the {self.max_seqs} sequences one request may have"
@@ -167,8 +168,12 @@ class Translator:
                 )
             )
         if self._validate_hook is not None:
-            for request in requests:
-                self._validate_hook(endpoint=endpoint, request=request, info=self.info)
+            try:
+                for request in requests:
+                    self._validate_hook(endpoint=endpoint, request=request, info=self.info)
+            except RequestError as exc:
+                exc.param = hook_param(fields, exc.param)
+                raise
         stream_options = fields.get("stream_options") or {}
         echo = bool(fields.get("echo", False))
         prompt_only = endpoint == "completions" and echo and requests[0].sampling.max_tokens == 0
@@ -440,3 +445,29 @@ def _template_tool_call(call: dict[str, Any], param: str) -> dict[str, Any]:
     except orjson.JSONDecodeError as exc:
         raise RequestError(f"Tool call arguments must be a JSON text: {exc}", f"{param}.function.arguments") from None
     return {"id": call["id"], "type": call["type"], "function": {"name": call["function"]["name"], "arguments": arguments}}
+
+
+def structured_constraint(f: RequestFields, body: dict[str, Any]) -> dict[str, Any] | None:
+    """``SamplingParams.structured_outputs`` from ``structured_outputs`` or ``response_format`` (not
+    both). JSON schemas are taken from the body as sent: a ``null`` inside a schema means something."""
+    response_format = f.get("response_format") or {"type": "text"}
+    if f.has("structured_outputs"):
+        if response_format["type"] != "text":
+            raise f.error("structured_outputs", "'structured_outputs' and 'response_format' cannot be used together")
+        sent = body.get("sampling_params", body) if f.endpoint == "generate" else body
+        return {k: v for k, v in sent["structured_outputs"].items() if v is not None}
+    if response_format["type"] == "json_object":
+        return {"json_object": True}
+    if response_format["type"] == "json_schema":
+        return {"json": body["response_format"]["json_schema"].get("schema") or {}}
+    return None
+
+
+def hook_param(f: RequestFields, param: str | None) -> str | None:
+    """A validation hook's engine-side ``param`` as the client wrote it: a constraint that came
+    from ``response_format`` is named there."""
+    if param is None or not param.startswith("structured_outputs"):
+        return param
+    if f.has("response_format"):
+        return "response_format.json_schema.schema" if param == "structured_outputs.json" else "response_format"
+    return f.param(param)

@@ -134,3 +134,20 @@ def test_generate_with_the_sdks_raw_post(client):
     assert r["prompt_logprobs"][0] is None and all(
         set(entry) >= {"logprob", "rank", "decoded_token"} for position in r["prompt_logprobs"][1:] for entry in position.values()
     )
+
+
+def test_parse_with_a_pydantic_model(client):
+    """``chat.completions.parse`` sends a strict json_schema built from the model and parses the answer."""
+    from typing import Literal
+
+    import pydantic
+
+    class Verdict(pydantic.BaseModel):
+        answer: Literal["yes", "no"]
+        confident: bool
+
+    r = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": "Is it?"}], response_format=Verdict,
+                                      max_tokens=40, seed=1, temperature=0.5)  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Verdict) and choice.message.parsed.answer in ("yes", "no")

@@ -39,6 +39,7 @@ def test_info_and_capabilities(tiny_engine):
         "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
         "bad_words",  # gyrfalcon.plugins.penalties
         "logprobs", "prompt_logprobs", "logprob_token_ids",  # gyrfalcon.plugins.logprobs
+        "structured_outputs",  # gyrfalcon.plugins.structured_outputs
     }  # fmt: skip
     assert tiny_engine.health().ready
 

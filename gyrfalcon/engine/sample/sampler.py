@@ -42,7 +42,7 @@ from gyrfalcon.policies import (
 )
 
 #: the request fields that can exclude tokens, most specific first (the in-band error's ``param``)
-_EXCLUDING_FIELDS = ("allowed_token_ids", "bad_words")
+_EXCLUDING_FIELDS = ("structured_outputs", "allowed_token_ids", "bad_words")
 
 
 def excluded_error(params: SamplingParams, generated: int) -> EngineError:

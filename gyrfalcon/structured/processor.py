@@ -1,0 +1,126 @@
+"""The structured-output logits processor: one llguidance matcher per row, one batched mask per step.
+
+A row's matcher is made when its sequence joins the persistent batch (a copy of the compiled
+grammar, cached by the constraint's text) and catches up with the tokens the sequence drew since
+the last step. Each step, llguidance fills every constrained row's bitmask in one native call
+(on its own threads), the mask goes to the device once, and the disallowed tokens' logits become
+``-inf``: before penalties, temperature and truncation (the lowest ``order``), so those see only
+tokens the constraint allows. Logprobs stay those of the raw distribution (vLLM's rule).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
+from gyrfalcon.policies import BatchRows, LogitsProcessor, NewRow, put_rows, row_index, take_rows
+from gyrfalcon.structured.grammar import check, constraint_key
+
+#: compiled grammars kept (a request with a known constraint skips compilation)
+CACHE_SIZE = 256
+
+
+@dataclass
+class _Row:
+    matcher: Any
+    consumed: int
+
+
+class StructuredOutputProcessor(LogitsProcessor):
+    """Masks each constrained row to the tokens its grammar allows next (see the module)."""
+
+    name = "structured_outputs"
+    fields = frozenset({"structured_outputs"})
+    order = -100
+
+    def __init__(self, info: EngineInfo) -> None:
+        self.info = info
+        self._tokenizer: Any = None  # llguidance's view of the served tokenizer, built on first use
+        self._compiled: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()  # submit (validate) and the step loop both compile
+        self._rows: dict[int, _Row] = {}
+        self._executor: Any = None
+        self._shifts: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ compiling (cached)
+
+    def _llg_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            from gyrfalcon.models.loading import load_tokenizer
+
+            self._tokenizer = llguidance.hf.from_tokenizer(load_tokenizer(self.info.model_path),
+                                                           eos_token=list(self.info.eos_token_ids))  # fmt: skip
+        return self._tokenizer
+
+    def compiled(self, constraint: dict[str, Any]) -> Any:
+        """A fresh matcher for ``constraint`` (compiled once, then copied from the cache)."""
+        import llguidance
+
+        key = constraint_key(constraint)
+        with self._lock:
+            matcher = self._compiled.get(key)
+            if matcher is not None:
+                self._compiled.move_to_end(key)
+                return matcher.deep_copy()
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), check(constraint))
+        with self._lock:
+            self._compiled[key] = matcher
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return matcher.deep_copy()
+
+    # ------------------------------------------------------------------ the policy
+
+    def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
+        if params.structured_outputs is not None:
+            check(params.structured_outputs)
+
+    def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
+        return params.structured_outputs is not None
+
+    def add_row(self, slot: int, row: NewRow) -> None:
+        matcher = self.compiled(row.params.structured_outputs)
+        if row.output_token_ids:  # a sequence that joins again (preempted) or a forked child
+            matcher.consume_tokens(list(row.output_token_ids))
+        self._rows[slot] = _Row(matcher, len(row.output_token_ids))
+
+    def remove_row(self, slot: int) -> None:
+        self._rows.pop(slot, None)
+
+    def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
+        import llguidance
+        import llguidance.torch as llgt
+
+        matchers = []
+        for place, i in enumerate(selected):
+            state = self._rows[rows.slot_list[i]]
+            drawn = rows.output_token_ids[i]
+            if len(drawn) > state.consumed:  # the tokens drawn since the last step
+                state.matcher.consume_tokens(drawn[state.consumed:])
+                state.consumed = len(drawn)
+            matchers.append((state.matcher, place))
+        vocab = logits.shape[-1]
+        bitmask = llgt.allocate_token_bitmask(len(selected), self._llg_tokenizer().vocab_size)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        llgt.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+        allowed = self._unpack(bitmask.to(logits.device, non_blocking=True), vocab)
+        index = row_index(selected, logits)
+        constrained = take_rows(logits, index).masked_fill(~allowed, float("-inf"))
+        return put_rows(logits, index, constrained)
+
+    def _unpack(self, bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+        """``[k, W]`` int32 words → ``[k, vocab]`` booleans (tokens past the tokenizer's: False)."""
+        if self._shifts is None or self._shifts.device != bitmask.device:
+            self._shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        bits = ((bitmask.unsqueeze(-1) >> self._shifts) & 1).bool().flatten(1)
+        if bits.shape[1] >= vocab:
+            return bits[:, :vocab]
+        return torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]), value=False)

@@ -1,0 +1,152 @@
+"""Structured outputs through the API: response_format and structured_outputs on every endpoint,
+with n > 1, seeds and logprobs; a bad constraint is a 400 naming its field."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from tests.helpers import sse_events, stream_by_choice
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                   "tags": {"type": "array", "items": {"enum": ["a", "b", None]}, "maxItems": 3}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def ok(r) -> dict:
+    assert r.status_code == 200, r.text
+    return r.json
+
+
+def refused(r, param: str) -> None:
+    assert r.status_code == 400, r.text
+    assert r.json["error"]["param"] == param, r.json
+
+
+def _chat(client, **body):
+    return client.simulate_post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
+                                                              **body})  # fmt: skip
+
+
+def test_chat_json_schema_every_choice_valid_or_cut(client):
+    body = ok(_chat(client, n=4, seed=3, temperature=1.0, max_tokens=60,
+                    response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}))  # fmt: skip
+    assert len(body["choices"]) == 4
+    finished = 0
+    for choice in body["choices"]:
+        text = choice["message"]["content"]
+        if choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(text), PERSON)
+            finished += 1
+        else:
+            assert choice["finish_reason"] == "length" and text.startswith("{")
+    assert finished >= 1
+
+
+def test_null_inside_a_schema_is_kept(client):
+    schema = {"type": "object", "properties": {"x": {"const": None}}, "required": ["x"], "additionalProperties": False}
+    body = ok(_chat(client, max_tokens=20, temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}))
+    assert json.loads(body["choices"][0]["message"]["content"]) == {"x": None}
+
+
+def test_completions_regex_choice_and_json_object(client):
+    regex = r"[a-c]{2}-[0-9]{3}"
+    body = ok(client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "Code:", "n": 3, "seed": 1, "max_tokens": 20,
+                                                            "structured_outputs": {"regex": regex}}))  # fmt: skip
+    assert all(re.fullmatch(regex, c["text"]) for c in body["choices"])
+    body = ok(client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "Pick:", "max_tokens": 10, "temperature": 0,
+                                                            "structured_outputs": {"choice": ["red", "green", "blue"]}}))  # fmt: skip
+    assert body["choices"][0]["text"] in ("red", "green", "blue")
+    body = ok(client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "{", "max_tokens": 40, "seed": 2,
+                                                            "response_format": {"type": "json_object"}}))  # fmt: skip
+    choice = body["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["text"]), dict)
+
+
+def test_generate_grammar_with_logprobs_and_the_same_tokens_for_the_same_seed(client):
+    grammar = 'start: "x" ("y" | "z")+ "!"'
+    request = {"model": "tiny", "token_ids": [5, 6, 7], "stream": False,
+               "sampling_params": {"n": 2, "seed": 9, "max_tokens": 12, "logprobs": 2, "detokenize": True,
+                                   "structured_outputs": {"grammar": grammar}}}  # fmt: skip
+    first = ok(client.simulate_post("/inference/v1/generate", json=request))
+    again = ok(client.simulate_post("/inference/v1/generate", json=request))
+    assert [c["token_ids"] for c in first["choices"]] == [c["token_ids"] for c in again["choices"]]
+    for choice in first["choices"]:
+        assert len(choice["logprobs"]["content"] if isinstance(choice["logprobs"], dict) else choice["logprobs"]) == len(choice["token_ids"])
+
+
+def test_streamed_choices_follow_the_constraint(client):
+    r = client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "Pick:", "n": 3, "seed": 4, "max_tokens": 10,
+                                                      "stream": True, "structured_outputs": {"choice": ["yes", "no"]}})  # fmt: skip
+    by_choice = stream_by_choice(sse_events(r.text))
+    assert sorted(by_choice) == [0, 1, 2]
+    assert all(c["text"] in ("yes", "no") and c["finishes"] == ["stop"] for c in by_choice.values())
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a["}}, "structured_outputs.regex"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "start: ???"}}, "structured_outputs.grammar"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"json": {"type": "foo"}}}, "structured_outputs.json"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+         "structured_outputs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
+         "response_format.json_schema.schema"),
+        ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"structured_outputs": {"regex": "("}}},
+         "sampling_params.structured_outputs.regex"),
+    ],
+)  # fmt: skip
+def test_a_bad_constraint_is_a_400_naming_its_field(client, path, body, param):
+    refused(client.simulate_post(path, json={"model": "tiny", **body}), param)
+
+
+def test_text_response_format_asks_for_nothing(client):
+    ok(_chat(client, max_tokens=2, response_format={"type": "text"}))
+
+
+def test_random_schemas_validate(client):
+    """Generated schemas (objects of scalars, enums, arrays, nesting): a finished output validates."""
+    rng = random.Random(7)
+
+    def scalar(depth):
+        kind = rng.choice(["string", "integer", "boolean", "enum", "number"] + (["object", "array"] if depth < 2 else []))
+        if kind == "enum":
+            return {"enum": rng.sample(["x", "y", "z", 1, 2, True, None], 3)}
+        if kind == "object":
+            return schema(depth + 1)
+        if kind == "array":
+            return {"type": "array", "items": scalar(depth + 1), "maxItems": 2}
+        if kind == "string":
+            return {"type": "string", "maxLength": rng.randint(1, 6)}
+        if kind == "integer":
+            return {"type": "integer", "minimum": -5, "maximum": 500}
+        return {"type": kind}
+
+    def schema(depth=0):
+        props = {f"k{i}": scalar(depth) for i in range(rng.randint(1, 3))}
+        return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+    stopped = 0
+    for i in range(12):
+        s = schema()
+        body = ok(client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "JSON:", "max_tokens": 80, "seed": i,
+                                                                "structured_outputs": {"json": s}}))  # fmt: skip
+        choice = body["choices"][0]
+        if choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(choice["text"]), s)
+            stopped += 1
+        else:
+            assert choice["text"].startswith("{")
+    assert stopped >= 6
