@@ -54,6 +54,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="API worker processes (HTTP, tokenizer, detokenizer); the engine has its own")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=Settings.engine_process,
                    help="run the engine in its own process (--no-engine-process: inside the one API worker)")
+    p.add_argument("--tool-call-parser", default=Settings.tool_call_parser,
+                   help="how the model writes tool calls: hermes (<tool_call>{json}</tool_call>), json, or a plugin's")
     p.add_argument("--api-key", action="append", default=[], dest="api_keys",
                    help=f"a key clients must send as 'Authorization: Bearer <key>' (also ${API_KEY_ENV})")
     p.add_argument("--api-key-file", default=None, help="a file of API keys, one per line")
@@ -133,12 +135,18 @@ def serve(args: argparse.Namespace) -> int:
     from gyrfalcon.plugins import merged_dict, plugin_manager
 
     try:
-        engines = merged_dict(plugin_manager(settings.plugins_allow, settings.plugins_block).hook.gyrfalcon_engines(), "engine")
+        pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
+        engines = merged_dict(pm.hook.gyrfalcon_engines(), "engine")
+        parsers = merged_dict(pm.hook.gyrfalcon_tool_parsers(), "tool-call parser")
     except Exception as exc:  # a broken plugin must not start a half-working server
         print(f"gyrfalcon: plugins: {exc}", file=sys.stderr)
         return 2
     if settings.engine not in engines:
         print(f"gyrfalcon: --engine {settings.engine!r} is not installed; available: {', '.join(sorted(engines))}", file=sys.stderr)
+        return 2
+    if settings.tool_call_parser not in parsers:
+        print(f"gyrfalcon: --tool-call-parser {settings.tool_call_parser!r} is not installed; available: "
+              f"{', '.join(sorted(parsers))}", file=sys.stderr)  # fmt: skip
         return 2
 
     settings.served_model_name = settings.served_names()  # named after what the user gave, not the cache

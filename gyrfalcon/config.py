@@ -81,6 +81,8 @@ class Settings:
     #: the engine runs in a process of its own, reached by the API workers over ZeroMQ (False: in
     #: the one API worker, for tests and small deployments)
     engine_process: bool = True
+    #: how the model writes tool calls (a ``gyrfalcon_tool_parsers`` name; vLLM's --tool-call-parser)
+    tool_call_parser: str = "hermes"
     api_keys: list[str] = field(default_factory=list)
     #: origins a browser may call the API from (CORS; "*" for any); empty: no CORS headers
     allowed_origins: list[str] = field(default_factory=list)

@@ -86,7 +86,8 @@ def prompt_token_bounds(path: str, body: dict[str, Any], chat: dict[str, int]) -
     conversations = body.get("messages", [])
     if not path.endswith("/batch"):
         conversations = [conversations]
-    return [chat["fixed"] + sum(_message_bound(m, chat) for m in conv if isinstance(m, dict)) for conv in conversations]
+    return [chat["fixed"] + _tools_bound(body) + sum(_message_bound(m, chat) for m in conv if isinstance(m, dict))
+            for conv in conversations]  # fmt: skip
 
 
 def _may_tokenize_to_nothing(text: Any) -> bool:
@@ -116,6 +117,48 @@ def _constraint_breaks_rule(params: dict[str, Any]) -> bool:
     return False
 
 
+def _tools_break_rule(params: dict[str, Any]) -> bool:
+    """Schema-valid tool fields the server refuses (rule tools_consistent)."""
+    from gyrfalcon.errors import RequestError
+    from gyrfalcon.structured.grammar import check
+    from gyrfalcon.tools.parsers import BUILTIN_PARSERS
+
+    tools = params.get("tools") or []
+    choice = params.get("tool_choice")
+    names = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
+    if choice not in (None, "none") and not tools:
+        return True
+    if len(set(names)) != len(names):
+        return True
+    if isinstance(choice, dict):
+        if (choice.get("function") or {}).get("name") not in names:
+            return True
+        tools = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
+    elif choice != "required":
+        return False
+    response_format = params.get("response_format")
+    if params.get("structured_outputs") is not None or (isinstance(response_format, dict) and response_format.get("type") != "text"):
+        return True
+    try:
+        for parser in BUILTIN_PARSERS.values():
+            check({"grammar": parser.grammar(tools, True)})
+    except RequestError:
+        return True
+    return False
+
+
+def _tools_bound(body: dict[str, Any]) -> int:
+    """Tokens the tools may add to each conversation: rendered by the template, or described by a
+    parser's instructions, with calls and results in its convention."""
+    from gyrfalcon.tools.parsers import BUILTIN_PARSERS
+
+    tools = body.get("tools")
+    if not tools or body.get("tool_choice") == "none":
+        return 0
+    described = max(len(parser.instructions(tools)) for parser in BUILTIN_PARSERS.values())
+    return 2 * _text_tokens_bound(json.dumps(tools)) + described + 64 * len(body.get("messages") or [])
+
+
 def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
     """True when a schema-valid body may still break a runtime-only rule (context, min_tokens, sequences)."""
     if not isinstance(body, dict):
@@ -132,7 +175,7 @@ def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
         messages = [m for conversation in messages if isinstance(conversation, list) for m in conversation]
     if any(_message_breaks_rule(m) for m in messages):
         return True
-    if _constraint_breaks_rule(params):
+    if _constraint_breaks_rule(params) or _tools_break_rule(params):
         return True
     if _is_completions(path):
         prompt = body.get("prompt")

@@ -71,6 +71,16 @@ def gyrfalcon_validate_request(endpoint: str, request: EngineRequest, info: Engi
 
 
 @hookspec
+def gyrfalcon_tool_parsers() -> dict[str, Any]:
+    """Offer tool-call conventions: return ``{name: parser}``, each a
+    :class:`gyrfalcon.tools.parsers.ToolCallParser` (its instructions for templates that do not
+    render tools, its grammar for ``tool_choice`` ``required`` or a named function, and how calls are
+    read back from the text). The ``--tool-call-parser`` setting picks one (default ``hermes``); a
+    name offered twice is a start-up error. Parsers run on the API side, on text.
+    """
+
+
+@hookspec
 def gyrfalcon_add_routes(app: falcon.asgi.App, engine: Engine, settings: Settings) -> None:
     """Add routes of your own to the Falcon ASGI app (``app.add_route(...)``) at start-up.
 

@@ -63,6 +63,8 @@ class ServerContext:
                         self.pm.hook.gyrfalcon_validate_request,
                         max_prompts=self.settings.max_request_prompts,
                         max_seqs=self.settings.max_request_seqs,
+                        tool_parser=merged_dict(self.pm.hook.gyrfalcon_tool_parsers(), "tool-call parser").get(
+                            self.settings.tool_call_parser),
                     )
         return self._translator
 

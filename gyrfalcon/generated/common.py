@@ -76,20 +76,20 @@ class StructuredOutputs(BaseModel):
         extra="forbid",
     )
     json_: Annotated[
-        dict[str, Any] | Json | MISSING,
+        dict[str, Any] | Json | None | MISSING,
         Field(
             alias="json",
             description="A JSON schema (an object, or its JSON text) the output follows.",
         ),
     ] = MISSING
     json_object: Annotated[
-        bool | MISSING,
+        bool | None | MISSING,
         Field(
-            description="true: any JSON object (false is refused: it asks for nothing)."
+            description="true: any JSON object (false asks for nothing, and is refused)."
         ),
     ] = MISSING
     regex: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="A regular expression (Rust syntax) the whole output matches.",
             max_length=4096,
@@ -97,7 +97,7 @@ class StructuredOutputs(BaseModel):
         ),
     ] = MISSING
     choice: Annotated[
-        list[ChoiceItem] | MISSING,
+        list[ChoiceItem] | None | MISSING,
         Field(
             description="The output is exactly one of these strings.",
             max_length=256,
@@ -105,7 +105,7 @@ class StructuredOutputs(BaseModel):
         ),
     ] = MISSING
     grammar: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description="A context-free grammar (Lark or GBNF).",
             max_length=65536,
@@ -113,7 +113,7 @@ class StructuredOutputs(BaseModel):
         ),
     ] = MISSING
     structural_tag: Annotated[
-        str | MISSING,
+        str | None | MISSING,
         Field(
             description='JSON text `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`: free text in which each trigger opens a tag whose content follows its schema.',
             max_length=65536,

@@ -262,6 +262,59 @@ class Function(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
+    name: Annotated[str, Field(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+    description: Annotated[str | None | MISSING, Field(max_length=4096)] = MISSING
+    parameters: Annotated[
+        dict[str, Any] | None | MISSING,
+        Field(
+            description="A JSON schema of the arguments (absent or null - an object)."
+        ),
+    ] = MISSING
+    strict: Annotated[
+        bool | None | MISSING,
+        Field(description="Accepted; constrained calls always follow the schema."),
+    ] = MISSING
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    type: Literal["function"]
+    function: Function
+
+
+class Function1(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    name: Annotated[str, Field(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class ChatNamedToolChoice(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    type: Literal["function"]
+    function: Function1
+
+
+class Function2(BaseModel):
+    name: str
+    arguments: str
+
+
+class ChatToolCallDelta(BaseModel):
+    index: Annotated[int, Field(ge=0)]
+    id: str
+    type: Literal["function"]
+    function: Function2
+
+
+class Function3(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
     name: Annotated[str, Field(max_length=256, min_length=1)]
     arguments: Annotated[
         str,
@@ -277,7 +330,7 @@ class ChatToolCall(BaseModel):
     )
     id: Annotated[str, Field(max_length=256, min_length=1)]
     type: Literal["function"]
-    function: Function
+    function: Function3
 
 
 Content = TypeAliasType(
@@ -486,9 +539,25 @@ class ChatCompletionRequest(BaseModel):
         list[Literal["text"]] | None | MISSING,
         Field(description="Text only.", max_length=1, min_length=1),
     ] = MISSING
+    tools: Annotated[
+        list[ChatTool] | None | MISSING,
+        Field(
+            description="Functions the model may call, rendered by the chat template (or, when the template does not render tools, described in a system message in the --tool-call-parser convention).",
+            max_length=64,
+            min_length=1,
+        ),
+    ] = MISSING
+    tool_choice: Annotated[
+        Literal["none", "auto", "required"] | ChatNamedToolChoice | None | MISSING,
+        Field(
+            description="none (the default without tools): no calls; auto (the default with tools): the model may call, and calls in its answer become message.tool_calls; required: at least one call (one without parallel_tool_calls), constrained to the tools' parameter schemas; a named function: exactly that call."
+        ),
+    ] = MISSING
     parallel_tool_calls: Annotated[
         bool | None | MISSING,
-        Field(description="Accepted; without tools it changes nothing."),
+        Field(
+            description="With tool_choice required: false allows exactly one call (default: several)."
+        ),
     ] = MISSING
     prompt_cache_key: Annotated[
         str | None | MISSING,
@@ -705,9 +774,25 @@ class BatchChatCompletionRequest(BaseModel):
         list[Literal["text"]] | None | MISSING,
         Field(description="Text only.", max_length=1, min_length=1),
     ] = MISSING
+    tools: Annotated[
+        list[ChatTool] | None | MISSING,
+        Field(
+            description="Functions the model may call, rendered by the chat template (or, when the template does not render tools, described in a system message in the --tool-call-parser convention).",
+            max_length=64,
+            min_length=1,
+        ),
+    ] = MISSING
+    tool_choice: Annotated[
+        Literal["none", "auto", "required"] | ChatNamedToolChoice | None | MISSING,
+        Field(
+            description="none (the default without tools): no calls; auto (the default with tools): the model may call, and calls in its answer become message.tool_calls; required: at least one call (one without parallel_tool_calls), constrained to the tools' parameter schemas; a named function: exactly that call."
+        ),
+    ] = MISSING
     parallel_tool_calls: Annotated[
         bool | None | MISSING,
-        Field(description="Accepted; without tools it changes nothing."),
+        Field(
+            description="With tool_choice required: false allows exactly one call (default: several)."
+        ),
     ] = MISSING
     prompt_cache_key: Annotated[
         str | None | MISSING,
@@ -754,14 +839,14 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None]
 
 
-FinishReason = TypeAliasType("FinishReason", Literal["stop", "length", "abort"] | None)
+FinishReason = TypeAliasType("FinishReason", Literal["stop", "length", "abort", "tool_calls"] | None)
 
 
 class CompletionChoice(BaseModel):
     index: Annotated[int, Field(ge=0)]
     text: str
     logprobs: CompletionLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: Annotated[
         str | int | None,
         Field(
@@ -833,13 +918,17 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: Annotated[
+        str | None, Field(description="Null when the answer is only tool calls.")
+    ]
     reasoning_content: Annotated[
         None, Field(description="Always null (no reasoning parser).")
     ]
     tool_calls: Annotated[
-        list[dict[str, Any]],
-        Field(description="Always empty (no tools).", max_length=0),
+        list[ChatToolCall],
+        Field(
+            description="The calls the answer made (tools with tool_choice other than none), else empty."
+        ),
     ]
 
 
@@ -857,7 +946,7 @@ class ChatCompletionChoice(BaseModel):
         ),
     ] = MISSING
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: Annotated[
         str | int | None,
         Field(
@@ -896,6 +985,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | MISSING = MISSING
     content: str | MISSING = MISSING
+    tool_calls: list[ChatToolCallDelta] | MISSING = MISSING
 
 
 class ChatCompletionStreamChoice(BaseModel):
@@ -906,7 +996,7 @@ class ChatCompletionStreamChoice(BaseModel):
         Field(description="The choice's token ids, with return_token_ids."),
     ] = MISSING
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: Annotated[
         str | int | None,
         Field(

@@ -51,10 +51,10 @@ def _train_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def build_tiny_model(path: str | os.PathLike[str], *, vocab_size: int = 512, seed: int = 0) -> Path:
+def build_tiny_model(path: str | os.PathLike[str], *, vocab_size: int = 512, seed: int = 0, positions: int = 256) -> Path:
     """Write a random tiny ``LlamaForCausalLM`` and its tokenizer to ``path`` and return the path.
 
-    Config: vocab 512, hidden 64, intermediate 128, 2 layers, 4 heads, 2 KV heads, 256 positions;
+    Config: vocab 512, hidden 64, intermediate 128, 2 layers, 4 heads, 2 KV heads, ``positions`` (256) positions;
     fp32 safetensors. Tokenizer: byte-level BPE with ``<|endoftext|>`` (0), ``<|im_start|>`` (1),
     ``<|im_end|>`` (2, eos and pad), no BOS added, and a ChatML chat template.
     """
@@ -75,7 +75,7 @@ def build_tiny_model(path: str | os.PathLike[str], *, vocab_size: int = 512, see
         bos_token=None,
         additional_special_tokens=["<|endoftext|>", "<|im_start|>"],
         clean_up_tokenization_spaces=False,
-        model_max_length=256,
+        model_max_length=positions,
     )
     tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.save_pretrained(out)
@@ -87,7 +87,7 @@ def build_tiny_model(path: str | os.PathLike[str], *, vocab_size: int = 512, see
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=positions,
         bos_token_id=1,
         eos_token_id=EOS_TOKEN_ID,
         pad_token_id=EOS_TOKEN_ID,

@@ -76,6 +76,13 @@ RUNTIME_RULES: tuple[dict[str, str], ...] = (
         "the field (structured_outputs.<kind>, or response_format.json_schema.schema).",
     },
     {
+        "id": "tools_consistent",
+        "param": "tool_choice",
+        "description": "tool_choice other than none needs tools; a named function must be among them; tool "
+        "names are distinct (param tools); required or a named function cannot join response_format or "
+        "structured_outputs, and the called tools' parameters schemas must compile (param tools).",
+    },
+    {
         "id": "message_name_rendered",
         "param": "messages",
         "description": "A message name is refused when the model's chat template does not render it "

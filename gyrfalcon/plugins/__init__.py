@@ -17,6 +17,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "gyrfalcon.plugins.penalties",
     "gyrfalcon.plugins.logprobs",
     "gyrfalcon.plugins.structured_outputs",
+    "gyrfalcon.plugins.tool_parsers",
 )
 
 

@@ -9,6 +9,18 @@ from gyrfalcon.engine_api.types import EngineRequest
 
 
 @dataclass
+class ToolUse:
+    """A chat request's tools: what is offered, what ``tool_choice`` asks, and the convention
+    (``parser``, a :class:`gyrfalcon.tools.parsers.ToolCallParser`) calls are written and read in."""
+
+    tools: list[dict[str, Any]]
+    #: "auto", "required", or the one function's name
+    choice: str
+    parallel: bool
+    parser: Any
+
+
+@dataclass
 class ServingRequest:
     """One HTTP request, translated: its engine requests and how to present their outputs.
 
@@ -43,3 +55,5 @@ class ServingRequest:
     #: fields that change nothing in the output, recorded in the access log (``metadata``,
     #: ``service_tier``, ``safety_identifier``, ``prompt_cache_key``)
     recorded: dict[str, Any] = field(default_factory=dict)
+    #: chat with tools (and tool_choice other than none): calls in the answer become ``tool_calls``
+    tools: ToolUse | None = None

@@ -23,8 +23,9 @@ from gyrfalcon.engine_api.interface import Engine
 from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.capabilities import check_supported
-from gyrfalcon.protocol.requests import ServingRequest
+from gyrfalcon.protocol.requests import ServingRequest, ToolUse
 from gyrfalcon.protocol.rules import RequestFields, check_rules
+from gyrfalcon.protocol.tools import tool_constraint, tool_use, with_instructions
 from gyrfalcon.openapi.limits import ServedLimits, limits_of, longest_array, walk_schemas
 from gyrfalcon.openapi.served import bundle, request_schema_names
 from gyrfalcon.protocol.wire import sent_fields, validate
@@ -104,8 +105,12 @@ class Translator:
         validate_hook: Callable[..., Any] | None = None,
         max_prompts: int | None = None,
         max_seqs: int | None = None,
+        tool_parser: Any = None,
     ) -> None:
         self.engine = engine
+        #: the convention tool calls are written in (gyrfalcon.tools.parsers), None: no tools
+        self.tool_parser = tool_parser
+        self._renders_tools: bool | None = None
         #: most sequences (prompts × n) in one request
         self.max_seqs = max_seqs
         self.info: EngineInfo = engine.info()
@@ -144,9 +149,10 @@ class Translator:
 
         external_id = header_request_id or fields.get("request_id")
         response_id = f"{RESPONSE_ID_PREFIX[endpoint]}-{external_id or uuid.uuid4().hex}"
-        prompts, prompt_texts, prompt_param = self._prompts(fields)
+        tools = tool_use(fields, body, self.tool_parser) if endpoint in ("chat", "chat_batch") else None
+        prompts, prompt_texts, prompt_param = self._prompts(fields, tools)
         sampling = self._sampling(fields)
-        sampling.structured_outputs = structured_constraint(fields, body)
+        sampling.structured_outputs = tool_constraint(tools, fields, structured_constraint(fields, body))
         if self.max_seqs is not None and len(prompts) * sampling.n > self.max_seqs:
             raise fields.error(
                 "n", f"{len(prompts)} prompts x n={sampling.n} asks for more than the {self.max_seqs} sequences one request may have"
@@ -196,6 +202,7 @@ class Translator:
             recorded={name: fields.get(name) for name in RECORDED_FIELDS if fields.has(name)},
             prompt_only=prompt_only and requests[0].sampling.prompt_logprobs is None,
             prompt_logprobs=fields.get("prompt_logprobs"),
+            tools=tools,
         )
 
     def _check_extensions(self, extensions: Any) -> dict[str, Any]:
@@ -232,7 +239,7 @@ class Translator:
                 raise RequestError(refused[1], refused[0])
 
     # ------------------------------------------------------------------ prompts
-    def _prompts(self, f: RequestFields) -> tuple[list[list[int]], list[str], str]:
+    def _prompts(self, f: RequestFields, tools: ToolUse | None = None) -> tuple[list[list[int]], list[str], str]:
         """Token ids of every prompt, their texts (for echo), and the prompt's param name."""
         if f.endpoint == "generate":
             return [f.get("token_ids")], [], "token_ids"
@@ -241,21 +248,40 @@ class Translator:
         conversations = [f.get("messages")] if f.endpoint == "chat" else f.get("messages")
         options = ChatRendering.of(f)
         prompts = [
-            self._render_chat(messages, options, "messages" if f.endpoint == "chat" else f"messages.{i}")
+            self._render_chat(messages, options, "messages" if f.endpoint == "chat" else f"messages.{i}", tools)
             for i, messages in enumerate(conversations)
         ]
         echoed = [options.echoed(messages) for messages in conversations] if f.get("echo") is True else []
         return prompts, echoed, "messages"
 
-    def _render_chat(self, messages: list[dict[str, Any]], options: ChatRendering, param: str) -> list[int]:
+    def renders_tools(self) -> bool:
+        """Whether the model's chat template renders ``tools`` (probed once)."""
+        if self._renders_tools is None:
+            probe = [{"role": "user", "content": "x"}]
+            tool = {"type": "function", "function": {"name": "probe_tool", "parameters": {"type": "object"}}}
+            try:
+                self._renders_tools = (self.engine.apply_chat_template(probe, True, template_kwargs={"tools": [tool]})
+                                       != self.engine.apply_chat_template(probe, True))  # fmt: skip
+            except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
+                self._renders_tools = False
+        return self._renders_tools
+
+    def _render_chat(self, messages: list[dict[str, Any]], options: ChatRendering, param: str,
+                     tools: ToolUse | None = None) -> list[int]:  # fmt: skip
         """Token ids of wire chat messages rendered with the model's template (its special tokens once,
-        unless ``add_special_tokens`` asks for the tokenizer's too)."""
+        unless ``add_special_tokens`` asks for the tokenizer's too), with the request's tools."""
         plain = [template_message(m, f"{param}.{i}") for i, m in enumerate(messages)]
+        kwargs = options.template_kwargs
+        if tools is not None:
+            if self.renders_tools():
+                kwargs = {**kwargs, "tools": tools.tools}
+            else:  # the template knows nothing of tools: the parser's convention, in plain turns
+                plain = with_instructions(plain, tools)
 
         def render(msgs: list[dict[str, str]]) -> str:
             return self.engine.apply_chat_template(msgs, options.add_generation_prompt,
                                                    continue_final_message=options.continue_final_message,
-                                                   template_kwargs=options.template_kwargs)  # fmt: skip
+                                                   template_kwargs=kwargs)  # fmt: skip
 
         try:
             text = render(plain)
@@ -468,6 +494,8 @@ def hook_param(f: RequestFields, param: str | None) -> str | None:
     from ``response_format`` is named there."""
     if param is None or not param.startswith("structured_outputs"):
         return param
+    if f.has("tools") and f.get("tool_choice") not in (None, "none", "auto"):
+        return "tools"  # the calls' grammar: a tool's parameters schema does not compile
     if f.has("response_format"):
         return "response_format.json_schema.schema" if param == "structured_outputs.json" else "response_format"
     return f.param(param)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, TypeVar
 
@@ -52,9 +53,19 @@ def _ints_from_whole_floats(value: Any, max_items: int | None, path: str | None,
     return value
 
 
+@functools.cache
+def _model_names() -> frozenset[str]:
+    """Names of the generated models: a union of models tags its members' errors with them."""
+    from gyrfalcon.generated import common, generate, openai
+
+    return frozenset(name for module in (common, generate, openai) for name, value in vars(module).items()
+                     if isinstance(value, type) and issubclass(value, pydantic.BaseModel))  # fmt: skip
+
+
 def error_param(loc: tuple[Any, ...]) -> str | None:
     """A dotted field path from a pydantic error location, without union-member tags."""
-    parts = [str(p) for p in loc if isinstance(p, int) or (_IDENTIFIER.match(str(p)) and not _NOT_A_FIELD.match(str(p)))]
+    parts = [str(p) for p in loc if isinstance(p, int) or (_IDENTIFIER.match(str(p)) and not _NOT_A_FIELD.match(str(p))
+                                                           and str(p) not in _model_names())]  # fmt: skip
     return ".".join(parts) or None
 
 

@@ -9,11 +9,13 @@ lists is documented there).
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 from gyrfalcon.engine_api.interface import Engine
 from gyrfalcon.engine_api.types import CompletionOutput, RequestOutput, TokenLogprobs
 from gyrfalcon.protocol.requests import ServingRequest
+from gyrfalcon.protocol.tools import arguments_text
 from gyrfalcon.serving.logprob_formats import (
     Listing,
     TokenText,
@@ -210,6 +212,10 @@ class ChatFormatter(Formatter):
     chunk_object_name = "chat.completion.chunk"
     top_k_includes_own = False
 
+    def __init__(self, request: ServingRequest, engine: Engine | None = None) -> None:
+        super().__init__(request, engine)
+        self._held: dict[int, str] = {}  # choice index -> streamed text held back (a tool call may be starting)
+
     def _echoed(self, prompt_index: int) -> str:
         """The content ``echo`` puts first (the last turn's, when it has the reply's role)."""
         return self.request.prompt_texts[prompt_index] if self.request.echo else ""
@@ -227,13 +233,28 @@ class ChatFormatter(Formatter):
         body["prompt_token_ids"] = list(outputs[0].prompt_token_ids) if one and self.request.return_token_ids else None
         return body
 
+    def _calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict[str, Any]], str | None]:
+        """``(content, tool_calls, finish_reason)`` of a finished text: calls read by the request's
+        parser (content null when the answer is only calls; ``tool_calls`` when it stopped on them)."""
+        use = self.request.tools
+        if use is None:
+            return text, [], finish_reason
+        content, calls = use.parser.parse(text, use.tools)
+        if not calls:
+            return text, [], finish_reason
+        wire = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": call.name, "arguments": arguments_text(call.arguments)}} for call in calls]  # fmt: skip
+        return content or None, wire, "tool_calls" if finish_reason == "stop" else finish_reason
+
     def final_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
+        content, calls, finish_reason = self._calls(choice.text, choice.finish_reason)
+        echoed = self._echoed(prompt_index)
         body = {
             "index": self.index(prompt_index, choice),
-            "message": {"role": "assistant", "content": self._echoed(prompt_index) + choice.text,
-                        "reasoning_content": None, "tool_calls": []},  # fmt: skip
+            "message": {"role": "assistant", "content": echoed + content if content is not None else (echoed or None),
+                        "reasoning_content": None, "tool_calls": calls},  # fmt: skip
             "logprobs": self._logprobs(prompt_index, choice),
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": choice.stop_reason,
             "token_ids": list(choice.token_ids) if self.request.return_token_ids else None,
         }
@@ -255,13 +276,34 @@ class ChatFormatter(Formatter):
                 chunks.append(chunk)
         return chunks
 
+    def _tool_delta(self, index: int, choice: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        """A streamed choice's delta with tools: text that cannot start a call goes out at once; from a
+        possible call's start on, the text is held until the choice ends, then read as calls."""
+        use = self.request.tools
+        assert use is not None
+        held = self._held.get(index, "") + choice.text
+        if choice.finish_reason is None:
+            cut = use.parser.holds_back(held)
+            self._held[index] = held[cut:]
+            return ({"content": held[:cut]} if cut else {}), None
+        self._held.pop(index, None)
+        content, calls, finish_reason = self._calls(held, choice.finish_reason)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+        return delta, finish_reason
+
     def delta_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
-        delta = {"content": choice.text} if choice.text else {}
+        index = self.index(prompt_index, choice)
+        if self.request.tools is None:
+            delta, finish_reason = ({"content": choice.text} if choice.text else {}), choice.finish_reason
+        else:
+            delta, finish_reason = self._tool_delta(index, choice)
         body = {
-            "index": self.index(prompt_index, choice),
+            "index": index,
             "delta": delta,
             "logprobs": self._logprobs(prompt_index, choice) if choice.token_ids else None,
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": choice.stop_reason,
         }
         if self.request.return_token_ids:

@@ -14,9 +14,14 @@ from gyrfalcon.errors import RequestError
 
 #: the constraint kinds, in vLLM's names, each with the llguidance grammar format it is written in
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
-#: whitespace the JSON grammars allow between tokens: none beyond a single space and newlines keeps
-#: a small model from padding forever (vLLM's ``disable_any_whitespace`` does the same)
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: JSON layout: ", " and ": " between items and no other whitespace, which keeps a small model from
+#: padding forever (vLLM's ``disable_any_whitespace`` does the same)
+JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def with_json_format(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with llguidance's JSON layout options (:data:`JSON_FORMAT`; the schema's own win)."""
+    return {**schema, "x-guidance": {**JSON_FORMAT, **schema.get("x-guidance", {})}}
 
 
 def constraint_kind(constraint: dict[str, Any]) -> str:
@@ -33,7 +38,7 @@ def _json_schema_grammar(schema: Any) -> str:
     if isinstance(schema, str):
         schema = json.loads(schema)
     if isinstance(schema, dict):
-        schema = {**schema, "x-guidance": {**_JSON_OPTIONS, **schema.get("x-guidance", {})}}
+        schema = with_json_format(schema)
     return llguidance.grammar_from("json_schema", json.dumps(schema))
 
 

@@ -350,7 +350,8 @@ def test_openai_fields_that_change_nothing_are_accepted_and_recorded(client, cap
 
 @pytest.mark.parametrize("extra,param", [
     ({"store": True}, "store"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     "response_format.json_schema.schema"),  # a schema that does not compile
     ({"modalities": ["audio"]}, "modalities.0"),
     ({"service_tier": "fastest"}, "service_tier"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),  # maxProperties, stated in the spec

@@ -135,7 +135,7 @@ OTHER_CASES = [
     (BATCH, {"messages": [[MSG[0]], [MSG[0], {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
         "function": {"name": "f", "arguments": "{}"}}]}]]}, 400, "messages.1.1.tool_calls"),  # the template ignores calls
     (CHAT, {"messages": MSG, "tools": []}, 400, "tools"),
-    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format.type"),  # only text until structured outputs
+    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, 400, "response_format.type"),
     (CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"messages": MSG, "logprobs": False, "logprob_token_ids": [3]}, 400, "logprob_token_ids"),
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
