@@ -112,41 +112,79 @@ def test_a_bad_constraint_is_a_400_naming_its_field(client, path, body, param):
     refused(client.simulate_post(path, json={"model": "tiny", **body}), param)
 
 
+def test_structural_tag_is_compiled_and_checked(client):
+    def tag(schema):
+        return json.dumps({"structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}], "triggers": ["<f>"]})
+
+    good = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], "additionalProperties": False}
+    body = ok(client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 60, "seed": 3,
+                                                            "structured_outputs": {"structural_tag": tag(good)}}))  # fmt: skip
+    for inside in re.findall(r"<f>(.*?)</f>", body["choices"][0]["text"], re.S):  # free text outside the tags
+        assert json.loads(inside)["a"] in (1, 2)
+    refused(client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4,
+                                                          "structured_outputs": {"structural_tag": tag({"type": "nope"})}}),
+            "structured_outputs.structural_tag")  # fmt: skip
+    refused(client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4,
+                                                          "structured_outputs": {"structural_tag": "{not json"}}),
+            "structured_outputs.structural_tag")  # fmt: skip
+
+
 def test_text_response_format_asks_for_nothing(client):
     ok(_chat(client, max_tokens=2, response_format={"type": "text"}))
 
 
-def test_random_schemas_validate(client):
-    """Generated schemas (objects of scalars, enums, arrays, nesting): a finished output validates."""
-    rng = random.Random(7)
+def _random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """A JSON schema of the shapes clients send: objects of scalars, enums, bounded strings and
+    numbers, arrays, nested objects, optional properties."""
 
-    def scalar(depth):
-        kind = rng.choice(["string", "integer", "boolean", "enum", "number"] + (["object", "array"] if depth < 2 else []))
+    def value(depth: int) -> dict:
+        kinds = ["string", "integer", "number", "boolean", "enum", "null"] + (["object", "array"] if depth < 2 else [])
+        kind = rng.choice(kinds)
         if kind == "enum":
             return {"enum": rng.sample(["x", "y", "z", 1, 2, True, None], 3)}
         if kind == "object":
-            return schema(depth + 1)
+            return _random_schema(rng, depth + 1)
         if kind == "array":
-            return {"type": "array", "items": scalar(depth + 1), "maxItems": 2}
+            return {"type": "array", "items": value(depth + 1), "minItems": rng.randint(0, 1), "maxItems": 3}
         if kind == "string":
-            return {"type": "string", "maxLength": rng.randint(1, 6)}
+            return {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(3, 8)}
         if kind == "integer":
-            return {"type": "integer", "minimum": -5, "maximum": 500}
+            return {"type": "integer", "minimum": -5, "maximum": rng.choice([9, 500])}
+        if kind == "number":
+            return {"type": "number", "minimum": 0, "maximum": 10}
         return {"type": kind}
 
-    def schema(depth=0):
-        props = {f"k{i}": scalar(depth) for i in range(rng.randint(1, 3))}
-        return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+    props = {f"k{i}": value(depth) for i in range(rng.randint(1, 4))}
+    required = [name for name in props if rng.random() < 0.7]
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
 
-    stopped = 0
-    for i in range(12):
-        s = schema()
-        body = ok(client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "JSON:", "max_tokens": 80, "seed": i,
-                                                                "structured_outputs": {"json": s}}))  # fmt: skip
+
+def test_one_hundred_generated_schemas_greedy_and_sampled(client, tiny_model_dir):
+    """Every output that finished with stop validates (jsonschema, independently); every one cut by
+    max_tokens is a prefix the schema's grammar still accepts."""
+    import llguidance
+    import llguidance.hf
+
+    from gyrfalcon.structured.grammar import check
+
+    rng = random.Random(7)
+    tokenizer = None
+    outcomes = {"stop": 0, "length": 0}
+    for i in range(100):
+        schema = _random_schema(rng)
+        sampling = {"temperature": 0} if i % 2 else {"seed": i, "temperature": 1.0}
+        body = ok(client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "JSON:", "max_tokens": 60,
+                                                                "return_token_ids": True, **sampling,
+                                                                "structured_outputs": {"json": schema}}))  # fmt: skip
         choice = body["choices"][0]
+        outcomes[choice["finish_reason"]] += 1
         if choice["finish_reason"] == "stop":
-            jsonschema.validate(json.loads(choice["text"]), s)
-            stopped += 1
-        else:
-            assert choice["text"].startswith("{")
-    assert stopped >= 6
+            jsonschema.validate(json.loads(choice["text"]), schema)
+            continue
+        if tokenizer is None:
+            from gyrfalcon.models.loading import load_tokenizer
+
+            tokenizer = llguidance.hf.from_tokenizer(load_tokenizer(tiny_model_dir), eos_token=[2])
+        matcher = llguidance.LLMatcher(tokenizer, check({"json": schema}))
+        assert matcher.consume_tokens(choice["token_ids"]) and not matcher.is_error(), (schema, choice["text"])
+    assert outcomes["stop"] >= 50, outcomes
