@@ -27,12 +27,17 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(process)d] [%(levelname)s] engine: %(message)s")
     settings = Settings.from_env()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # signals that come while the engine is built: a drain is kept for the server, a stop ends the start
+    early: list[int] = []
+    signal.signal(signal.SIGUSR1, lambda signum, frame: early.append(signum))
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
     core = engine_core(build_engine(settings, pm))
     server = EngineServer(core, argv[0], parent_pid=os.getppid())
-
     signal.signal(signal.SIGUSR1, lambda signum, frame: server.drain(settings.drain_timeout))
     signal.signal(signal.SIGTERM, lambda signum, frame: server.stop())
+    if early:
+        server.drain(settings.drain_timeout)
     logging.getLogger(__name__).info("serving the engine at %s", argv[0])
     try:
         server.serve()

@@ -6,7 +6,8 @@ reaches only the API side), waits until it listens, then runs gunicorn with the 
 the workers' environment.
 
 - SIGTERM (SIGINT, SIGQUIT likewise): the engine drains first (queued requests get a 503 at once),
-  gunicorn's workers then finish their streams; once gunicorn has exited, the engine stops.
+  gunicorn (sent SIGTERM, its graceful stop) lets its workers finish their streams; once gunicorn
+  has exited, the engine stops. gunicorn also stops if this launcher dies.
 - Other signals gunicorn understands (HUP, TTIN, TTOU, USR1, USR2) are passed on to it.
 - The engine process dying stops the server with exit status 1, for its supervisor (systemd,
   Kubernetes) to restart: the workers have already answered every waiting client with a 503.
@@ -43,6 +44,17 @@ def main(argv: list[str]) -> int:
 
 def _say(message: str) -> None:
     print(f"gyrfalcon: {message}", file=sys.stderr, flush=True)
+
+
+def _stop_with_parent() -> None:
+    """In gunicorn's master before it runs: SIGTERM when this launcher dies (killed, out of memory),
+    so no orphaned server answers 503 for ever (Linux; elsewhere a no-op)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _wait_listening(engine: subprocess.Popen, socket_path: str) -> bool:
@@ -84,7 +96,7 @@ def run_server(gunicorn_argv: list[str], env: dict[str, str]) -> int:
             if engine.poll() is None:
                 engine.send_signal(signal.SIGUSR1)  # its drain: queued requests end at once
         if gunicorn is not None and gunicorn.poll() is None:
-            gunicorn.send_signal(signal.SIGTERM if signum == signal.SIGQUIT else signum)
+            gunicorn.send_signal(signal.SIGTERM)  # gunicorn's graceful stop (its SIGINT and SIGQUIT are quick)
 
     def pass_on(signum: int, frame: object) -> None:
         if gunicorn is not None and gunicorn.poll() is None:
@@ -100,7 +112,7 @@ def run_server(gunicorn_argv: list[str], env: dict[str, str]) -> int:
             return 1
         if stopping:
             return 0
-        gunicorn = subprocess.Popen(gunicorn_argv, env=env)
+        gunicorn = subprocess.Popen(gunicorn_argv, env=env, preexec_fn=_stop_with_parent)
         engine_died = False
         while gunicorn.poll() is None:
             if not engine_died and engine.poll() is not None:

@@ -70,8 +70,8 @@ class RemoteEngineCore(EngineCore):
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.IDENTITY, self.identity.encode())
-        self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._socket.setsockopt(zmq.LINGER, 0)
+        for option in (zmq.SNDHWM, zmq.RCVHWM):  # never drop an abort or a stop: they are small and few
+            self._socket.setsockopt(option, 0)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._socket.connect(address)
         self._streams: dict[str, OutputStream] = {}
@@ -105,6 +105,8 @@ class RemoteEngineCore(EngineCore):
         return self._info
 
     def health(self) -> EngineHealth:
+        if self._gone is None and not self._thread.is_alive() and not self._stop.is_set():
+            self._engine_gone("the link to the engine process failed")
         if self._gone is not None:
             return EngineHealth(ready=False, message=self._gone)
         if self._draining:
@@ -159,11 +161,11 @@ class RemoteEngineCore(EngineCore):
         deadline = time.monotonic() + max(grace, 0.0)
         while self._streams and time.monotonic() < deadline and self._gone is None:
             time.sleep(0.01)
+        self._cut(EngineError("the server shut down", type=ShuttingDown.type, status=503, retry_after=1.0))
         self._post(b"bye", None)  # the engine aborts what is left of ours
         self._stop.set()
         self._wake.notify()
         self._thread.join(timeout=5.0)
-        self._cut(EngineError("the server shut down", type=ShuttingDown.type, status=503, retry_after=1.0))
 
     # ------------------------------------------------------------------ callers' side
 
@@ -176,6 +178,8 @@ class RemoteEngineCore(EngineCore):
         call_id = next(self._call_ids)
         self._calls[call_id] = call
         try:
+            if self._gone is not None:  # gone between the caller's check and now: no answer will come
+                raise ShuttingDown(self._gone)
             self._post(kind, [call_id, *data])
             if not call.done.wait(timeout):
                 raise EngineUnavailable(f"the engine did not answer within {timeout:.0f} s")
@@ -208,21 +212,29 @@ class RemoteEngineCore(EngineCore):
         next_ping = 0.0
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(BEAT_S * 1000))
-                if self._wake.fd in events:
-                    self._wake.take()
-                self._send_outbox()
-                if self._socket in events:
-                    self._receive()
-                if self._monitor in events and self._disconnected():
-                    self._engine_gone(f"{ENGINE_GONE}: its connection closed")
-                now = time.monotonic()
-                if now >= next_ping:
-                    next_ping = now + BEAT_S
-                    self._outbox.append([b"ping", b""])
-                    if self._gone is None and now - self._last_heard > self.silence_s:
-                        self._engine_gone(f"{ENGINE_GONE}: silent for {now - self._last_heard:.1f} s")
+                try:
+                    events = dict(poller.poll(BEAT_S * 1000))
+                    if self._wake.fd in events:
+                        self._wake.take()
+                    self._send_outbox()
+                    if self._socket in events:
+                        self._receive()
+                    if self._monitor in events and self._disconnected():
+                        self._engine_gone(f"{ENGINE_GONE}: its connection closed")
+                    now = time.monotonic()
+                    if now >= next_ping:
+                        next_ping = now + BEAT_S
+                        self._outbox.append([b"ping", b""])
+                        self._receive()  # what waits in the socket counts before the engine is called silent
+                        silent = time.monotonic() - self._last_heard
+                        if self._gone is None and silent > self.silence_s:
+                            self._engine_gone(f"{ENGINE_GONE}: silent for {silent:.1f} s")
+                except Exception:  # noqa: BLE001 - one bad message never ends the link
+                    log.exception("engine link")
             self._send_outbox()
+        except BaseException:
+            self._engine_gone("the link to the engine process failed")
+            raise
         finally:
             self._close_sockets()
 
@@ -251,6 +263,9 @@ class RemoteEngineCore(EngineCore):
                 if call is not None:
                     call.value = data[1]
                     call.done.set()
+            elif kind == b"reset":  # the engine took this worker for dead and dropped its requests
+                self._cut(EngineError("the engine dropped this request (it lost contact with this worker)",
+                                      type=ShuttingDown.type, status=503, retry_after=1.0))  # fmt: skip
             elif kind == b"beat":
                 self._health = codec.decode_health(data[0])
                 if self._gone is not None:
@@ -290,7 +305,7 @@ class RemoteEngineCore(EngineCore):
     def _close_sockets(self) -> None:
         self._socket.disable_monitor()
         self._monitor.close(linger=0)
-        self._socket.close(linger=0)
+        self._socket.close(linger=200)  # time for the goodbye and the last aborts to leave
         self._context.term()
         self._wake.close()
 

@@ -18,7 +18,9 @@ from typing import Any
 
 import zmq
 
+from gyrfalcon.engine_api.errors import ShuttingDown
 from gyrfalcon.engine_api.interface import EngineCore, OutputStream
+from gyrfalcon.engine_api.types import EngineError, RequestOutput
 from gyrfalcon.engine_process import BEAT_S, SILENCE_S, codec
 from gyrfalcon.engine_process.wakeup import PollWakeup
 
@@ -78,15 +80,19 @@ class EngineServer:
         next_beat = 0.0
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(BEAT_S * 1000))
-                if self._socket in events:
-                    self._receive()
-                if self._ready.fd in events:
-                    self._flush(self._ready.take())
-                now = time.monotonic()
-                if now >= next_beat:
-                    next_beat = now + BEAT_S
-                    self._beat(now)
+                try:
+                    events = dict(poller.poll(BEAT_S * 1000))
+                    if self._socket in events:
+                        self._receive()
+                    if self._ready.fd in events:
+                        self._flush(self._ready.take())
+                    now = time.monotonic()
+                    if now >= next_beat:
+                        next_beat = now + BEAT_S
+                        self._receive()  # what waits in the socket counts before anyone is called silent
+                        self._beat(time.monotonic())
+                except Exception:  # noqa: BLE001 - the engine outlives any one bad message or output
+                    log.exception("engine server loop")
         finally:
             self._abort_all()
             self._socket.close(linger=0)
@@ -111,13 +117,20 @@ class EngineServer:
             if worker is None:
                 if kind == b"bye":
                     continue
+                if kind != b"hello":  # a worker this engine forgot (taken for dead): it must drop what it holds
+                    self._send(identity, b"reset", None)
                 worker = self._workers[identity] = _Worker(identity, time.monotonic())
                 log.info("API worker %s connected", identity.decode(errors="replace"))
             worker.last_seen = time.monotonic()
             try:
                 self._handle(worker, kind, codec.unpack(payload) if payload else None)
-            except Exception:  # noqa: BLE001 - one bad message never stops the engine
+            except Exception as exc:  # noqa: BLE001 - one bad message never stops the engine
                 log.exception("engine message %r from %r failed", kind, identity)
+                if kind in (b"submit", b"call"):  # the caller waits for an answer: give it one
+                    try:
+                        self._send(identity, b"reply", [codec.unpack(payload)[0], codec.encode_refusal(exc)])
+                    except Exception:  # noqa: BLE001 - an unreadable message: the caller times out
+                        pass
 
     def _handle(self, worker: _Worker, kind: bytes, data: Any) -> None:
         if kind == b"submit":
@@ -180,7 +193,12 @@ class EngineServer:
                     batch.append([local_id, None])
                     del worker.streams[local_id]
                     break
-                batch.append([local_id, codec.encode_output(output)])
+                try:
+                    batch.append([local_id, codec.encode_output(output)])
+                except Exception as exc:  # noqa: BLE001 - e.g. a plugin's value msgpack cannot carry
+                    log.exception("output of %s cannot be sent", local_id)
+                    self._end(worker, local_id, f"internal error: the output cannot be sent: {exc}", batch)
+                    break
         for identity, batch in batches.items():
             if batch:
                 self._send(identity, b"out", batch)
@@ -196,17 +214,30 @@ class EngineServer:
             log.warning("the process that started the engine is gone: stopping")
             self._stop.set()
 
+    def _end(self, worker: _Worker, local_id: str, message: str, batch: list[Any], status: int = 500) -> None:
+        """End one of ``worker``'s streams with an error (appended to ``batch``) and abort its request."""
+        stream = worker.streams.pop(local_id, None)
+        if stream is not None:
+            stream.set_waker(None)
+            self.core.abort(self._engine_id(worker, local_id))
+        error = EngineError(message, type="server_error" if status == 500 else ShuttingDown.type, status=status,
+                            retry_after=None if status == 500 else 1.0)  # fmt: skip
+        batch += [[local_id, codec.encode_output(RequestOutput(local_id, [], finished=True, error=error))], [local_id, None]]
+
     def _forget(self, worker: _Worker, why: str) -> None:
-        """A worker left or died: abort its requests."""
+        """A worker left or died: abort its requests (and, should it still be there, end its streams
+        with a 503 so that none of its clients waits for outputs that will not come)."""
         self._workers.pop(worker.identity, None)
         name = worker.identity.decode(errors="replace")
         if worker.streams:
             log.warning("API worker %s %s: aborting its %d requests", name, why, len(worker.streams))
         else:
             log.info("API worker %s %s", name, why)
-        for local_id, stream in worker.streams.items():
-            stream.set_waker(None)
-            self.core.abort(self._engine_id(worker, local_id))
+        batch: list[Any] = []
+        for local_id in list(worker.streams):
+            self._end(worker, local_id, f"the engine dropped this API worker's requests: it was {why}", batch, status=503)
+        if batch:
+            self._send(worker.identity, b"out", batch)
 
     def _abort_all(self) -> None:
         for worker in list(self._workers.values()):

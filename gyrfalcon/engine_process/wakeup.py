@@ -17,12 +17,15 @@ class PollWakeup:
         os.set_blocking(self._write, False)
         self._keys: collections.deque[Any] = collections.deque()
         self._signalled = False
+        self._closed = False
 
     @property
     def fd(self) -> int:
         return self._read
 
     def notify(self, key: Any = None) -> None:
+        if self._closed:  # the loop has ended (and the descriptor number may be another file's now)
+            return
         self._keys.append(key)
         if not self._signalled:
             self._signalled = True
@@ -45,6 +48,7 @@ class PollWakeup:
         return keys
 
     def close(self) -> None:
+        self._closed = True
         for fd in (self._read, self._write):
             try:
                 os.close(fd)

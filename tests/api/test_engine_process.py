@@ -146,6 +146,8 @@ def test_a_gone_engine_ends_every_open_stream_at_once(served, remote):
         last = list(stream)[-1]
         assert last.finished and last.error is not None and last.error.status == 503
     assert time.monotonic() - started < 2.0
+    while remote.health().ready and time.monotonic() - started < 2.0:  # the socket's close, seen by its monitor
+        time.sleep(0.01)
     assert not remote.health().ready and "engine process is gone" in remote.health().message
     with pytest.raises(ShuttingDown):
         remote.submit(_request(remote, "after", max_tokens=2))
