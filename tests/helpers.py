@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections import defaultdict
 from typing import Any
 
@@ -125,3 +126,29 @@ class ServedInThread:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """A JSON schema of the shapes clients send: objects of scalars, enums, bounded strings and
+    numbers, arrays, nested objects, optional properties."""
+
+    def value(depth: int) -> dict:
+        kinds = ["string", "integer", "number", "boolean", "enum", "null"] + (["object", "array"] if depth < 2 else [])
+        kind = rng.choice(kinds)
+        if kind == "enum":
+            return {"enum": rng.sample(["x", "y", "z", 1, 2, True, None], 3)}
+        if kind == "object":
+            return random_schema(rng, depth + 1)
+        if kind == "array":
+            return {"type": "array", "items": value(depth + 1), "minItems": rng.randint(0, 1), "maxItems": 3}
+        if kind == "string":
+            return {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(3, 8)}
+        if kind == "integer":
+            return {"type": "integer", "minimum": -5, "maximum": rng.choice([9, 500])}
+        if kind == "number":
+            return {"type": "number", "minimum": 0, "maximum": 10}
+        return {"type": kind}
+
+    props = {f"k{i}": value(depth) for i in range(rng.randint(1, 4))}
+    required = [name for name in props if rng.random() < 0.7]
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}

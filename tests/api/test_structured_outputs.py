@@ -10,7 +10,7 @@ import re
 import jsonschema
 import pytest
 
-from tests.helpers import sse_events, stream_by_choice
+from tests.helpers import random_schema, sse_events, stream_by_choice
 
 PERSON = {
     "type": "object",
@@ -133,32 +133,6 @@ def test_text_response_format_asks_for_nothing(client):
     ok(_chat(client, max_tokens=2, response_format={"type": "text"}))
 
 
-def _random_schema(rng: random.Random, depth: int = 0) -> dict:
-    """A JSON schema of the shapes clients send: objects of scalars, enums, bounded strings and
-    numbers, arrays, nested objects, optional properties."""
-
-    def value(depth: int) -> dict:
-        kinds = ["string", "integer", "number", "boolean", "enum", "null"] + (["object", "array"] if depth < 2 else [])
-        kind = rng.choice(kinds)
-        if kind == "enum":
-            return {"enum": rng.sample(["x", "y", "z", 1, 2, True, None], 3)}
-        if kind == "object":
-            return _random_schema(rng, depth + 1)
-        if kind == "array":
-            return {"type": "array", "items": value(depth + 1), "minItems": rng.randint(0, 1), "maxItems": 3}
-        if kind == "string":
-            return {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(3, 8)}
-        if kind == "integer":
-            return {"type": "integer", "minimum": -5, "maximum": rng.choice([9, 500])}
-        if kind == "number":
-            return {"type": "number", "minimum": 0, "maximum": 10}
-        return {"type": kind}
-
-    props = {f"k{i}": value(depth) for i in range(rng.randint(1, 4))}
-    required = [name for name in props if rng.random() < 0.7]
-    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
-
-
 def test_one_hundred_generated_schemas_greedy_and_sampled(client, tiny_model_dir):
     """Every output that finished with stop validates (jsonschema, independently); every one cut by
     max_tokens is a prefix the schema's grammar still accepts."""
@@ -171,7 +145,7 @@ def test_one_hundred_generated_schemas_greedy_and_sampled(client, tiny_model_dir
     tokenizer = None
     outcomes = {"stop": 0, "length": 0}
     for i in range(100):
-        schema = _random_schema(rng)
+        schema = random_schema(rng)
         sampling = {"temperature": 0} if i % 2 else {"seed": i, "temperature": 1.0}
         body = ok(client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "JSON:", "max_tokens": 60,
                                                                 "return_token_ids": True, **sampling,

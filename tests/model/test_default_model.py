@@ -108,3 +108,38 @@ def test_readme_serve_command_serves_the_default_model(default_model_dir, tmp_pa
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
     finally:
         stop_server(server)
+
+
+def test_one_hundred_generated_schemas(engine):
+    """Structured outputs on the real model, greedy and sampled: a choice that stops validates, one cut
+    by max_tokens is a prefix its grammar accepts (the requests run side by side, as a server batches them)."""
+    import json
+    import random
+
+    import jsonschema
+    import llguidance
+    import llguidance.hf
+
+    from gyrfalcon.engine_api.types import OutputKind
+    from gyrfalcon.structured.grammar import check
+    from tests.helpers import random_schema
+
+    rng = random.Random(11)
+    prompt = engine.tokenize(engine.apply_chat_template([{"role": "user", "content": "Reply with a JSON object."}], True),
+                             add_special_tokens=False)  # fmt: skip
+    schemas = [random_schema(rng) for _ in range(100)]
+    streams = [engine.submit(EngineRequest(f"schema-{i}", prompt, SamplingParams(
+        max_tokens=48, structured_outputs={"json": schema}, **({"temperature": 0} if i % 2 else {"seed": i})),
+        OutputKind.FINAL_ONLY)) for i, schema in enumerate(schemas)]  # fmt: skip
+    lltok = llguidance.hf.from_tokenizer(engine.tokenizer, eos_token=engine.info().eos_token_ids)
+    stopped = 0
+    for schema, stream in zip(schemas, streams):
+        choice = list(stream)[-1].outputs[0]
+        if choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.text), schema)
+            stopped += 1
+        else:
+            assert choice.finish_reason == "length"
+            matcher = llguidance.LLMatcher(lltok, check({"json": schema}))
+            assert matcher.consume_tokens(choice.token_ids) and not matcher.is_error(), choice.text
+    assert stopped >= 50
