@@ -251,7 +251,7 @@ class ChatFormatter(Formatter):
         echoed = self._echoed(prompt_index)
         body = {
             "index": self.index(prompt_index, choice),
-            "message": {"role": "assistant", "content": echoed + content if content is not None else (echoed or None),
+            "message": {"role": "assistant", "content": (echoed + (content or "")) or None if calls else echoed + content,
                         "reasoning_content": None, "tool_calls": calls},  # fmt: skip
             "logprobs": self._logprobs(prompt_index, choice),
             "finish_reason": finish_reason,

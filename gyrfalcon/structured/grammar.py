@@ -85,8 +85,6 @@ def _checked(key: str) -> str:
     constraint = json.loads(key)
     try:
         grammar = grammar_text(constraint)
-    except RequestError:
-        raise
     except (ValueError, KeyError, TypeError, StopIteration) as exc:
         return "\0" + (str(exc) or type(exc).__name__)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
