@@ -136,8 +136,7 @@ def _tools_break_rule(params: dict[str, Any]) -> bool:
         tools = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
     elif choice != "required":
         return False
-    response_format = params.get("response_format")
-    if params.get("structured_outputs") is not None or (isinstance(response_format, dict) and response_format.get("type") != "text"):
+    if params.get("structured_outputs") is not None or _is_constrained({"response_format": params.get("response_format")}):
         return True
     try:
         for parser in BUILTIN_PARSERS.values():
@@ -145,6 +144,18 @@ def _tools_break_rule(params: dict[str, Any]) -> bool:
     except RequestError:
         return True
     return False
+
+
+def _is_constrained(params: dict[str, Any]) -> bool:
+    """The request carries a grammar: structured_outputs, a response_format other than text, or a
+    tool call it requires."""
+    response_format = params.get("response_format")
+    choice = params.get("tool_choice")
+    return (
+        params.get("structured_outputs") is not None
+        or (isinstance(response_format, dict) and response_format.get("type") != "text")
+        or (bool(params.get("tools")) and (choice == "required" or isinstance(choice, dict)))
+    )
 
 
 def _tools_bound(body: dict[str, Any]) -> int:
@@ -177,6 +188,8 @@ def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
         return True
     if _constraint_breaks_rule(params) or _tools_break_rule(params):
         return True
+    if params.get("allowed_token_ids") and _is_constrained(params):
+        return True  # constraints_leave_a_token: a grammar may need a token allowed_token_ids excludes
     if _is_completions(path):
         prompt = body.get("prompt")
         texts = prompt if isinstance(prompt, list) else [prompt]

@@ -83,6 +83,14 @@ RUNTIME_RULES: tuple[dict[str, str], ...] = (
         "structured_outputs, and the called tools' parameters schemas must compile (param tools).",
     },
     {
+        "id": "constraints_leave_a_token",
+        "param": "structured_outputs",
+        "description": "The request's token-excluding constraints together (structured_outputs, "
+        "response_format or a required tool call; allowed_token_ids; bad_words; min_tokens) leave at least "
+        "one token at every step. Whether they do is known only while generating: a row left with no token "
+        "ends with a 400 naming the most specific of them (in band when it is not the first token).",
+    },
+    {
         "id": "message_name_rendered",
         "param": "messages",
         "description": "A message name is refused when the model's chat template does not render it "

@@ -162,3 +162,13 @@ def test_one_hundred_generated_schemas_greedy_and_sampled(client, tiny_model_dir
         matcher = llguidance.LLMatcher(tokenizer, check({"json": schema}))
         assert matcher.consume_tokens(choice["token_ids"]) and not matcher.is_error(), (schema, choice["text"])
     assert outcomes["stop"] >= 50, outcomes
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_allowed_token_ids_exclude_is_a_400_naming_the_grammar(client, stream):
+    """Rule constraints_leave_a_token: the regex needs a digit first, allowed_token_ids offer none; a
+    stream sends its status with its first event, so it too is refused before any 200."""
+    r = client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "Code:", "max_tokens": 5, "stream": stream,
+                                                      "allowed_token_ids": [0], "structured_outputs": {"regex": "[0-9]+"}})  # fmt: skip
+    refused(r, "structured_outputs")
+    assert "every token is excluded" in r.json["error"]["message"]

@@ -33,3 +33,15 @@ def test_a_prompt_without_a_printable_character_may_tokenize_to_nothing():
         assert breaks_runtime_rule("/v1/completions", {"prompt": prompt, "max_tokens": 2}, LIMITS), prompt
     for prompt in (" ", "a\u0006", ["ok", "fine"]):
         assert not breaks_runtime_rule("/v1/completions", {"prompt": prompt, "max_tokens": 2}, LIMITS), prompt
+
+
+def test_a_grammar_with_allowed_token_ids_may_leave_no_token():
+    """Found by the fuzz campaign: allowed_token_ids may exclude every token a JSON schema needs."""
+    base = {"messages": MESSAGES, "max_completion_tokens": 5, "allowed_token_ids": [3]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    roomy = {**LIMITS, "max_model_len": 4096, "kv_cache": None}  # tools' instructions take room
+    for constrained in ({"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "a+"}},
+                        {"tools": [tool], "tool_choice": "required"}):  # fmt: skip
+        assert breaks_runtime_rule("/v1/chat/completions", {**base, **constrained}, roomy), constrained
+    for free in ({}, {"response_format": {"type": "text"}}, {"tools": [tool], "tool_choice": "auto"}):
+        assert not breaks_runtime_rule("/v1/chat/completions", {**base, **free}, roomy), free
