@@ -6,6 +6,12 @@ the last step. Each step, llguidance fills every constrained row's bitmask in on
 (on its own threads), the mask goes to the device once, and the disallowed tokens' logits become
 ``-inf``: before penalties, temperature and truncation (the lowest ``order``), so those see only
 tokens the constraint allows. Logprobs stay those of the raw distribution (vLLM's rule).
+
+Overlap with the forward: nothing in the step waits for the device before the processors run (the
+sampler reads only host lists until its one transfer at the end), so on a GPU the host-side fill
+runs while the forward's kernels are still executing, and the mask joins the device queue behind
+them. On the CPU the forward is synchronous and the fill follows it (measured by
+``python -m gyrfalcon.bench.structured``).
 """
 
 from __future__ import annotations
