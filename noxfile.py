@@ -27,7 +27,7 @@ def _install(session: nox.Session, extras: str = "") -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Codegen check, then every test: unit, API, live gunicorn, contract, clients, model."""
-    _install(session, "[test]")
+    _install(session, "[test,ray]")
     session.env["HF_HUB_OFFLINE"] = "1"
     session.env["MALLOC_ARENA_MAX"] = "2"
     session.run("python", "-m", "gyrfalcon.codegen", "--check")

@@ -54,6 +54,21 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="API worker processes (HTTP, tokenizer, detokenizer); the engine has its own")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=Settings.engine_process,
                    help="run the engine in its own process (--no-engine-process: inside the one API worker)")
+    ray = p.add_argument_group("Ray Serve", "engine replicas behind one endpoint (pip install 'gyrfalcon[ray]')")
+    ray.add_argument("--ray", action="store_true", help="serve on Ray Serve (a local Ray, or $RAY_ADDRESS's cluster); "
+                     "--api-workers is then the number of ingress replicas")  # fmt: skip
+    ray.add_argument("--replicas", type=int, default=Settings.replicas, help="engine replicas (the fewest, when autoscaling)")
+    ray.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many engine replicas")
+    ray.add_argument("--target-ongoing-requests", type=float, default=Settings.target_ongoing_requests,
+                     help="ongoing requests per replica the autoscaler aims at")
+    ray.add_argument("--upscale-delay-s", type=float, default=Settings.upscale_delay_s)
+    ray.add_argument("--downscale-delay-s", type=float, default=Settings.downscale_delay_s)
+    ray.add_argument("--replica-cpus", type=float, default=Settings.replica_cpus, help="CPUs per engine replica")
+    ray.add_argument("--replica-gpus", type=float, default=None,
+                     help="GPUs per engine replica (default: 1 where the cluster has GPUs, else 0)")
+    ray.add_argument("--routing", default=Settings.routing, choices=("prefix", "pow2"),
+                     help="prefix: a prompt's prefix goes back to the replica that holds it, load allowing; "
+                     "pow2: Ray Serve's power of two choices")  # fmt: skip
     p.add_argument("--tool-call-parser", default=Settings.tool_call_parser,
                    help="how the model writes tool calls: hermes (<tool_call>{json}</tool_call>), json, or a plugin's")
     p.add_argument("--api-key", action="append", default=[], dest="api_keys",
@@ -152,6 +167,10 @@ def serve(args: argparse.Namespace) -> int:
     settings.served_model_name = settings.served_names()  # named after what the user gave, not the cache
     # Convert a GGUF (or the embedded default) before gunicorn forks: never in two workers at once.
     settings.model = resolve_model(settings.model, settings.cache_dir)
+    if settings.ray:
+        from gyrfalcon.ray.app import serve_forever
+
+        return serve_forever(settings, args.host, args.port)
     env = dict(os.environ)
     env[SETTINGS_ENV] = settings.to_env()
     env.pop(API_KEY_ENV, None)  # never passed on: the workers read the keys from a private file

@@ -89,6 +89,25 @@ class Settings:
     #: TLS: the server's private key and certificate (PEM); both or neither
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
+    #: Ray Serve (``--ray``, :mod:`gyrfalcon.ray`): engine replicas behind one endpoint, the API
+    #: workers being Ray Serve ingress replicas
+    ray: bool = False
+    #: engine replicas (with ``max_replicas``: the fewest the autoscaler keeps)
+    replicas: int = 1
+    #: autoscale between ``replicas`` and this many by ongoing requests; None: a fixed count
+    max_replicas: int | None = None
+    #: the ongoing requests per replica the autoscaler aims at
+    target_ongoing_requests: float = 8.0
+    #: seconds the autoscaler waits before adding or removing replicas
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    #: resources each engine replica asks Ray for; GPUs None: one per replica where the cluster has
+    #: GPUs, none elsewhere
+    replica_cpus: float = 1.0
+    replica_gpus: float | None = None
+    #: how requests pick their replica: prefix (affinity to the replica holding the prompt's
+    #: prefix, load allowing) or pow2 (Ray Serve's power of two choices)
+    routing: str = "prefix"
     plugins_allow: list[str] | None = None  # None: every installed plugin
     plugins_block: list[str] = field(default_factory=list)
     cache_dir: str | None = None
@@ -108,7 +127,19 @@ class Settings:
         for name in ("client_header_timeout", "client_body_timeout", "send_timeout", "drain_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(self, name)}")
-        if self.api_workers > 1 and not self.engine_process:
+        if self.replicas < 1 or (self.max_replicas is not None and self.max_replicas < self.replicas):
+            raise ValueError(f"--replicas must be at least 1 and at most --max-replicas, got {self.replicas}")
+        for name in ("target_ongoing_requests", "replica_cpus"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(self, name)}")
+        if self.replica_gpus is not None and self.replica_gpus < 0:
+            raise ValueError(f"--replica-gpus must be at least 0, got {self.replica_gpus}")
+        if self.routing not in ("prefix", "pow2"):
+            raise ValueError(f"--routing must be prefix or pow2, got {self.routing!r}")
+        if self.api_workers > 1 and not self.engine_process and not self.ray:
             raise ValueError("--api-workers above 1 needs the engine in its own process (drop --no-engine-process)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")

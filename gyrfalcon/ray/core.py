@@ -1,0 +1,238 @@
+"""The API side of Ray Serve: :class:`RayEngineCore`, engine replicas behind the ``EngineCore`` API.
+
+Calls go through a Ray Serve deployment handle to :class:`gyrfalcon.ray.replica.EngineReplica`
+replicas; the handle's request router picks the replica of each ``generate`` call
+(:mod:`gyrfalcon.ray.router`: requests that share a prompt prefix go to the same replica while load
+allows). One private asyncio loop, on its own thread, makes every handle call and pumps each
+stream's items into the request's :class:`OutputStream` (whose waker wakes the HTTP task), so the
+callers — the API's executor threads — never touch Ray's loops.
+
+- ``submit`` waits for the replica's first item: a refusal is raised before the API commits a
+  status, as in one process.
+- Closing a stream (the client went away) cancels its call: Ray cancels the replica's generator,
+  which aborts the request in that engine.
+- ``finish_choice`` (a stop string matched here) is broadcast to every replica: only the one that
+  runs the request knows its id.
+- A replica that dies ends its streams with a 503 error item at once (Ray reports the actor's
+  death to the pending call); a refusal for back-pressure (Ray's queue for the deployment is full)
+  is a 503 with ``Retry-After``.
+- ``health`` is ready while any replica is; ``stats`` adds the replicas' counters up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Any
+
+from gyrfalcon.engine_api.errors import SHUTTING_DOWN, EngineUnavailable, QueueFull, ShuttingDown
+from gyrfalcon.engine_api.interface import EngineCore, OutputStream
+from gyrfalcon.engine_api.streams import CoalescingOutputStream
+from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, RequestOutput
+from gyrfalcon.engine_process import codec
+
+log = logging.getLogger(__name__)
+
+#: seconds a submit waits for a replica's first answer (routing included), then a 503
+CALL_TIMEOUT_S = 30.0
+#: seconds the API waits for the replicas' info at start (they may still be loading the model)
+CONNECT_TIMEOUT_S = 600.0
+#: seconds a health or stats broadcast waits
+BROADCAST_TIMEOUT_S = 5.0
+#: seconds a health answer is reused (load balancers poll /health often)
+HEALTH_TTL_S = 0.5
+#: tries to place a request when the chosen replica turns out to be dead (it ran nothing yet)
+START_ATTEMPTS = 3
+#: Ray's errors for a replica that died or cannot be reached
+_REPLICA_GONE = frozenset({"ActorDiedError", "ActorUnavailableError", "RayActorError"})
+#: stats that are not counts: taken from one replica, not added up
+_NOT_ADDED = frozenset({"pid", "kv_block_size"})
+
+
+class RayEngineCore(EngineCore):
+    """An :class:`EngineCore` whose engines are the replicas behind ``handle`` (see the module)."""
+
+    def __init__(self, handle: Any, *, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
+        self._handle = handle
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="gyrfalcon-ray-link", daemon=True)
+        self._thread.start()
+        #: each running request's pump task and stream
+        self._calls: dict[str, tuple[asyncio.Future[Any], OutputStream]] = {}
+        self._draining = False
+        self._health: tuple[float, EngineHealth] | None = None
+        first = self._run(self._handle.info.remote(), connect_timeout)
+        self._info = codec.decode_info(first["info"])
+
+    # ------------------------------------------------------------------ EngineCore
+
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def submit(self, request: EngineRequest) -> OutputStream:
+        if self._draining:
+            raise ShuttingDown("the server is shutting down")
+        stream = CoalescingOutputStream(request.request_id, request.output_kind, on_close=self.abort)
+        started = asyncio.run_coroutine_threadsafe(self._start(request, stream), self._loop)
+        try:
+            refusal = started.result(CALL_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            started.cancel()
+            self.abort(request.request_id)
+            raise EngineUnavailable(f"no engine replica took the request within {CALL_TIMEOUT_S:.0f} s") from None
+        if refusal is not None:
+            codec.raise_refusal(refusal)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._loop.call_soon_threadsafe(self._cancel, request_id)
+
+    def finish_choice(self, request_id: str, index: int, stop_reason: str | int | None = None) -> None:
+        self._loop.call_soon_threadsafe(self._broadcast, "finish_choice", request_id, index, stop_reason)
+
+    def health(self) -> EngineHealth:
+        if self._draining:
+            return EngineHealth(ready=False, message="the server is shutting down")
+        cached = self._health
+        if cached is not None and time.monotonic() - cached[0] < HEALTH_TTL_S:
+            return cached[1]
+        try:
+            answers = self._run(self._gather("health"), BROADCAST_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - no replica answered
+            health = EngineHealth(ready=False, message=f"no engine replica answered: {exc}")
+        else:
+            healths = [codec.decode_health(a) for a in answers if not isinstance(a, BaseException)]
+            ready = [h for h in healths if h.ready]
+            if ready:
+                health = EngineHealth(ready=True, message=f"{len(ready)} of {len(answers)} engine replicas ready")
+            else:
+                why = "; ".join(h.message for h in healths) or "no engine replica answered"
+                health = EngineHealth(ready=False, message=why)
+        self._health = (time.monotonic(), health)
+        return health
+
+    def stats(self) -> dict[str, Any]:
+        try:
+            answers = self._run(self._gather("stats"), BROADCAST_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - /metrics then shows the request metrics alone
+            return {}
+        return add_stats([a for a in answers if isinstance(a, dict)])
+
+    def drain(self, timeout: float) -> None:
+        """This ingress stops: new requests are refused, and those still open after ``timeout``
+        seconds end with a 503 (Ray Serve drains the engine replicas on its own)."""
+        self._draining = True
+        timer = threading.Timer(max(timeout, 0.0), self._loop.call_soon_threadsafe, args=(self._cut_all,))
+        timer.daemon = True
+        timer.start()
+
+    def shutdown(self, grace: float = 5.0) -> None:
+        deadline = time.monotonic() + max(grace, 0.0)
+        while self._calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._loop.is_running():
+            error = EngineError("the server shut down", type=ShuttingDown.type, status=503, retry_after=1.0)
+            self._loop.call_soon_threadsafe(self._cut_all, error)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5.0)
+
+    # ------------------------------------------------------------------ the loop's side
+
+    def _run(self, awaitable: Any, timeout: float) -> Any:
+        async def wait() -> Any:
+            return await awaitable
+
+        return asyncio.run_coroutine_threadsafe(wait(), self._loop).result(timeout)
+
+    async def _start(self, request: EngineRequest, stream: OutputStream) -> list[Any] | None:
+        """Send ``request``; None once a replica took it (its items then flow into ``stream``), else
+        the refusal."""
+        encoded = codec.encode_request(request)
+        for attempt in range(START_ATTEMPTS):
+            call = self._handle.options(stream=True).generate.remote(encoded)
+            try:
+                kind, refusal = codec.unpack(await call.__anext__())
+                break
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 - no replica took it
+                call.cancel()
+                # a replica that died before taking the request: the router has not seen it go yet
+                if type(exc).__name__ in _REPLICA_GONE and attempt + 1 < START_ATTEMPTS:
+                    continue
+                return codec.encode_refusal(_unavailable(exc))
+        if kind == "refused":
+            return refusal
+        task = asyncio.ensure_future(self._pump(request.request_id, call, stream))
+        self._calls[request.request_id] = (task, stream)
+        return None
+
+    async def _pump(self, request_id: str, call: Any, stream: OutputStream) -> None:
+        try:
+            async for payload in call:
+                _kind, batch = codec.unpack(payload)
+                for output in batch:
+                    stream.put(codec.decode_output(request_id, output))
+        except asyncio.CancelledError:
+            call.cancel()  # Ray cancels the replica's generator, which aborts the request there
+            return  # whoever cancelled ends the stream, if it is to be ended
+        except Exception as exc:  # noqa: BLE001 - the replica died or the call failed mid-stream
+            log.warning("request %s lost its engine replica: %s", request_id, exc)
+            stream.put(RequestOutput(request_id, [], finished=True, error=EngineError(
+                f"the engine replica running this request failed ({type(exc).__name__})",
+                type=ShuttingDown.type, status=503, retry_after=1.0)))  # fmt: skip
+        finally:
+            self._calls.pop(request_id, None)
+        stream.finish()
+
+    def _cancel(self, request_id: str, error: EngineError | None = None) -> None:
+        """Cancel a request's call; with ``error``, its stream ends with that error (else its reader
+        has gone)."""
+        entry = self._calls.pop(request_id, None)
+        if entry is None:
+            return
+        task, stream = entry
+        task.cancel()
+        if error is not None:
+            stream.put(RequestOutput(request_id, [], finished=True, error=error))
+            stream.finish()
+
+    def _cut_all(self, error: EngineError = SHUTTING_DOWN) -> None:
+        for request_id in list(self._calls):
+            self._cancel(request_id, error)
+
+    def _broadcast(self, method: str, *args: Any) -> None:
+        try:
+            self._handle.broadcast(method, *args)
+        except Exception:  # noqa: BLE001 - a hint: the API side drops what follows anyway
+            log.debug("broadcast %s failed", method, exc_info=True)
+
+    async def _gather(self, method: str) -> list[Any]:
+        """Every replica's answer to ``method`` (an exception for one that failed)."""
+        response = self._handle.broadcast(method)
+        return await response.results_async(timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True)
+
+
+def _unavailable(exc: BaseException) -> EngineUnavailable:
+    """A Ray error before any replica took a request, as the engine's typed refusal."""
+    name = type(exc).__name__
+    if name == "BackPressureError":
+        return QueueFull(f"every engine replica is busy and Ray Serve's queue is full ({name})", retry_after=1.0)
+    return ShuttingDown(f"no engine replica could take the request ({name}: {exc})", retry_after=1.0)
+
+
+def add_stats(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The replicas' stats as one engine's: counts added up, the rest from the first replica."""
+    total: dict[str, Any] = {}
+    for stats in answers:
+        for key, value in stats.items():
+            if key in _NOT_ADDED or not isinstance(value, (int, float)) or isinstance(value, bool):
+                total.setdefault(key, value)
+            else:
+                total[key] = total.get(key, 0) + value
+    total["replicas"] = len(answers)
+    return total

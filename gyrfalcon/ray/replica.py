@@ -1,0 +1,98 @@
+"""One engine replica: an engine core (token ids only) behind Ray Serve's handle calls.
+
+Every payload is the engine boundary's msgpack (:mod:`gyrfalcon.engine_process.codec`), the same
+as over the engine process's socket. ``generate`` is a streaming call: its first item says whether
+the core took the request (``["accepted", None]``) or refused it (``["refused", refusal]``), so the
+API side still answers a refusal before it commits a status; then each item is
+``["out", [output, …]]``, everything the step loop produced since the last item (a slow reader gets
+fewer, larger items). A call the caller cancels (its client went away) aborts the request.
+
+The other methods are small calls: ``info``, ``health``, ``stats``, and ``finish_choice`` and
+``abort``, which the API side broadcasts to every replica (unknown ids are ignored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import queue
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gyrfalcon.engine_process import codec
+
+log = logging.getLogger(__name__)
+
+
+class EngineReplica:
+    """Holds one engine core, built from ``settings_json`` (:meth:`gyrfalcon.config.Settings.to_env`)."""
+
+    def __init__(self, settings_json: str) -> None:
+        from gyrfalcon.config import Settings
+        from gyrfalcon.plugins import plugin_manager
+        from gyrfalcon.plugins.engines import build_engine, engine_core
+
+        settings = Settings(**json.loads(settings_json))
+        pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
+        self.core = engine_core(build_engine(settings, pm))
+
+    async def generate(self, request: list[Any]) -> AsyncIterator[bytes]:
+        """Run one encoded request (see the module docstring for the items)."""
+        decoded = codec.decode_request(request)
+        loop = asyncio.get_running_loop()
+        try:  # validation may compile a grammar: off the replica's event loop
+            stream = await loop.run_in_executor(None, self.core.submit, decoded)
+        except Exception as exc:  # noqa: BLE001 - a refusal travels back to the API side
+            yield codec.pack(["refused", codec.encode_refusal(exc)])
+            return
+        ready = asyncio.Event()
+        stream.set_waker(lambda: loop.call_soon_threadsafe(ready.set))
+        ready.set()  # outputs may have come before the waker was set
+        try:
+            yield codec.pack(["accepted", None])
+            while True:
+                await ready.wait()
+                ready.clear()
+                batch, ended = _take_ready(stream)
+                if batch:
+                    yield codec.pack(["out", batch])
+                if ended:
+                    return
+        finally:  # finished: a no-op; cancelled (the client went away): the engine aborts the request
+            stream.set_waker(None)
+            stream.close()
+
+    def info(self) -> dict[str, Any]:
+        return {"info": codec.encode_info(self.core.info()), "pid": os.getpid()}
+
+    def health(self) -> list[Any]:
+        return codec.encode_health(self.core.health())
+
+    def stats(self) -> dict[str, Any]:
+        return self.core.stats()
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+
+    def finish_choice(self, request_id: str, index: int, stop_reason: str | int | None = None) -> None:
+        self.core.finish_choice(request_id, index, stop_reason)
+
+    def __del__(self) -> None:
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.shutdown(grace=0.0)
+
+
+def _take_ready(stream: Any) -> tuple[list[Any], bool]:
+    """The encoded outputs waiting in ``stream``, and whether it has ended."""
+    batch = []
+    while True:
+        try:
+            item = stream.get(timeout=0)
+        except queue.Empty:
+            return batch, False
+        if item is None:
+            return batch, True
+        batch.append(codec.encode_output(item))

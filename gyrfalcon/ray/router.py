@@ -1,0 +1,105 @@
+"""Prefix-affinity routing for the engine replicas: Ray Serve's request-router hook.
+
+A replica's engine keeps the KV blocks of the prompts it ran (automatic prefix caching, keyed by
+chained hashes of whole blocks). This router keeps, per replica, the same kind of keys for the
+prompts it sent there (bounded, least recently used first out), so it knows roughly what each
+replica holds. For a ``generate`` call:
+
+1. the replica that holds the longest run of the prompt's leading blocks is ranked first, the
+   others after it — Ray Serve takes the first rank's replica unless its queue is full
+   (``max_ongoing_requests``), then the least loaded of the rest;
+2. no replica holds the first block, or the best one's queue is longer than the shortest by more
+   than ``imbalance``: one rank of every replica, so the least loaded one takes it (load first).
+
+Each router (one per ingress replica) learns from its own requests only; with several ingress
+replicas the affinity is per ingress. Other calls (info, health, stats) are routed to the least
+loaded replica.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+#: request-router kwargs' defaults
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_IMBALANCE = 8
+DEFAULT_MAX_BLOCKS = 1 << 16
+
+
+def prefix_keys(token_ids: list[int], block_size: int, salt: str | None = None) -> list[int]:
+    """Chained hashes of the whole blocks of ``token_ids`` (the salt seeds the chain, as in the
+    engine's prefix cache: prompts of different salts never share a block)."""
+    keys = []
+    previous: int = hash(salt)
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        previous = hash((previous, tuple(token_ids[start : start + block_size])))
+        keys.append(previous)
+    return keys
+
+
+class PrefixAffinityRouter(RequestRouter):
+    """Ranks the replica that already holds a request's prompt prefix first (see the module)."""
+
+    def initialize_state(self, block_size: int = DEFAULT_BLOCK_SIZE, imbalance: int = DEFAULT_IMBALANCE,
+                         max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:  # fmt: skip
+        self._block_size = block_size
+        self._imbalance = imbalance
+        self._max_blocks = max_blocks
+        self._held: dict[ReplicaID, collections.OrderedDict[int, None]] = {}
+
+    def _keys(self, pending_request: PendingRequest | None) -> list[int]:
+        if pending_request is None or pending_request.metadata.call_method != "generate" or not pending_request.args:
+            return []
+        request = pending_request.args[0]  # the engine request, as gyrfalcon.engine_process.codec encodes it
+        return prefix_keys(request[1], self._block_size, request[5])
+
+    def matched_blocks(self, replica_id: ReplicaID, keys: list[int]) -> int:
+        """How many of ``keys``' leading blocks ``replica_id`` was sent."""
+        held = self._held.get(replica_id)
+        if not held:
+            return 0
+        count = 0
+        for key in keys:
+            if key not in held:
+                break
+            count += 1
+        return count
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:  # fmt: skip
+        keys = self._keys(pending_request)
+        best, best_blocks = None, 0
+        for replica in candidate_replicas:
+            blocks = self.matched_blocks(replica.replica_id, keys)
+            if blocks > best_blocks:
+                best, best_blocks = replica, blocks
+        if best is None or self._too_busy(best, candidate_replicas):
+            return [candidate_replicas]
+        return [[best], [r for r in candidate_replicas if r is not best]]
+
+    def _too_busy(self, best: RunningReplica, candidates: list[RunningReplica]) -> bool:
+        """The best match's queue is known to be ``imbalance`` longer than another replica's."""
+        lengths = {r.replica_id: self._replica_queue_len_cache.get(r.replica_id) for r in candidates}
+        mine = lengths.get(best.replica_id)
+        known = [n for n in lengths.values() if n is not None]
+        return mine is not None and bool(known) and mine - min(known) > self._imbalance
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        keys = self._keys(pending_request)
+        if not keys:
+            return
+        held = self._held.setdefault(replica_id, collections.OrderedDict())
+        for key in keys:
+            held[key] = None
+            held.move_to_end(key)
+        while len(held) > self._max_blocks:
+            held.popitem(last=False)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id for r in replicas}
+        for replica_id in [r for r in self._held if r not in live]:  # a replica that is gone holds nothing
+            del self._held[replica_id]

@@ -1,0 +1,191 @@
+"""`gyrfalcon serve --ray`: engine replicas on Ray Serve behind one endpoint, started as the README
+says; the same answers as one process, aborts, autoscaling, a replica killed under load."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import requests
+
+from tests.helpers import api_client, sse_events
+from tests.live_server import start_server, stop_server
+
+pytest.importorskip("ray.serve", reason="the Ray Serve extra: pip install -e '.[ray]'")
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
+ENGINE_REPLICA = "ServeReplica:gyrfalcon:engine"
+RAY_ARGS = ["--ray", "--served-model-name", "tiny", "--max-model-len", "256", "--max-num-seqs", "8",
+            "--num-threads", "1", "--dtype", "float32", "--replica-cpus", "0.5", "--drain-timeout", "5",
+            # autoscaling 1 → 2 by ongoing requests, shortened delays
+            "--replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "2", "--upscale-delay-s", "0",
+            "--downscale-delay-s", "4"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def client(tiny_engine, tiny_model_dir):
+    """The same model in one process (the in-process app of the API tests)."""
+    from gyrfalcon.api.app import create_app
+    from gyrfalcon.config import Settings
+    from gyrfalcon.plugins import plugin_manager
+
+    settings = Settings(model=str(tiny_model_dir), served_model_name=["tiny"])
+    return api_client(create_app(tiny_engine, settings, plugin_manager()))
+
+
+@pytest.fixture(scope="module")
+def ray_server(tiny_model_dir, tmp_path_factory):
+    server = start_server(["--model", tiny_model_dir, *RAY_ARGS], str(tmp_path_factory.mktemp("ray") / "server.log"),
+                          timeout=300)  # fmt: skip
+    yield server
+    stop_server(server)
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
+def engine_replicas(server) -> list[int]:
+    """The pids of ``server``'s engine replicas (Ray names their processes after the deployment;
+    Ray's processes descend from the server's, which started Ray)."""
+    out = subprocess.run(["pgrep", "-f", ENGINE_REPLICA], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split() if _descends_from(int(pid), server.process.pid)]
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def _metric(url: str, name: str) -> float:
+    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+SEEDED = {"model": "tiny", "prompt": "Once upon a time", "n": 3, "seed": 7, "temperature": 1.0, "max_tokens": 12,
+          "logprobs": 2, "logprob_token_ids": [3, 9, 40], "return_token_ids": True}  # fmt: skip
+
+
+def test_seeded_n_choices_logprobs_and_ids_match_one_process(ray_server, client):
+    """The seeded n > 1 request, token for token and logprob for logprob, against the in-process app."""
+    through_ray = requests.post(ray_server.url + "/v1/completions", json=SEEDED, timeout=60)
+    assert through_ray.status_code == 200, through_ray.text
+    alone = client.simulate_post("/v1/completions", json=SEEDED)
+    assert alone.status_code == 200, alone.text
+    ray_choices, alone_choices = through_ray.json()["choices"], alone.json["choices"]
+    assert [c["index"] for c in ray_choices] == [0, 1, 2]
+    for mine, theirs in zip(ray_choices, alone_choices):
+        assert mine["token_ids"] == theirs["token_ids"] and mine["text"] == theirs["text"]
+        assert mine["logprobs"]["tokens"] == theirs["logprobs"]["tokens"]
+        assert mine["logprobs"]["token_logprobs"] == pytest.approx(theirs["logprobs"]["token_logprobs"], abs=1e-4)
+    # streamed: every choice, the same tokens
+    streamed = requests.post(ray_server.url + "/v1/completions", json={**SEEDED, "stream": True}, timeout=60)
+    events = sse_events(streamed.text)
+    assert events[-1] == "[DONE]"
+    ids: dict[int, list[int]] = {}
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            ids.setdefault(choice["index"], []).extend(choice.get("token_ids") or [])
+    assert [ids[i] for i in range(3)] == [c["token_ids"] for c in alone_choices]
+
+
+def test_a_refusal_is_a_400_naming_its_param_before_any_status(ray_server):
+    r = requests.post(ray_server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4,
+                                                                "stream": True, "allowed_token_ids": [0],
+                                                                "structured_outputs": {"regex": "[0-9]+"}}, timeout=60)  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+
+
+def test_a_client_that_goes_away_aborts_its_request_on_the_replica(ray_server):
+    aborted = _metric(ray_server.url, "gyrfalcon_requests_aborted_total")
+    body = {"model": "tiny", "prompt": "tell", "n": 8, "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with requests.post(ray_server.url + "/v1/completions", json=body, stream=True, timeout=60) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    # the connection is closed: the ingress cancels its call, the replica aborts the request
+    wait_for(lambda: _metric(ray_server.url, "gyrfalcon_requests_aborted_total") == aborted + 1, 10, "an abort")
+    assert _metric(ray_server.url, "gyrfalcon:num_requests_running") == 0
+
+
+class Load:
+    """``workers`` threads sending streamed completions back to back until stopped; each answer is
+    kept as (start, end, status, events)."""
+
+    def __init__(self, url: str, workers: int, max_tokens: int) -> None:
+        self.url, self.max_tokens = url, max_tokens
+        self.results: list[tuple[float, float, int, list]] = []
+        self._stop = False
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers)
+        self._futures = [self._pool.submit(self._run, i) for i in range(workers)]
+
+    def _run(self, worker: int) -> None:
+        i = 0
+        while not self._stop:
+            start = time.monotonic()
+            body = {"model": "tiny", "prompt": f"worker {worker} request {i}", "max_tokens": self.max_tokens,
+                    "ignore_eos": True, "stream": True}  # fmt: skip
+            r = requests.post(self.url + "/v1/completions", json=body, timeout=120)
+            events = sse_events(r.text) if r.status_code == 200 else [r.json()]
+            self.results.append((start, time.monotonic(), r.status_code, events))
+            i += 1
+
+    def stop(self) -> list[tuple[float, float, int, list]]:
+        self._stop = True
+        for future in self._futures:
+            future.result()
+        self._pool.shutdown()
+        return self.results
+
+
+def _error(events: list) -> dict | None:
+    return next((e["error"] for e in events if isinstance(e, dict) and "error" in e), None)
+
+
+def test_autoscaling_and_a_replica_killed_under_load(ray_server):
+    """1 → 2 replicas under load; one killed under load: its clients get an error event at once, new
+    requests succeed meanwhile, Ray starts another; back to 1 replica when idle."""
+    assert len(engine_replicas(ray_server)) == 1
+    load = Load(ray_server.url, workers=12, max_tokens=60)
+    try:
+        replicas = wait_for(lambda: len(engine_replicas(ray_server)) == 2 and engine_replicas(ray_server), 150, "a second replica")
+        time.sleep(10)  # the new replica loads the model and takes requests
+        victim = replicas[0]
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        # under load, Ray replaces the killed replica
+        wait_for(lambda: victim not in engine_replicas(ray_server) and len(engine_replicas(ray_server)) == 2, 90, "a replacement replica")
+        time.sleep(2)
+    finally:
+        results = load.stop()
+    for _, _, status, events in results:  # a stream cut before its first event is a plain 503
+        assert (status == 200 and events[-1] == "[DONE]") or (status == 503 and _error(events)), (status, events[-3:])
+    cut = [(end, _error(events)) for start, end, _, events in results if _error(events) is not None]
+    assert cut, "streams running on the killed replica end with an error event"
+    for end, error in cut:
+        assert error["code"] == 503 and error["type"] == "server_shutting_down", error
+        assert end - killed_at < 5.0, f"a cut stream ended {end - killed_at:.1f} s after the kill"
+    later = [events for start, _, _, events in results if start > killed_at + 0.5]
+    assert later and all(_error(events) is None for events in later), "requests after the kill succeed"
+    # idle: back to one replica after the (shortened) downscale delay
+    wait_for(lambda: len(engine_replicas(ray_server)) == 1, 120, "scaled back to one replica", interval=1.0)
+    ok = requests.post(ray_server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}, timeout=60)
+    assert ok.status_code == 200, ok.text
