@@ -100,6 +100,9 @@ class PrefixAffinityRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        live = {r.replica_id for r in replicas}
-        for replica_id in [r for r in self._held if r not in live]:  # a replica that is gone holds nothing
+        self.forget_all_but({r.replica_id for r in replicas})
+
+    def forget_all_but(self, live: set[ReplicaID]) -> None:
+        """Drop what replicas that are gone held (a restarted replica starts with an empty cache)."""
+        for replica_id in [r for r in self._held if r not in live]:
             del self._held[replica_id]

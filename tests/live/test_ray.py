@@ -7,6 +7,7 @@ import concurrent.futures
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -189,3 +190,36 @@ def test_autoscaling_and_a_replica_killed_under_load(ray_server):
     wait_for(lambda: len(engine_replicas(ray_server)) == 1, 120, "scaled back to one replica", interval=1.0)
     ok = requests.post(ray_server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_serve_run_as_the_docs_say(tiny_model_dir, tmp_path):
+    """`serve run gyrfalcon.ray:app key=value …` (Ray Serve's own command line, its port 8000)."""
+    import socket
+
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", 8000)) == 0:
+            pytest.skip("port 8000 (serve run's) is taken on this machine")
+    log = open(tmp_path / "serve-run.log", "wb")
+    serve = os.path.join(os.path.dirname(sys.executable), "serve")
+    process = subprocess.Popen([serve, "run", "gyrfalcon.ray:app", f"model={tiny_model_dir}", "served_model_name=tiny",
+                                "max_model_len=128", "num_threads=1", "replica_cpus=0.5", "drain_timeout=3"],
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        def answers() -> bool:
+            try:
+                return requests.get("http://127.0.0.1:8000/health", timeout=2).status_code == 200
+            except requests.RequestException:
+                return process.poll() is not None
+
+        wait_for(answers, 240, "serve run's application answers")
+        assert process.poll() is None, (tmp_path / "serve-run.log").read_text()[-3000:]
+        r = requests.post("http://127.0.0.1:8000/v1/chat/completions", timeout=60,
+                          json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2})  # fmt: skip
+        assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1], r.text
+    finally:
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: serve run shuts Serve down
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
