@@ -79,8 +79,9 @@ def multi_turn(url: str, conversations: int, turns: int, concurrency: int) -> fl
     return (hits - hits0) / max(queries - queries0, 1)
 
 
-def _run_conversations(url: str, conversations: int, turns: int, concurrency: int) -> None:
-    histories = [[{"role": "system", "content": f"You are assistant number {c}. Answer briefly and kindly."}]
+def _run_conversations(url: str, conversations: int, turns: int, concurrency: int, tag: str = "") -> None:
+    """``tag`` starts every system prompt: runs with different tags share no cached prefix."""
+    histories = [[{"role": "system", "content": f"{tag}You are assistant number {c}. Answer briefly and kindly."}]
                  for c in range(conversations)]  # fmt: skip
 
     def turn(c: int, t: int) -> None:
@@ -122,7 +123,7 @@ class _Router:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                _post(self.url + "/inference/v1/generate", {"model": "m", "token_ids": [5], "sampling_params": {"max_tokens": 1}})
+                _post(self.url + "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1})
                 return
             except OSError:
                 time.sleep(0.5)
@@ -134,42 +135,21 @@ class _Router:
         self.proc.wait(10)
 
 
-def _generate_one(url: str) -> float:
-    return _median_ms(lambda: _post(url + "/inference/v1/generate", {"model": "m", "token_ids": [5, 6, 7],
-                                                                      "sampling_params": {"max_tokens": 1}}), 30)  # fmt: skip
-
-
-def _run_token_conversations(url: str, conversations: int, turns: int, concurrency: int) -> None:
-    """The multi-turn workload on /inference/v1/generate (what vllm-router passes through as sent):
-    each conversation a distinct 40-token start, each turn 20 new tokens plus the previous answer."""
-    histories = [[(c * 97 + i) % 400 + 3 for i in range(40)] for c in range(conversations)]
-
-    def turn(c: int, t: int) -> None:
-        histories[c] += [(c * 31 + t * 7 + i) % 400 + 3 for i in range(20)]
-        body = {"model": "m", "token_ids": histories[c], "sampling_params": {"max_tokens": 16, "temperature": 0,
-                                                                             "ignore_eos": True}}  # fmt: skip
-        histories[c] += json.loads(_post(url + "/inference/v1/generate", body))["choices"][0]["token_ids"]
-
-    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        for t in range(turns):
-            list(pool.map(lambda c: turn(c, t), range(conversations)))
-
-
 def vllm_router(binary: str, model: str, args: argparse.Namespace, log_dir: str) -> None:
-    """Section 3 of the module docstring (on /inference/v1/generate: vllm-router 0.1.17 adds SGLang
-    fields such as ``no_stop_trim`` to completions and chat bodies, which gyrfalcon refuses as unknown)."""
+    """Section 3 of the module docstring."""
     servers = [_serve(model, ["--engine-process"], log_dir, f"plain-{i}") for i in range(2)]
     try:
         urls = [s.url for s in servers]
-        direct_one = _generate_one(urls[0])
+        direct_one, _ = overhead(urls[0], args.repeats, args.stream_tokens)
         rates = {}
         for policy in ("cache_aware", "random"):
             router = _Router(binary, policy, urls, f"{log_dir}/vllm-router-{policy}.log")
             try:
                 if policy == "cache_aware":
-                    routed_one = _generate_one(router.url)
+                    routed_one, _ = overhead(router.url, args.repeats, args.stream_tokens)
                 before = _two_prefix_counts(urls)
-                _run_token_conversations(router.url, args.conversations, args.turns, args.concurrency)
+                # the same servers for both policies: a tag per policy keeps the first run's cache out
+                _run_conversations(router.url, args.conversations, args.turns, args.concurrency, tag=f"[{policy}] ")
                 after = _two_prefix_counts(urls)
                 rates[policy] = (after[1] - before[1]) / max(after[0] - before[0], 1)
             finally:
@@ -177,7 +157,7 @@ def vllm_router(binary: str, model: str, args: argparse.Namespace, log_dir: str)
     finally:
         for server in servers:
             server.stop()
-    print(f"vllm-router in front of 2 plain servers: one-token generate {routed_one:.1f} ms against {direct_one:.1f} ms "
+    print(f"vllm-router in front of 2 plain servers: one-token completion {routed_one:.1f} ms against {direct_one:.1f} ms "
           f"direct (+{routed_one - direct_one:.1f} ms); multi-turn hit rate {rates['cache_aware']:.3f} with cache_aware, "
           f"{rates['random']:.3f} with random")  # fmt: skip
 

@@ -247,6 +247,18 @@ class CompletionRequest(BaseModel):
             le=2147483647,
         ),
     ] = 0
+    no_stop_trim: Annotated[
+        bool | None,
+        Field(
+            description="SGLang's name, sent by vllm-router with its default; true is refused (include_stop_str_in_output keeps a stop string in the text)."
+        ),
+    ] = False
+    return_hidden_states: Annotated[
+        bool | None,
+        Field(
+            description="SGLang's name, sent by vllm-router with its default; hidden states are never returned, true is refused."
+        ),
+    ] = False
     extensions: common.Extensions | None | MISSING = MISSING
 
 
@@ -531,6 +543,36 @@ class ChatCompletionRequest(BaseModel):
         bool | None,
         Field(description="Completions are never stored here; true is refused."),
     ] = False
+    no_stop_trim: Annotated[
+        bool | None,
+        Field(
+            description="SGLang's name, sent by vllm-router with its default; true is refused (include_stop_str_in_output keeps a stop string in the text)."
+        ),
+    ] = False
+    return_hidden_states: Annotated[
+        bool | None,
+        Field(
+            description="SGLang's name, sent by vllm-router with its default; hidden states are never returned, true is refused."
+        ),
+    ] = False
+    separate_reasoning: Annotated[
+        bool | None,
+        Field(
+            description="SGLang's reasoning fields, sent by vllm-router with their defaults (true); this server has no reasoning parser, so the whole answer is content and false is refused."
+        ),
+    ] = True
+    stream_reasoning: Annotated[
+        bool | None,
+        Field(
+            description="SGLang's reasoning fields, sent by vllm-router with their defaults (true); this server has no reasoning parser, so the whole answer is content and false is refused."
+        ),
+    ] = True
+    include_reasoning: Annotated[
+        bool | None,
+        Field(
+            description="SGLang's reasoning fields, sent by vllm-router with their defaults (true); this server has no reasoning parser, so the whole answer is content and false is refused."
+        ),
+    ] = True
     service_tier: Annotated[
         Literal["auto", "default", "flex", "scale", "priority"] | None | MISSING,
         Field(description="Recorded; every request is served alike."),
@@ -766,6 +808,36 @@ class BatchChatCompletionRequest(BaseModel):
         bool | None,
         Field(description="Completions are never stored here; true is refused."),
     ] = False
+    no_stop_trim: Annotated[
+        bool | None,
+        Field(
+            description="SGLang's name, sent by vllm-router with its default; true is refused (include_stop_str_in_output keeps a stop string in the text)."
+        ),
+    ] = False
+    return_hidden_states: Annotated[
+        bool | None,
+        Field(
+            description="SGLang's name, sent by vllm-router with its default; hidden states are never returned, true is refused."
+        ),
+    ] = False
+    separate_reasoning: Annotated[
+        bool | None,
+        Field(
+            description="SGLang's reasoning fields, sent by vllm-router with their defaults (true); this server has no reasoning parser, so the whole answer is content and false is refused."
+        ),
+    ] = True
+    stream_reasoning: Annotated[
+        bool | None,
+        Field(
+            description="SGLang's reasoning fields, sent by vllm-router with their defaults (true); this server has no reasoning parser, so the whole answer is content and false is refused."
+        ),
+    ] = True
+    include_reasoning: Annotated[
+        bool | None,
+        Field(
+            description="SGLang's reasoning fields, sent by vllm-router with their defaults (true); this server has no reasoning parser, so the whole answer is content and false is refused."
+        ),
+    ] = True
     service_tier: Annotated[
         Literal["auto", "default", "flex", "scale", "priority"] | None | MISSING,
         Field(description="Recorded; every request is served alike."),

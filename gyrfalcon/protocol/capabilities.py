@@ -27,6 +27,12 @@ WIRE_CAPABILITY: dict[str, str] = {
     "priority": "priority",
     "store": "store",  # no engine stores completions: only the default (false) is accepted
     "response_format": "structured_outputs",
+    # SGLang's fields that vllm-router sends with their defaults: no engine here honours another value
+    "no_stop_trim": "no_stop_trim",
+    "return_hidden_states": "return_hidden_states",
+    "separate_reasoning": "reasoning_parser",
+    "stream_reasoning": "reasoning_parser",
+    "include_reasoning": "reasoning_parser",
 }
 
 #: values of wire fields without a documented default that ask for nothing (any engine honours them)

@@ -57,6 +57,7 @@ class RayEngineCore(EngineCore):
 
     def __init__(self, handle: Any, *, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
         self._handle = handle
+        self._streaming = handle.options(stream=True)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="gyrfalcon-ray-link", daemon=True)
         self._thread.start()
@@ -152,7 +153,7 @@ class RayEngineCore(EngineCore):
         the refusal."""
         encoded = codec.encode_request(request)
         for attempt in range(START_ATTEMPTS):
-            call = self._handle.options(stream=True).generate.remote(encoded)
+            call = self._streaming.generate.remote(encoded)
             try:
                 kind, refusal = codec.unpack(await call.__anext__())
                 break

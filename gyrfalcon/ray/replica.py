@@ -42,8 +42,11 @@ class EngineReplica:
         """Run one encoded request (see the module docstring for the items)."""
         decoded = codec.decode_request(request)
         loop = asyncio.get_running_loop()
-        try:  # validation may compile a grammar: off the replica's event loop
-            stream = await loop.run_in_executor(None, self.core.submit, decoded)
+        try:  # compiling a grammar may take a while: off the replica's event loop
+            if decoded.sampling.structured_outputs is not None:
+                stream = await loop.run_in_executor(None, self.core.submit, decoded)
+            else:
+                stream = self.core.submit(decoded)
         except Exception as exc:  # noqa: BLE001 - a refusal travels back to the API side
             yield codec.pack(["refused", codec.encode_refusal(exc)])
             return

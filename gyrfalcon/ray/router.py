@@ -5,11 +5,12 @@ chained hashes of whole blocks). This router keeps, per replica, the same kind o
 prompts it sent there (bounded, least recently used first out), so it knows roughly what each
 replica holds. For a ``generate`` call:
 
-1. the replica that holds the longest run of the prompt's leading blocks is ranked first, the
-   others after it — Ray Serve takes the first rank's replica unless its queue is full
-   (``max_ongoing_requests``), then the least loaded of the rest;
-2. no replica holds the first block, or the best one's queue is longer than the shortest by more
-   than ``imbalance``: one rank of every replica, so the least loaded one takes it (load first).
+1. the replicas that hold the longest run of the prompt's leading blocks are ranked first, the
+   others after them — Ray Serve takes the least loaded of the first rank unless their queues are
+   full (``max_ongoing_requests``), then the least loaded of the rest; a replica whose queue is
+   longer than the shortest by more than ``imbalance`` is left out of the first rank;
+2. no replica holds the first block (or every one holds as much): one rank of every replica, so
+   the least loaded one takes it (load first).
 
 Each router (one per ingress replica) learns from its own requests only; with several ingress
 replicas the affinity is per ingress. Other calls (info, health, stats) are routed to the least
@@ -71,19 +72,18 @@ class PrefixAffinityRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:  # fmt: skip
         keys = self._keys(pending_request)
-        best, best_blocks = None, 0
-        for replica in candidate_replicas:
-            blocks = self.matched_blocks(replica.replica_id, keys)
-            if blocks > best_blocks:
-                best, best_blocks = replica, blocks
-        if best is None or self._too_busy(best, candidate_replicas):
+        matched = {r.replica_id: self.matched_blocks(r.replica_id, keys) for r in candidate_replicas}
+        most = max(matched.values(), default=0)
+        # ties (a system prompt every replica holds) stay together: Ray takes the least loaded of them
+        best = [r for r in candidate_replicas if most and matched[r.replica_id] == most and not self._too_busy(r, candidate_replicas)]
+        if not best or len(best) == len(candidate_replicas):
             return [candidate_replicas]
-        return [[best], [r for r in candidate_replicas if r is not best]]
+        return [best, [r for r in candidate_replicas if r not in best]]
 
-    def _too_busy(self, best: RunningReplica, candidates: list[RunningReplica]) -> bool:
-        """The best match's queue is known to be ``imbalance`` longer than another replica's."""
+    def _too_busy(self, replica: RunningReplica, candidates: list[RunningReplica]) -> bool:
+        """``replica``'s queue is known to be ``imbalance`` longer than another replica's."""
         lengths = {r.replica_id: self._replica_queue_len_cache.get(r.replica_id) for r in candidates}
-        mine = lengths.get(best.replica_id)
+        mine = lengths.get(replica.replica_id)
         known = [n for n in lengths.values() if n is not None]
         return mine is not None and bool(known) and mine - min(known) > self._imbalance
 

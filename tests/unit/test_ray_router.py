@@ -79,3 +79,14 @@ def test_what_a_replica_holds_is_bounded_and_forgotten_when_it_goes():
     assert r.matched_blocks("a", prefix_keys(list(range(8)), 4)) == 2
     r.forget_all_but({"b"})  # "a" is gone (a restarted replica has another id and an empty cache)
     assert r.matched_blocks("a", prefix_keys(list(range(8)), 4)) == 0
+
+
+def test_replicas_that_hold_as_much_share_the_first_rank():
+    """A system prompt every replica holds must not pin new conversations to one of them."""
+    r = router()
+    r.on_request_routed(pending(list(range(4)) + [7, 7, 7, 7]), "a", None)
+    r.on_request_routed(pending(list(range(4)) + [8, 8, 8, 8]), "b", None)
+    new_conversation = pending(list(range(4)) + [9, 9, 9, 9])
+    assert choose(r, new_conversation) == [[REPLICAS[0], REPLICAS[1]], [REPLICAS[2]]]
+    r.on_request_routed(new_conversation, "c", None)
+    assert choose(r, new_conversation) == [[REPLICAS[2]], [REPLICAS[0], REPLICAS[1]]]
