@@ -16,7 +16,8 @@ callers — the API's executor threads — never touch Ray's loops.
 - A replica that dies ends its streams with a 503 error item at once (Ray reports the actor's
   death to the pending call); a refusal for back-pressure (Ray's queue for the deployment is full)
   is a 503 with ``Retry-After``.
-- ``health`` is ready while any replica is; ``stats`` adds the replicas' counters up.
+- ``health`` is ready while any replica is (polled every half second); ``stats`` adds the
+  replicas' counters up.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ CALL_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 600.0
 #: seconds a health or stats broadcast waits
 BROADCAST_TIMEOUT_S = 5.0
-#: seconds a health answer is reused (load balancers poll /health often)
-HEALTH_TTL_S = 0.5
+#: seconds between two polls of the replicas' health
+HEALTH_POLL_S = 0.5
 #: tries to place a request when the chosen replica turns out to be dead (it ran nothing yet)
 START_ATTEMPTS = 3
 #: Ray's errors for a replica that died or cannot be reached
@@ -64,9 +65,10 @@ class RayEngineCore(EngineCore):
         #: each running request's pump task and stream
         self._calls: dict[str, tuple[asyncio.Future[Any], OutputStream]] = {}
         self._draining = False
-        self._health: tuple[float, EngineHealth] | None = None
         first = self._run(self._handle.info.remote(), connect_timeout)
         self._info = codec.decode_info(first["info"])
+        self._health = EngineHealth(ready=False, message="asking the engine replicas")
+        self._poller = asyncio.run_coroutine_threadsafe(self._poll_health(), self._loop)
 
     # ------------------------------------------------------------------ EngineCore
 
@@ -95,25 +97,11 @@ class RayEngineCore(EngineCore):
         self._loop.call_soon_threadsafe(self._broadcast, "finish_choice", request_id, index, stop_reason)
 
     def health(self) -> EngineHealth:
+        """The replicas' health as last polled (every ``HEALTH_POLL_S``; never waits: /health runs
+        on the event loop)."""
         if self._draining:
             return EngineHealth(ready=False, message="the server is shutting down")
-        cached = self._health
-        if cached is not None and time.monotonic() - cached[0] < HEALTH_TTL_S:
-            return cached[1]
-        try:
-            answers = self._run(self._gather("health"), BROADCAST_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - no replica answered
-            health = EngineHealth(ready=False, message=f"no engine replica answered: {exc}")
-        else:
-            healths = [codec.decode_health(a) for a in answers if not isinstance(a, BaseException)]
-            ready = [h for h in healths if h.ready]
-            if ready:
-                health = EngineHealth(ready=True, message=f"{len(ready)} of {len(answers)} engine replicas ready")
-            else:
-                why = "; ".join(h.message for h in healths) or "no engine replica answered"
-                health = EngineHealth(ready=False, message=why)
-        self._health = (time.monotonic(), health)
-        return health
+        return self._health
 
     def stats(self) -> dict[str, Any]:
         try:
@@ -134,6 +122,7 @@ class RayEngineCore(EngineCore):
         deadline = time.monotonic() + max(grace, 0.0)
         while self._calls and time.monotonic() < deadline:
             time.sleep(0.01)
+        self._poller.cancel()
         if self._loop.is_running():
             error = EngineError("the server shut down", type=ShuttingDown.type, status=503, retry_after=1.0)
             self._loop.call_soon_threadsafe(self._cut_all, error)
@@ -211,6 +200,22 @@ class RayEngineCore(EngineCore):
             self._handle.broadcast(method, *args)
         except Exception:  # noqa: BLE001 - a hint: the API side drops what follows anyway
             log.debug("broadcast %s failed", method, exc_info=True)
+
+    async def _poll_health(self) -> None:
+        while True:
+            try:
+                answers = await self._gather("health")
+            except Exception as exc:  # noqa: BLE001 - no replica answered
+                self._health = EngineHealth(ready=False, message=f"no engine replica answered ({type(exc).__name__})")
+            else:
+                healths = [codec.decode_health(a) for a in answers if not isinstance(a, BaseException)]
+                ready = sum(h.ready for h in healths)
+                if ready:
+                    self._health = EngineHealth(ready=True, message=f"{ready} of {len(answers)} engine replicas ready")
+                else:
+                    why = "; ".join(h.message for h in healths if h.message) or "no engine replica answered"
+                    self._health = EngineHealth(ready=False, message=why)
+            await asyncio.sleep(HEALTH_POLL_S)
 
     async def _gather(self, method: str) -> list[Any]:
         """Every replica's answer to ``method`` (an exception for one that failed)."""
