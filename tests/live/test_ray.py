@@ -43,7 +43,15 @@ def ray_server(tiny_model_dir, tmp_path_factory):
     server = start_server(["--model", tiny_model_dir, *RAY_ARGS], str(tmp_path_factory.mktemp("ray") / "server.log"),
                           timeout=300)  # fmt: skip
     yield server
-    stop_server(server)
+    # SIGTERM to gyrfalcon alone, as Kubernetes or Docker send it: it shuts Ray Serve, then Ray, down
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    try:
+        server.process.wait(timeout=60)
+    finally:
+        stop_server(server)  # whatever is left of the group
+    assert server.process.returncode == 0, server.log()
+    assert time.monotonic() - started < 60
 
 
 def _descends_from(pid: int, ancestor: int) -> bool:
