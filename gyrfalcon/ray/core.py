@@ -68,7 +68,7 @@ class RayEngineCore(EngineCore):
         first = self._run(self._handle.info.remote(), connect_timeout)
         self._info = codec.decode_info(first["info"])
         self._health = EngineHealth(ready=False, message="asking the engine replicas")
-        self._poller = asyncio.run_coroutine_threadsafe(self._poll_health(), self._loop)
+        asyncio.run_coroutine_threadsafe(self._poll_health(), self._loop)
 
     # ------------------------------------------------------------------ EngineCore
 
@@ -122,11 +122,12 @@ class RayEngineCore(EngineCore):
         deadline = time.monotonic() + max(grace, 0.0)
         while self._calls and time.monotonic() < deadline:
             time.sleep(0.01)
-        self._poller.cancel()
         if self._loop.is_running():
             error = EngineError("the server shut down", type=ShuttingDown.type, status=503, retry_after=1.0)
-            self._loop.call_soon_threadsafe(self._cut_all, error)
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            try:
+                asyncio.run_coroutine_threadsafe(self._close(error), self._loop).result(5.0)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5.0)
 
     # ------------------------------------------------------------------ the loop's side
@@ -200,6 +201,14 @@ class RayEngineCore(EngineCore):
             self._handle.broadcast(method, *args)
         except Exception:  # noqa: BLE001 - a hint: the API side drops what follows anyway
             log.debug("broadcast %s failed", method, exc_info=True)
+
+    async def _close(self, error: EngineError) -> None:
+        """End every open stream with ``error``, then stop the loop's tasks (the health poll)."""
+        self._cut_all(error)
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _poll_health(self) -> None:
         while True:
