@@ -130,15 +130,23 @@ def settings_from_options(options: dict[str, str]) -> tuple[Settings, str | None
     from gyrfalcon import cli
     from gyrfalcon.models.default import resolve_model
 
-    argv = ["serve"]
-    for key, value in options.items():
-        flag = "--" + key.replace("_", "-")
-        if value in ("true", "True") and key in ("enforce_eager", "enforce-eager"):
-            argv.append(flag)
-        else:
-            argv += [flag, *str(value).split()]
     parser = argparse.ArgumentParser(prog="serve run gyrfalcon.ray:app")
     cli._serve_parser(parser.add_subparsers(dest="command"))
+    serve_parser = parser._subparsers._group_actions[0].choices["serve"]
+    actions = {a.dest: a for a in serve_parser._actions}
+    argv = ["serve"]
+    for key, value in options.items():
+        name = key.replace("-", "_")
+        flag = "--" + name.replace("_", "-")
+        action = actions.get(name)
+        if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
+            yes = str(value).lower() in ("1", "true", "yes")
+            if isinstance(action, argparse.BooleanOptionalAction):
+                argv.append(flag if yes else "--no-" + flag[2:])
+            elif yes:
+                argv.append(flag)
+        else:
+            argv += [flag, *str(value).split()]
     args = parser.parse_args(argv)
     settings = cli.settings_from_args(args)
     settings.ray = True

@@ -69,8 +69,18 @@ def _descends_from(pid: int, ancestor: int) -> bool:
 def engine_replicas(server) -> list[int]:
     """The pids of ``server``'s engine replicas (Ray names their processes after the deployment;
     Ray's processes descend from the server's, which started Ray)."""
-    out = subprocess.run(["pgrep", "-f", ENGINE_REPLICA], capture_output=True, text=True).stdout
-    return [int(pid) for pid in out.split() if _descends_from(int(pid), server.process.pid)]
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                title = f.read()
+        except OSError:
+            continue
+        if ENGINE_REPLICA.encode() in title and _descends_from(int(entry), server.process.pid):
+            found.append(int(entry))
+    return sorted(found)
 
 
 def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
