@@ -6,7 +6,8 @@ built here), with servers started one after the other:
 1. **Overhead.** A direct server (``gyrfalcon serve``: one engine process) against the same engine
    as one Ray Serve replica (``--ray``): the median time of a one-token completion (the per-request
    overhead) and of a streamed ``--stream-tokens`` completion; the per-chunk overhead is the
-   streamed difference less the per-request one, per streamed token.
+   streamed difference less the per-request one, per streamed token. Beside them, Ray Serve's own
+   floor for the same shape without gyrfalcon (:mod:`gyrfalcon.bench.ray_floor`).
 2. **Prefix routing.** Two replicas with ``--routing prefix`` and with ``--routing pow2``, the same
    multi-turn chat workload (``--conversations`` conversations of ``--turns`` turns, each turn
    sending the whole conversation so far, conversations interleaved): the engines' prefix-cache
@@ -206,6 +207,12 @@ def ray_overhead(model: str, args: argparse.Namespace, log_dir: str) -> None:
             results[name] = overhead(server.url, args.repeats, args.stream_tokens)
         finally:
             server.stop()
+    floor = launch(lambda port: [sys.executable, "-m", "gyrfalcon.bench.ray_floor", str(port)], f"{log_dir}/floor.log",
+                   timeout_s=600)  # fmt: skip
+    try:
+        floor_one, floor_stream = overhead(floor.url, args.repeats, args.stream_tokens)
+    finally:
+        floor.stop()
     (direct_one, direct_stream), (ray_one, ray_stream) = results["direct"], results["ray"]
     per_request = ray_one - direct_one
     per_chunk = ((ray_stream - direct_stream) - per_request) / args.stream_tokens
@@ -213,6 +220,9 @@ def ray_overhead(model: str, args: argparse.Namespace, log_dir: str) -> None:
           f"Ray adds {per_request:.1f} ms per request (target <= 10)")  # fmt: skip
     print(f"{args.stream_tokens}-token stream, median: direct {direct_stream:.1f} ms, Ray {ray_stream:.1f} ms -> "
           f"Ray adds {per_chunk:.2f} ms per streamed chunk (target <= 1)")  # fmt: skip
+    print(f"Ray Serve's floor for this shape (gyrfalcon.bench.ray_floor: proxy -> bare ASGI ingress -> handle, no "
+          f"model): {floor_one:.1f} ms per request, {(floor_stream - floor_one) / args.stream_tokens:.2f} ms per "
+          f"streamed item")  # fmt: skip
 
 
 def ray_routing(model: str, args: argparse.Namespace, log_dir: str) -> None:
