@@ -298,14 +298,17 @@ def test_stream_text_offset_matches_non_stream_with_stop_holdback(live_server):
     assert lp["text_offset"] == offsets
     r = post(live_server, COMPLETIONS, {**body, "stream": True})
     assert r.status_code == 200, r.text
-    stream_offsets, stream_text, lagged = [], "", False
+    stream_offsets, stream_text, lagged, merged = [], "", False, False
     for event in sse_events(r.text)[:-1]:
         for choice in event["choices"]:
             stream_offsets += choice["logprobs"]["text_offset"]
             stream_text += choice["text"]
             chunk_tokens = "".join(choice["logprobs"]["tokens"])
             lagged |= chunk_tokens.isascii() and choice["text"] != chunk_tokens
-    assert lagged, "the stop string's first character should have been held back once"
+            merged |= len(choice["logprobs"]["tokens"]) > 1
+    # a reader that lags (a loaded machine) gets merged deltas, in which the held-back character can
+    # arrive with its token: the lag is only visible when every event carried one token
+    assert lagged or merged, "the stop string's first character should have been held back once"
     assert stream_offsets == lp["text_offset"]
     assert stream_text == text
 
