@@ -25,6 +25,12 @@ def read_api_keys(path: str) -> list[str]:
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
+def read_private_keys_file(path: str) -> list[str]:
+    """The keys of a file ``gyrfalcon serve`` wrote (a JSON list: every key exactly as given)."""
+    with open(path, encoding="utf-8") as f:
+        return list(json.load(f))
+
+
 @dataclass
 class Settings:
     """Everything a worker needs to build the app and its engine (vLLM's names where they exist)."""
@@ -189,7 +195,6 @@ class Settings:
         raw = os.environ.get(SETTINGS_ENV)
         settings = cls(**json.loads(raw)) if raw else cls()
         keys_file = os.environ.get(API_KEYS_FILE_ENV)
-        if keys_file:  # written by `gyrfalcon serve` as a JSON list: every key exactly as given
-            with open(keys_file, encoding="utf-8") as f:
-                settings.api_keys = list(json.load(f))
+        if keys_file:
+            settings.api_keys = read_private_keys_file(keys_file)
         return settings

@@ -22,7 +22,7 @@ import signal
 import threading
 from typing import Any
 
-from gyrfalcon.config import Settings
+from gyrfalcon.config import Settings, read_private_keys_file
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +39,8 @@ class Ingress:
     def __init__(self, engine: Any, settings_json: str, api_keys_file: str | None = None) -> None:
         self._engine_handle = engine
         self._settings = Settings(**json.loads(settings_json))
-        if api_keys_file:  # written by gyrfalcon.cli.private_keys_file: a JSON list
-            with open(api_keys_file, encoding="utf-8") as f:
-                self._settings.api_keys = list(json.load(f))
+        if api_keys_file:
+            self._settings.api_keys = read_private_keys_file(api_keys_file)
 
     def __serve_build_asgi_app__(self) -> Any:
         from gyrfalcon.api.app import create_app
@@ -109,7 +108,7 @@ def application(settings: Settings, api_keys_file: str | None = None) -> Any:
 
     from gyrfalcon.ray.replica import EngineReplica
 
-    public = Settings(**{**json.loads(settings.to_env()), "api_keys": []}).to_env()
+    public = settings.to_env()  # without the API keys
     engine = serve.deployment(EngineReplica, **engine_options(settings)).bind(public)
     ingress = serve.deployment(
         serve.ingress()(Ingress),
@@ -131,9 +130,9 @@ def settings_from_options(options: dict[str, str]) -> tuple[Settings, str | None
     from gyrfalcon.models.default import resolve_model
 
     parser = argparse.ArgumentParser(prog="serve run gyrfalcon.ray:app")
-    cli._serve_parser(parser.add_subparsers(dest="command"))
-    serve_parser = parser._subparsers._group_actions[0].choices["serve"]
-    actions = {a.dest: a for a in serve_parser._actions}
+    commands = parser.add_subparsers(dest="command")
+    cli._serve_parser(commands)
+    actions = {a.dest: a for a in commands.choices["serve"]._actions}
     argv = ["serve"]
     for key, value in options.items():
         name = key.replace("-", "_")
