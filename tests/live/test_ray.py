@@ -192,7 +192,10 @@ def test_autoscaling_and_a_replica_killed_under_load(ray_server):
         os.kill(victim, signal.SIGKILL)
         # under load, Ray replaces the killed replica
         wait_for(lambda: victim not in engine_replicas(ray_server) and len(engine_replicas(ray_server)) == 2, 90, "a replacement replica")
-        time.sleep(2)
+        # Ray may replace the replica within a second; on a loaded machine a 60-token stream takes longer than
+        # that, so keep the load on until some requests sent after the kill have been answered
+        wait_for(lambda: sum(start > killed_at + 0.5 for start, *_ in list(load.results)) >= 3, 120,
+                 "three requests sent after the kill answered")  # fmt: skip
     finally:
         results = load.stop()
     for _, _, status, events in results:  # a stream cut before its first event is a plain 503
