@@ -130,6 +130,12 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     add_arguments(sub.add_parser("bench", help="load-test a server and compare with the bare torch loop"))
 
 
+def _check_parser(sub: argparse._SubParsersAction) -> None:
+    from gyrfalcon.check.cli import add_arguments
+
+    add_arguments(sub.add_parser("check", help="check an OpenAI-compatible server against the contract"))
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     names = {f for f in Settings.__dataclass_fields__}
     return Settings(**{k: v for k, v in vars(args).items() if k in names})
@@ -200,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _bench_parser(sub)
+    _check_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
@@ -207,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         from gyrfalcon.bench.run import main as bench
 
         return bench(args)
+    if args.command == "check":
+        from gyrfalcon.check.cli import main as check
+
+        return check(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -1,0 +1,105 @@
+"""The Schemathesis phase: positive and negative cases for every operation of the contract, every
+check Schemathesis has, with gyrfalcon's runtime-rule hooks (:mod:`gyrfalcon.contract`).
+
+``builtin`` is gyrfalcon's own contract, narrowed to the target's deployment so that "valid"
+means valid there (:func:`builtin_spec`); ``served`` is the target's own ``/openapi.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+from gyrfalcon.check.registry import Check, Outcome, Result
+from gyrfalcon.check.target import Target
+
+#: the operations of each endpoint group (Schemathesis's path filter)
+PATHS = {
+    "models": r"^/(v1/models|health|version|tokenize|detokenize|metrics|openapi\.json)$",
+    "completions": r"^/v1/completions$",
+    "chat": r"^/v1/chat/completions$",
+    "batch": r"^/v1/chat/completions/batch$",
+    "generate": r"^/inference/v1/generate$",
+}
+
+
+#: the bounds assumed of a server that does not publish gyrfalcon's ``x-limits``: ids every
+#: vocabulary has, a context every chat model has
+ASSUMED = {"vocab_size": 256, "max_model_len": 2048, "max_request_seqs": 16}
+#: capabilities a deployment may lack by design (beam search, priority scheduling, SGLang's fields):
+#: the generic contract pins their fields to the defaults, as a gyrfalcon deployment without them does
+PINNED = frozenset({"use_beam_search", "priority", "store", "no_stop_trim", "return_hidden_states", "reasoning_parser"})
+
+
+def builtin_spec(target: Target) -> dict:
+    """gyrfalcon's contract for ``target``.
+
+    A gyrfalcon server serves that contract narrowed to its deployment (its limits, its engine's
+    capabilities, its chat template: ``x-limits`` and ``x-runtime-rules`` say so), which is used as
+    it is. For any other server: the bundled documents with the model's name, the bounds in
+    :data:`ASSUMED` and the :data:`PINNED` fields at their defaults."""
+    from gyrfalcon.openapi.limits import ServedLimits
+    from gyrfalcon.openapi.served import bundle, request_field_names, served_spec
+    from gyrfalcon.protocol.capabilities import capability_of
+
+    served = target.get("/openapi.json")
+    if served.status == 200 and served.headers.get("content-type", "").startswith("application/json"):
+        document = served.json if isinstance(served.json, dict) else {}
+        if "x-limits" in document and "x-runtime-rules" in document:
+            return document
+    pinned = {f for f in request_field_names(bundle()) if capability_of(f) in PINNED}
+    spec = served_spec(ServedLimits(model_names=[target.model], unsupported=pinned, **ASSUMED))
+    spec["x-limits"] = {"chat": None, "kv_cache": None, **ASSUMED}
+    return spec
+
+
+def run_schema(target: Target, only: set[str], spec: str = "builtin", max_examples: int = 10, workers: int = 2) -> list[Result]:
+    """One result per operation Schemathesis tested (its JUnit report read back)."""
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="gyrfalcon-check-") as tmp:
+        if spec == "served":
+            location = target.url.rstrip("/") + "/openapi.json"
+        else:
+            location = os.path.join(tmp, "openapi.json")
+            with open(location, "w") as f:
+                json.dump(builtin_spec(target), f)
+        junit = os.path.join(tmp, "junit.xml")
+        pattern = "|".join(f"({PATHS[g]})" for g in sorted(only) if g in PATHS)
+        cmd = [sys.executable, "-m", "schemathesis.cli", "run", location, "--url", target.url.rstrip("/"),
+               "--checks", "all", "--mode", "all", "--max-examples", str(max_examples), "--seed", "1",
+               "--workers", str(workers), "--generation-database", "none", "--include-path-regex", pattern,
+               "--request-timeout", "120", "--max-response-time", "120", "--report", "junit",
+               "--report-junit-path", junit]  # fmt: skip
+        if target.api_key:
+            cmd += ["--header", f"Authorization: Bearer {target.api_key}"]
+        env = dict(os.environ, SCHEMATHESIS_HOOKS="gyrfalcon.contract")
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if not os.path.exists(junit):
+            doc = "Schemathesis did not run"
+            return [Result(Check("schema.run", "schema", (), doc, lambda t: None), Outcome.ERROR,
+                           (done.stdout[-1500:] + done.stderr[-1500:]).strip(), "", time.monotonic() - started)]  # fmt: skip
+        return _results(ET.parse(junit).getroot(), target, location)
+
+
+def _results(root: ET.Element, target: Target, location: str) -> list[Result]:
+    results = []
+    for case in root.iter("testcase"):
+        name = case.get("name", "?")
+        problems = [(e.get("message") or "") + "\n" + (e.text or "") for e in case if e.tag in ("failure", "error")]
+        doc = f"Schemathesis, positive and negative cases, every check: {name}"
+        one = Check(f"schema.{name}", "schema", (), doc, lambda t: None)
+        if any(e.tag == "skipped" for e in case) and not problems:
+            continue
+        outcome = Outcome.FAILED if problems else Outcome.PASSED
+        message = "\n".join(p.strip() for p in problems)[:4000]
+        reproduce = ""
+        if problems:
+            curls = [ln.strip() for ln in message.splitlines() if ln.strip().startswith("curl ")]
+            reproduce = curls[0] if curls else f"schemathesis run {location} --url {target.url} --include-path-regex ..."
+        results.append(Result(one, outcome, message, reproduce, float(case.get("time") or 0)))
+    return results

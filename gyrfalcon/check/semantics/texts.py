@@ -1,0 +1,187 @@
+"""Promises completions and chat both make: all ``n`` choices, streamed as they are answered,
+reproducible seeds, greedy decoding that is greedy, usage, nulls, stop strings, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+from gyrfalcon.check.semantics.flavours import Flavour, expect, indices, on_both
+from gyrfalcon.check.semantics.stream_shape import expect_choices, read_stream
+
+TOLERANCE = 0.02  # log-probabilities of one server, batched differently (bf16 on a GPU)
+
+
+@on_both()
+def basic(target, f: Flavour):
+    """A plain request: the object name, one choice at index 0 with text and a finish reason, and
+    usage whose total is prompt plus completion."""
+    r = target.ok(f.path, f.body(max_tokens=8)).json
+    expect(r.get("object") == f.object, f"object is {r.get('object')!r}, not {f.object!r}")
+    expect(isinstance(r.get("id"), str) and isinstance(r.get("created"), int), "id (string) or created (integer) missing")
+    expect(indices(r["choices"]) == [0], f"one choice asked, indices {indices(r['choices'])}")
+    f.text(r["choices"][0])
+    expect(r["choices"][0].get("finish_reason") in ("stop", "length"), f"finish_reason {r['choices'][0].get('finish_reason')!r}")
+    u = r.get("usage") or {}
+    expect(u.get("total_tokens") == u.get("prompt_tokens", 0) + u.get("completion_tokens", 0) and u.get("prompt_tokens", 0) > 0,
+           f"usage does not add up: {u}")  # fmt: skip
+
+
+@on_both()
+def max_tokens_respected(target, f: Flavour):
+    """max_tokens bounds every choice; a choice cut by it says finish_reason "length"."""
+    r = target.ok(f.path, f.body(max_tokens=3, temperature=1.0, seed=3)).json
+    u = r["usage"]
+    expect(u["completion_tokens"] <= 3, f"max_tokens 3 gave {u['completion_tokens']} completion tokens")
+    if u["completion_tokens"] == 3:
+        expect(r["choices"][0]["finish_reason"] == "length", f"3 of 3 tokens and finish_reason {r['choices'][0]['finish_reason']!r}")
+
+
+@on_both("n")
+def n_choices(target, f: Flavour):
+    """n = 4: four choices, indices 0..3, each with its own finish reason."""
+    r = target.ok(f.path, f.body(n=4, max_tokens=6, temperature=1.0)).json
+    expect(indices(r["choices"]) == [0, 1, 2, 3], f"n=4 gave choice indices {indices(r['choices'])}")
+    for c in r["choices"]:
+        f.text(c)
+        expect(c.get("finish_reason") in ("stop", "length"), f"choice {c['index']}: finish_reason {c.get('finish_reason')!r}")
+
+
+@on_both("n", "logprobs")
+def usage_counts_every_choice(target, f: Flavour):
+    """With n = 3, usage.completion_tokens is the sum over the choices (counted by their logprobs)."""
+    r = target.ok(f.path, f.body(n=3, max_tokens=5, temperature=1.0, **f.logprobs(0))).json
+    counted = sum(len(f.positions(c)) for c in r["choices"])
+    expect(r["usage"]["completion_tokens"] == counted,
+           f"usage.completion_tokens {r['usage']['completion_tokens']}, the choices' positions {counted}")  # fmt: skip
+
+
+@on_both("seed")
+def seed_reproducible(target, f: Flavour):
+    """The same seeded, sampled request twice (n = 2): the same choices."""
+    body = f.body(n=2, max_tokens=8, temperature=1.0, seed=1234)
+    first, second = (target.ok(f.path, body).json for _ in range(2))
+    a = {c["index"]: f.text(c) for c in first["choices"]}
+    b = {c["index"]: f.text(c) for c in second["choices"]}
+    expect(a == b and len(a) == 2, f"seed 1234 gave {a} then {b}")
+
+
+@on_both()
+def greedy_deterministic(target, f: Flavour):
+    """temperature 0 twice: the same text."""
+    body = f.body(max_tokens=8, temperature=0.0)
+    a, b = (f.text(target.ok(f.path, body).json["choices"][0]) for _ in range(2))
+    expect(a == b, f"greedy gave {a!r} then {b!r}")
+
+
+@on_both("logprobs")
+def greedy_picks_the_most_likely(target, f: Flavour):
+    """temperature 0 with 3 top logprobs: at every position the chosen token's logprob is the top one."""
+    r = target.ok(f.path, f.body(max_tokens=6, temperature=0.0, **f.logprobs(3))).json
+    for i, (token, logprob, top) in enumerate(f.positions(r["choices"][0])):
+        expect(top, f"position {i}: no top logprobs")
+        best = max(top.values())
+        expect(logprob is not None and logprob >= best - TOLERANCE,
+               f"position {i}: greedy chose {token!r} (logprob {logprob}) below the top one {best}")  # fmt: skip
+
+
+@on_both("logprobs")
+def logprobs_shape(target, f: Flavour):
+    """logprobs with k = 2: one entry per generated token, values ≤ 0, 2 to 3 top entries (the k
+    most likely and the chosen one), the chosen token's value the same in both places."""
+    r = target.ok(f.path, f.body(max_tokens=6, temperature=1.0, seed=5, **f.logprobs(2))).json
+    positions = f.positions(r["choices"][0])
+    expect(len(positions) == r["usage"]["completion_tokens"],
+           f"{len(positions)} logprob positions for {r['usage']['completion_tokens']} completion tokens")  # fmt: skip
+    for i, (token, logprob, top) in enumerate(positions):
+        expect(isinstance(logprob, (int, float)) and logprob <= 1e-4, f"position {i}: logprob {logprob}")
+        expect(top is not None and 2 <= len(top) <= 3, f"position {i}: {len(top or {})} top logprobs for k=2")
+        expect(all(v <= 1e-4 for v in top.values()), f"position {i}: a top logprob above 0: {top}")
+        if token in top:
+            expect(math.isclose(top[token], logprob, abs_tol=1e-3), f"position {i}: {token!r} is {logprob} and {top[token]}")
+
+
+@on_both("stop")
+def stop_string_cuts(target, f: Flavour):
+    """A stop string taken from the greedy answer: the answer ends just before it, finish "stop"."""
+    body = f.body(max_tokens=16, temperature=0.0)
+    text = f.text(target.ok(f.path, body).json["choices"][0])
+    start = next((i for i in range(2, len(text) - 2) if not text[i].isspace() and text[i] not in text[:i]), None)
+    expect(start is not None or len(text) < 5, f"a stop string cannot be chosen from {text!r}")
+    if start is None:
+        return
+    stop = text[start:start + 2]
+    r = target.ok(f.path, {**body, "stop": [stop]}).json["choices"][0]
+    expect(f.text(r) == text[: text.index(stop)] and r["finish_reason"] == "stop",
+           f"stop {stop!r}: text {f.text(r)!r} finish {r['finish_reason']!r}; without it {text!r}")  # fmt: skip
+
+
+@on_both("stream")
+def stream_framing(target, f: Flavour):
+    """stream true: an event stream of JSON chunks with one id, the chunk object name, one choice per
+    chunk, data: [DONE] last, and no usage unless asked for."""
+    reply = target.ok(f.path, f.body(max_tokens=6, stream=True))
+    stream = read_stream(reply, f.delta_text)
+    expect(all(c.get("object") == f.chunk_object for c in stream.chunks),
+           f"chunk objects {sorted({str(c.get('object')) for c in stream.chunks})}, not {f.chunk_object!r}")  # fmt: skip
+    expect_choices(stream, 1)
+    expect(not stream.usage_chunks, "a usage chunk nobody asked for (stream_options.include_usage unset)")
+
+
+@on_both("stream", "n")
+def stream_n_choices(target, f: Flavour):
+    """stream with n = 3: every choice 0..2 streamed, one finish reason each."""
+    stream = read_stream(target.ok(f.path, f.body(n=3, max_tokens=6, temperature=1.0, stream=True)), f.delta_text)
+    expect_choices(stream, 3)
+
+
+@on_both("stream", "n", "seed")
+def stream_equals_non_stream(target, f: Flavour):
+    """The same seeded n = 2 request streamed and not: the same text for every choice."""
+    body = f.body(n=2, max_tokens=8, temperature=1.0, seed=77)
+    whole = {c["index"]: f.text(c) for c in target.ok(f.path, body).json["choices"]}
+    stream = read_stream(target.ok(f.path, {**body, "stream": True}), f.delta_text)
+    expect_choices(stream, 2)
+    expect(stream.text == whole, f"streamed {stream.text} but not streamed {whole}")
+
+
+@on_both("stream", "stream_options")
+def stream_usage_chunk(target, f: Flavour):
+    """stream_options.include_usage: one last chunk with usage and no choices, the same usage as the
+    request not streamed."""
+    body = f.body(max_tokens=6, temperature=0.0)
+    usage = target.ok(f.path, body).json["usage"]
+    stream = read_stream(target.ok(f.path, {**body, "stream": True, "stream_options": {"include_usage": True}}), f.delta_text)
+    last = len(stream.chunks) - 1
+    expect(stream.usage_chunks == [last], f"usage in chunks {stream.usage_chunks} of 0..{last}, not in the last alone")
+    expect(stream.chunks[last]["choices"] == [], "the usage chunk carries choices")
+    got = {k: stream.chunks[last]["usage"].get(k) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    want = {k: usage.get(k) for k in got}
+    expect(got == want, f"streamed usage {got}, not streamed {want}")
+
+
+@on_both("stream", "logprobs")
+def stream_logprobs(target, f: Flavour):
+    """Streamed logprobs: as many positions as completion tokens, the same values as not streamed."""
+    body = f.body(max_tokens=6, temperature=0.0, **f.logprobs(1))
+    whole = f.positions(target.ok(f.path, body).json["choices"][0])
+    stream = read_stream(target.ok(f.path, {**body, "stream": True}), f.delta_text)
+    streamed = [p for chunk in stream.chunks for c in chunk["choices"] if c.get("logprobs") for p in f.positions(c)]
+    expect([t for t, _, _ in streamed] == [t for t, _, _ in whole],
+           f"streamed tokens {[t for t, _, _ in streamed]}, not streamed {[t for t, _, _ in whole]}")  # fmt: skip
+    for i, ((_, a, _), (_, b, _)) in enumerate(zip(streamed, whole)):
+        expect(math.isclose(a, b, abs_tol=TOLERANCE), f"position {i}: streamed logprob {a}, not streamed {b}")
+
+
+#: optional fields an SDK or a framework sends as null meaning "not set"
+NULLS_BOTH = ("temperature", "top_p", "n", "stream", "stop", "presence_penalty", "frequency_penalty",
+              "logit_bias", "seed", "user", "stream_options", "logprobs")  # fmt: skip
+NULLS = {"completions": NULLS_BOTH + ("echo",),
+         "chat": NULLS_BOTH + ("top_logprobs", "max_completion_tokens", "tools", "tool_choice", "response_format")}
+
+
+@on_both("nulls")
+def nulls_mean_not_set(target, f: Flavour):
+    """Every optional field an SDK may send as null is accepted as "not set"."""
+    r = target.ok(f.path, {**f.body(), **dict.fromkeys(NULLS[f.endpoint]), "max_tokens": 4}).json
+    expect(indices(r["choices"]) == [0], f"one choice expected, got indices {indices(r['choices'])}")
+    f.text(r["choices"][0])
