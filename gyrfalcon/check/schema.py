@@ -61,6 +61,10 @@ def builtin_spec(target: Target) -> dict:
 def run_schema(target: Target, only: set[str], spec: str = "builtin", max_examples: int = 10, workers: int = 2) -> list[Result]:
     """One result per operation Schemathesis tested (its JUnit report read back)."""
     started = time.monotonic()
+    try:
+        import schemathesis  # noqa: F401
+    except ImportError:
+        return [_error("Schemathesis is not installed: pip install 'gyrfalcon[check]'", started)]
     with tempfile.TemporaryDirectory(prefix="gyrfalcon-check-") as tmp:
         if spec == "served":
             location = target.url.rstrip("/") + "/openapi.json"
@@ -80,10 +84,13 @@ def run_schema(target: Target, only: set[str], spec: str = "builtin", max_exampl
         env = dict(os.environ, SCHEMATHESIS_HOOKS="gyrfalcon.contract")
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if not os.path.exists(junit):
-            doc = "Schemathesis did not run"
-            return [Result(Check("schema.run", "schema", (), doc, lambda t: None), Outcome.ERROR,
-                           (done.stdout[-1500:] + done.stderr[-1500:]).strip(), "", time.monotonic() - started)]  # fmt: skip
+            return [_error((done.stdout[-1500:] + done.stderr[-1500:]).strip(), started)]
         return _results(ET.parse(junit).getroot(), target, location)
+
+
+def _error(message: str, started: float) -> Result:
+    one = Check("schema.run", "schema", (), "The Schemathesis phase runs", lambda t: None)
+    return Result(one, Outcome.ERROR, message, "", time.monotonic() - started)
 
 
 def _results(root: ET.Element, target: Target, location: str) -> list[Result]:

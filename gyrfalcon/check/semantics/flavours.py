@@ -88,3 +88,11 @@ def expect(condition: Any, message: str) -> None:
 
 def indices(choices: list[dict[str, Any]]) -> list[int]:
     return sorted(c.get("index") for c in choices)
+
+
+def by_index(reply: dict[str, Any], n: int) -> dict[int, dict[str, Any]]:
+    """The choices of a reply to a request for ``n``, by index, insisting on exactly ``0..n-1``."""
+    choices = reply.get("choices")
+    expect(isinstance(choices, list), f"no choices list: {str(reply)[:200]}")
+    expect(indices(choices) == list(range(n)), f"n={n} gave choice indices {indices(choices)}")
+    return {c["index"]: c for c in choices}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gyrfalcon.check.registry import check
 from gyrfalcon.check.semantics.completions import PROMPT_IDS, WATCHED
-from gyrfalcon.check.semantics.flavours import expect, indices
+from gyrfalcon.check.semantics.flavours import by_index, expect, indices
 from gyrfalcon.check.semantics.stream_shape import expect_choices, read_stream
 
 PATH = "/inference/v1/generate"
@@ -34,23 +34,21 @@ def token_ids_out(target):
 @check("generate", "n")
 def n_choices(target):
     """n = 3: three choices, indices 0..2 (the collapse to one choice vLLM's generate once had)."""
-    r = _generate(target, n=3, temperature=1.0).json
-    expect(indices(r["choices"]) == [0, 1, 2], f"n=3 gave indices {indices(r['choices'])}")
-    for c in r["choices"]:
+    for c in by_index(_generate(target, n=3, temperature=1.0).json, 3).values():
         _ids(c)
 
 
 @check("generate", "seed", "n")
 def seed_reproducible(target):
     """A seeded, sampled request twice: the same ids for every choice."""
-    a, b = ({c["index"]: _ids(c) for c in _generate(target, n=2, temperature=1.0, seed=11).json["choices"]} for _ in range(2))
+    a, b = ({i: _ids(c) for i, c in by_index(_generate(target, n=2, temperature=1.0, seed=11).json, 2).items()} for _ in range(2))
     expect(a == b, f"seed 11 gave {a} then {b}")
 
 
 @check("generate", "stream", "n", "seed")
 def stream_equals_non_stream(target):
     """Streamed with n = 2: one choice per chunk, a finish per choice, the same ids as not streamed."""
-    whole = {c["index"]: _ids(c) for c in _generate(target, n=2, temperature=1.0, seed=12).json["choices"]}
+    whole = {i: _ids(c) for i, c in by_index(_generate(target, n=2, temperature=1.0, seed=12).json, 2).items()}
     stream = read_stream(_generate(target, stream=True, n=2, temperature=1.0, seed=12))
     expect_choices(stream, 2)
     expect(stream.token_ids == whole, f"streamed {stream.token_ids}, not streamed {whole}")
@@ -61,7 +59,7 @@ def logprob_token_ids_exact(target):
     """logprob_token_ids: at every position of every choice exactly the sampled id and the ids asked."""
     r = _generate(target, n=2, temperature=1.0, logprobs=0, logprob_token_ids=WATCHED).json
     wanted = {f"token_id:{i}" for i in WATCHED}
-    for c in r["choices"]:
+    for c in by_index(r, 2).values():
         content = (c.get("logprobs") or {}).get("content")
         expect(isinstance(content, list) and len(content) == len(_ids(c)), f"choice {c['index']}: logprobs {str(content)[:200]}")
         for i, (entry, token_id) in enumerate(zip(content, _ids(c))):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from gyrfalcon.check.semantics.flavours import Flavour, expect, indices, on_both
+from gyrfalcon.check.semantics.flavours import Flavour, by_index, expect, indices, on_both
 from gyrfalcon.check.semantics.stream_shape import expect_choices, read_stream
 
 TOLERANCE = 0.02  # log-probabilities of one server, batched differently (bf16 on a GPU)
@@ -40,8 +40,7 @@ def max_tokens_respected(target, f: Flavour):
 def n_choices(target, f: Flavour):
     """n = 4: four choices, indices 0..3, each with its own finish reason."""
     r = target.ok(f.path, f.body(n=4, max_tokens=6, temperature=1.0)).json
-    expect(indices(r["choices"]) == [0, 1, 2, 3], f"n=4 gave choice indices {indices(r['choices'])}")
-    for c in r["choices"]:
+    for c in by_index(r, 4).values():
         f.text(c)
         expect(c.get("finish_reason") in ("stop", "length"), f"choice {c['index']}: finish_reason {c.get('finish_reason')!r}")
 
@@ -50,7 +49,7 @@ def n_choices(target, f: Flavour):
 def usage_counts_every_choice(target, f: Flavour):
     """With n = 3, usage.completion_tokens is the sum over the choices (counted by their logprobs)."""
     r = target.ok(f.path, f.body(n=3, max_tokens=5, temperature=1.0, **f.logprobs(0))).json
-    counted = sum(len(f.positions(c)) for c in r["choices"])
+    counted = sum(len(f.positions(c)) for c in by_index(r, 3).values())
     expect(r["usage"]["completion_tokens"] == counted,
            f"usage.completion_tokens {r['usage']['completion_tokens']}, the choices' positions {counted}")  # fmt: skip
 
@@ -59,10 +58,8 @@ def usage_counts_every_choice(target, f: Flavour):
 def seed_reproducible(target, f: Flavour):
     """The same seeded, sampled request twice (n = 2): the same choices."""
     body = f.body(n=2, max_tokens=8, temperature=1.0, seed=1234)
-    first, second = (target.ok(f.path, body).json for _ in range(2))
-    a = {c["index"]: f.text(c) for c in first["choices"]}
-    b = {c["index"]: f.text(c) for c in second["choices"]}
-    expect(a == b and len(a) == 2, f"seed 1234 gave {a} then {b}")
+    a, b = ({i: f.text(c) for i, c in by_index(target.ok(f.path, body).json, 2).items()} for _ in range(2))
+    expect(a == b, f"seed 1234 gave {a} then {b}")
 
 
 @on_both()
@@ -138,7 +135,7 @@ def stream_n_choices(target, f: Flavour):
 def stream_equals_non_stream(target, f: Flavour):
     """The same seeded n = 2 request streamed and not: the same text for every choice."""
     body = f.body(n=2, max_tokens=8, temperature=1.0, seed=77)
-    whole = {c["index"]: f.text(c) for c in target.ok(f.path, body).json["choices"]}
+    whole = {i: f.text(c) for i, c in by_index(target.ok(f.path, body).json, 2).items()}
     stream = read_stream(target.ok(f.path, {**body, "stream": True}), f.delta_text)
     expect_choices(stream, 2)
     expect(stream.text == whole, f"streamed {stream.text} but not streamed {whole}")

@@ -1,0 +1,150 @@
+"""`gyrfalcon check URL` run as its docs say: against gyrfalcon itself (every check passes), against
+a gyrfalcon with a planted fault and against `transformers serve` (each found without being told),
+and as a pytest plugin inside another suite."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.live_server import free_port, start_server, stop_server
+
+pytestmark = [pytest.mark.live]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """The tiny model with room for tool prompts (2,048 positions)."""
+    from gyrfalcon.models.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("check-model"), positions=2048))
+
+
+def _serve(model_dir: str, log: Path, *extra: str, env: dict | None = None):
+    args = ["--model", model_dir, "--served-model-name", "tiny", "--max-model-len", "2048", "--num-threads", "1",
+            "--dtype", "float32", *extra]  # fmt: skip
+    return start_server(args, str(log), env=env)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    live = _serve(model_dir, tmp_path_factory.mktemp("check") / "server.log")
+    yield live
+    stop_server(live)
+
+
+def gyrfalcon_check(url: str, report: Path, *options: str) -> tuple[int, dict, str]:
+    """Run the command line; return its exit code, its JSON report and its printed report."""
+    done = subprocess.run([sys.executable, "-m", "gyrfalcon.cli", "check", url, "--report", "json", "--report-path",
+                           str(report), *options], capture_output=True, text=True, timeout=600)  # fmt: skip
+    return done.returncode, json.loads(report.read_text()), done.stdout + done.stderr
+
+
+def outcomes(report: dict) -> dict[str, str]:
+    return {c["name"]: c["outcome"] for c in report["checks"]}
+
+
+def test_every_check_passes_against_gyrfalcon(server, tmp_path):
+    from gyrfalcon.check import selected
+
+    semantic = selected([g for g in ("models", "completions", "chat", "batch", "generate", "errors")])
+    assert len(semantic) >= 60
+    started = time.monotonic()
+    code, report, printed = gyrfalcon_check(server.url, tmp_path / "r.json")
+    elapsed = time.monotonic() - started
+    failed = {name: o for name, o in outcomes(report).items() if o != "passed"}
+    assert code == 0 and not failed, printed[-6000:]
+    names = set(outcomes(report))
+    assert {c.name for c in semantic} <= names
+    schema = [n for n in names if n.startswith("schema.")]
+    assert any("/v1/completions" in n for n in schema) and any("/v1/chat/completions" in n for n in schema), schema
+    print(f"gyrfalcon check: {len(names)} checks ({len(semantic)} semantic) passed in {elapsed:.1f} s")
+    # JUnit, as CI systems read it
+    junit = tmp_path / "r.xml"
+    subprocess.run([sys.executable, "-m", "gyrfalcon.cli", "check", server.url, "--only", "generate,schema", "--report", "junit",
+                    "--report-path", str(junit)], check=True, capture_output=True, timeout=300)  # fmt: skip
+    import xml.etree.ElementTree as ET
+
+    suite = ET.parse(junit).getroot()
+    assert suite.get("failures") == "0" and int(suite.get("tests")) == len(selected(["generate"])) + 1  # + its schema op
+
+
+def test_planted_echo_shift_is_found(model_dir, tmp_path):
+    """A server whose echo logprobs are one position late (a test-only plugin): the checker names
+    the echo checks, and only checks that read prompt logprobs fail."""
+    site = tmp_path / "site"
+    info = site / "planted_faults-0.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: planted-faults\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[gyrfalcon]\nplanted = tests.planted_faults\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    live = _serve(model_dir, tmp_path / "server.log", "--plugins-block", "gyrfalcon.plugins.logprobs", env=env)
+    try:
+        code, report, printed = gyrfalcon_check(live.url, tmp_path / "r.json", "--only", "completions")
+    finally:
+        stop_server(live)
+    failed = {name for name, o in outcomes(report).items() if o == "failed"}
+    assert code == 1, printed[-4000:]
+    assert any(name.startswith("completions.echo_logprobs_at_their_positions") for name in failed), printed[-4000:]
+    assert failed <= {n for n in outcomes(report) if "echo" in n or "prompt_logprobs" in n}, failed
+
+
+def _transformers_serve() -> str | None:
+    exe = shutil.which("transformers") or os.path.join(os.path.dirname(sys.executable), "transformers")
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        return None
+    return exe if os.path.exists(exe) else None
+
+
+def test_transformers_serve_collapsing_n_is_found(model_dir, tmp_path):
+    """`transformers serve` answers n > 1 with one choice: the checker reports it as broken."""
+    exe = _transformers_serve()
+    if exe is None:
+        pytest.skip("transformers serve needs fastapi and uvicorn (transformers[serving])")
+    port = free_port()
+    log = open(tmp_path / "transformers.log", "wb")
+    process = subprocess.Popen([exe, "serve", model_dir, "--host", "127.0.0.1", "--port", str(port)], stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert process.poll() is None, (tmp_path / "transformers.log").read_text()[-3000:]
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                time.sleep(0.5)
+        code, report, printed = gyrfalcon_check(url, tmp_path / "r.json", "--only", "completions,chat")
+    finally:
+        os.killpg(process.pid, 15)
+        process.wait(timeout=30)
+    results = {c["name"]: c for c in report["checks"]}
+    assert code == 1
+    for name in ("completions.n_choices", "chat.n_choices"):
+        assert results[name]["outcome"] == "failed" and "n=4 gave choice indices [0]" in results[name]["message"], results[name]
+        assert results[name]["reproduce"].startswith("curl ")
+
+
+def test_as_a_pytest_plugin(server, tmp_path):
+    """`pytest --gyrfalcon-url URL` in another project's suite: one test per check."""
+    from gyrfalcon.check import selected
+
+    done = subprocess.run([sys.executable, "-m", "pytest", "--gyrfalcon-url", server.url, "--gyrfalcon-only", "completions",
+                           "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert f"{len(selected(['completions']))} passed" in done.stdout, done.stdout[-2000:]
