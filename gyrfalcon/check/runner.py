@@ -22,6 +22,8 @@ def run_check(target: Target, one: Check) -> Result:
         outcome, message = Outcome.UNSUPPORTED, str(exc)
     except Broken as exc:
         outcome, message = Outcome.FAILED, str(exc)
+    except TimeoutError:
+        outcome, message = Outcome.FAILED, f"no answer within {target.timeout:.0f} s"
     except (OSError, http.client.HTTPException) as exc:
         outcome, message = Outcome.ERROR, f"{type(exc).__name__}: {exc}"
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:

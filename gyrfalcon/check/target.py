@@ -119,14 +119,17 @@ class Target:
             parts += ["-d", shlex.quote(data.decode())]
         return " ".join(parts)
 
-    def request(self, method: str, path: str, body: Any = None, raw: bytes | None = None) -> Reply:
+    def request(self, method: str, path: str, body: Any = None, raw: bytes | None = None, peek: bool = False) -> Reply:
+        """``peek``: on a 200, hang up without reading the body (a stream the server should have
+        refused; a server that aborts on disconnect then stops generating it)."""
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
         cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         conn = cls(self._host, self._port, timeout=self.timeout)
         try:
             conn.request(method, self._prefix + path, body=data, headers=self._headers(data is not None))
             resp = conn.getresponse()
-            reply = Reply(method, path, body, resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read(),
+            content = b"" if peek and resp.status == 200 else resp.read()
+            reply = Reply(method, path, body, resp.status, {k.lower(): v for k, v in resp.getheaders()}, content,
                           self._curl(method, path, data))  # fmt: skip
         finally:
             conn.close()
@@ -136,8 +139,8 @@ class Target:
     def get(self, path: str) -> Reply:
         return self.request("GET", path)
 
-    def post(self, path: str, body: Any) -> Reply:
-        return self.request("POST", path, body)
+    def post(self, path: str, body: Any, peek: bool = False) -> Reply:
+        return self.request("POST", path, body, peek=peek)
 
     def ok(self, path: str, body: dict[str, Any]) -> Reply:
         """POST ``body`` (``model`` added unless given) and insist on a 200: a refusal means the

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -130,7 +131,7 @@ def test_transformers_serve_collapsing_n_is_found(model_dir, tmp_path):
                 time.sleep(0.5)
         code, report, printed = gyrfalcon_check(url, tmp_path / "r.json", "--only", "completions,chat")
     finally:
-        os.killpg(process.pid, 15)
+        os.killpg(process.pid, signal.SIGKILL)  # it may still be generating what a check hung up on
         process.wait(timeout=30)
     results = {c["name"]: c for c in report["checks"]}
     assert code == 1

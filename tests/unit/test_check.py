@@ -1,0 +1,102 @@
+"""`gyrfalcon check`'s own parts: the registry, what counts as a refusal, stream framing, reports.
+(Its checks run against live servers in tests/live/test_check.py.)"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from gyrfalcon.check import Outcome, Result, Target, selected
+from gyrfalcon.check.registry import ENDPOINTS, Broken, Unsupported
+from gyrfalcon.check.report import line, to_json, to_junit
+from gyrfalcon.check.semantics.stream_shape import expect_choices, read_stream
+from gyrfalcon.check.target import Reply, accepted, refused
+
+
+def reply(status: int, body, content_type: str = "application/json") -> Reply:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return Reply("POST", "/v1/completions", {}, status, {"content-type": content_type}, raw, "curl ...")
+
+
+def sse(*events) -> Reply:
+    text = "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events)
+    return reply(200, text.encode(), "text/event-stream")
+
+
+def chunk(index: int, text: str, finish: str | None = None) -> dict:
+    return {"id": "c1", "object": "text_completion", "choices": [{"index": index, "text": text, "finish_reason": finish}]}
+
+
+def test_every_check_is_named_once_documented_and_grouped():
+    checks = selected([g for g in ENDPOINTS if g != "schema"])
+    assert len(checks) >= 60
+    assert len({c.name for c in checks}) == len(checks)
+    assert all(c.doc and c.endpoint in ENDPOINTS and c.name.startswith(c.endpoint + ".") for c in checks)
+    assert {c.endpoint for c in selected(["chat"])} == {"chat"}
+    with pytest.raises(ValueError, match="unknown endpoint group"):
+        selected(["nope"])
+
+
+def test_a_refusal_must_be_a_400_naming_the_param():
+    refused(reply(400, {"error": {"message": "bad", "type": "BadRequestError", "param": "n"}}), "n")
+    refused(reply(400, {"error": {"message": "bad", "param": "messages.0.role"}}), "messages")  # a path inside it
+    with pytest.raises(Broken, match="error.param is None"):
+        refused(reply(400, {"detail": "bad"}), "n")
+    with pytest.raises(Broken, match="error.param is 'messages_x'"):
+        refused(reply(400, {"error": {"message": "bad", "param": "messages_x"}}), "messages")
+    with pytest.raises(Broken, match="accepted"):
+        refused(reply(200, {}), "n")
+    with pytest.raises(Broken, match="500"):
+        refused(reply(500, b"Internal Server Error", "text/plain"), "n")
+    with pytest.raises(Unsupported):
+        refused(reply(404, {"detail": "Not Found"}), "n")  # the route itself is missing
+
+
+def test_accepted_tells_a_loud_refusal_from_a_breakage():
+    assert accepted(reply(200, {})).status == 200
+    for status in (400, 404, 422, 501):
+        with pytest.raises(Unsupported):
+            accepted(reply(status, {"error": {"message": "no"}}))
+    with pytest.raises(Broken):
+        accepted(reply(500, b"oops", "text/plain"))
+
+
+def test_stream_framing():
+    stream = read_stream(sse(chunk(0, "a"), chunk(1, "b"), chunk(0, "c", "stop"), chunk(1, "", "length"), "[DONE]"))
+    expect_choices(stream, 2)
+    assert stream.text == {0: "ac", 1: "b"} and stream.finishes == {0: ["stop"], 1: ["length"]}
+    with pytest.raises(Broken, match=r"\[DONE\]"):
+        read_stream(sse(chunk(0, "a", "stop")))
+    with pytest.raises(Broken, match="2 choices"):
+        read_stream(sse({"id": "c1", "choices": [chunk(0, "a")["choices"][0], chunk(1, "b")["choices"][0]]}, "[DONE]"))
+    with pytest.raises(Broken, match="after its finish_reason"):
+        read_stream(sse(chunk(0, "a", "stop"), chunk(0, "b"), "[DONE]"))
+    with pytest.raises(Broken, match="indices"):
+        expect_choices(read_stream(sse(chunk(0, "a", "stop"), "[DONE]")), 2)
+    with pytest.raises(Broken, match="not text/event-stream"):
+        read_stream(reply(200, {"choices": []}))
+
+
+def test_curl_lines_reproduce_without_the_key():
+    target = Target("http://127.0.0.1:9/prefix", api_key="sk-secret")
+    curl = target._curl("POST", "/v1/completions", json.dumps({"prompt": "it's"}).encode())
+    assert curl.startswith("curl ") and "http://127.0.0.1:9/prefix/v1/completions" in curl
+    assert "sk-secret" not in curl and "$API_KEY" in curl and "it'\"'\"'s" in curl
+    with pytest.raises(ValueError):
+        Target("ftp://example")
+
+
+def test_reports():
+    one, two, three = selected(["models"])[:3]
+    results = [Result(one, Outcome.PASSED, seconds=0.1), Result(two, Outcome.FAILED, "n=4 gave [0]", "curl -d x", 0.2),
+               Result(three, Outcome.UNSUPPORTED, "404")]  # fmt: skip
+    assert "FAIL" in line(results[1]) and "reproduce: curl -d x" in line(results[1])
+    suite = ET.fromstring(to_junit(results, "http://x"))
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("3", "1", "1")
+    failure = suite.find("testcase/failure")
+    assert failure is not None and "curl -d x" in failure.text
+    data = json.loads(to_json(results, "http://x", "tiny"))
+    assert data["summary"] == {"passed": 1, "failed": 1, "unsupported": 1}
+    assert data["checks"][1]["reproduce"] == "curl -d x"
