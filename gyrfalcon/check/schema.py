@@ -85,7 +85,7 @@ def run_schema(target: Target, only: set[str], spec: str = "builtin", max_exampl
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if not os.path.exists(junit):
             return [_error((done.stdout[-1500:] + done.stderr[-1500:]).strip(), started)]
-        return _results(ET.parse(junit).getroot(), target, location)
+        return _results(ET.parse(junit).getroot(), target)
 
 
 def _error(message: str, started: float) -> Result:
@@ -93,7 +93,7 @@ def _error(message: str, started: float) -> Result:
     return Result(one, Outcome.ERROR, message, "", time.monotonic() - started)
 
 
-def _results(root: ET.Element, target: Target, location: str) -> list[Result]:
+def _results(root: ET.Element, target: Target) -> list[Result]:
     results = []
     for case in root.iter("testcase"):
         name = case.get("name", "?")
@@ -105,8 +105,21 @@ def _results(root: ET.Element, target: Target, location: str) -> list[Result]:
         outcome = Outcome.FAILED if problems else Outcome.PASSED
         message = "\n".join(p.strip() for p in problems)[:4000]
         reproduce = ""
-        if problems:
+        missing = _missing_route(target, name) if problems else None
+        if missing:
+            outcome, message = Outcome.UNSUPPORTED, missing
+        elif problems:
             curls = [ln.strip() for ln in message.splitlines() if ln.strip().startswith("curl ")]
-            reproduce = curls[0] if curls else f"schemathesis run {location} --url {target.url} --include-path-regex ..."
+            reproduce = curls[0] if curls else f"gyrfalcon check {target.url} --only schema"
         results.append(Result(one, outcome, message, reproduce, float(case.get("time") or 0)))
     return results
+
+
+def _missing_route(target: Target, operation: str) -> str | None:
+    """The server lacks the operation (``"POST /tokenize"``) altogether: its route answers 404 or 405."""
+    method, _, path = operation.partition(" ")
+    if method not in ("GET", "POST") or not path.startswith("/"):
+        return None
+    reply = target.request(method, path, {} if method == "POST" else None)
+    return f"{operation}: the route is missing ({reply.status})" if reply.status in (404, 405) else None
+

@@ -45,6 +45,14 @@ def n_choices(target, f: Flavour):
         expect(c.get("finish_reason") in ("stop", "length"), f"choice {c['index']}: finish_reason {c.get('finish_reason')!r}")
 
 
+@on_both("n")
+def n_choices_are_samples_of_their_own(target, f: Flavour):
+    """n = 4 sampled at temperature 1.5: the choices are separate samples, not copies of one."""
+    r = target.ok(f.path, f.body(n=4, max_tokens=16, temperature=1.5)).json
+    texts = [f.text(c) for c in by_index(r, 4).values()]
+    expect(len(set(texts)) > 1, f"four sampled choices, all the same: {texts[0]!r}")
+
+
 @on_both("n", "logprobs")
 def usage_counts_every_choice(target, f: Flavour):
     """With n = 3, usage.completion_tokens is the sum over the choices (counted by their logprobs)."""
@@ -110,6 +118,9 @@ def stop_string_cuts(target, f: Flavour):
     r = target.ok(f.path, {**body, "stop": [stop]}).json["choices"][0]
     expect(f.text(r) == text[: text.index(stop)] and r["finish_reason"] == "stop",
            f"stop {stop!r}: text {f.text(r)!r} finish {r['finish_reason']!r}; without it {text!r}")  # fmt: skip
+    stream = read_stream(target.ok(f.path, {**body, "stop": [stop], "stream": True}), f.delta_text)
+    expect(stream.text.get(0) == f.text(r) and stream.finishes.get(0) == ["stop"],
+           f"stop {stop!r} streamed: {stream.text.get(0)!r} {stream.finishes.get(0)}, not streamed {f.text(r)!r}")  # fmt: skip
 
 
 @on_both("stream")
@@ -141,11 +152,11 @@ def stream_equals_non_stream(target, f: Flavour):
     expect(stream.text == whole, f"streamed {stream.text} but not streamed {whole}")
 
 
-@on_both("stream", "stream_options")
+@on_both("stream", "stream_options", "n", "seed")
 def stream_usage_chunk(target, f: Flavour):
     """stream_options.include_usage: one last chunk with usage and no choices, the same usage as the
-    request not streamed."""
-    body = f.body(max_tokens=6, temperature=0.0)
+    same seeded n = 2 request not streamed."""
+    body = f.body(max_tokens=6, n=2, temperature=1.0, seed=21)
     usage = target.ok(f.path, body).json["usage"]
     stream = read_stream(target.ok(f.path, {**body, "stream": True, "stream_options": {"include_usage": True}}), f.delta_text)
     last = len(stream.chunks) - 1
