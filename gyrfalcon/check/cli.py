@@ -23,6 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report-path", default=None, help="where --report goes (gyrfalcon-check.xml / .json)")
     p.add_argument("--fail-on-unsupported", action="store_true", help="a refused feature fails the run too")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request (120)")
+    p.add_argument("--insecure", action="store_true", help="HTTPS without verifying the certificate")
     p.add_argument("--list", action="store_true", help="list the semantic checks and exit")
 
 
@@ -33,7 +34,7 @@ def main(args: argparse.Namespace) -> int:
     only = [g.strip() for g in args.only.split(",") if g.strip()] if args.only else None
     try:
         checks = selected(only)
-        target = Target(args.url, args.api_key or os.environ.get(API_KEY_ENV), args.model, args.timeout)
+        target = Target(args.url, args.api_key or os.environ.get(API_KEY_ENV), args.model, args.timeout, insecure=args.insecure)
     except ValueError as exc:
         print(f"gyrfalcon check: {exc}", file=sys.stderr)
         return 2

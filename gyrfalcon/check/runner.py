@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import http.client
+import socket
+import ssl
 import time
 from collections.abc import Callable, Iterable
 
@@ -24,8 +26,10 @@ def run_check(target: Target, one: Check) -> Result:
         outcome, message = Outcome.FAILED, str(exc)
     except TimeoutError:
         outcome, message = Outcome.FAILED, f"no answer within {target.timeout:.0f} s"
-    except (OSError, http.client.HTTPException) as exc:
+    except (ConnectionRefusedError, socket.gaierror, ssl.SSLError) as exc:  # never reached the server
         outcome, message = Outcome.ERROR, f"{type(exc).__name__}: {exc}"
+    except (OSError, http.client.HTTPException) as exc:  # reached it, and it hung up instead of answering
+        outcome, message = Outcome.FAILED, f"the server closed the connection without a whole answer ({type(exc).__name__}: {exc})"
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
         # a reply missing what the contract says it holds
         outcome, message = Outcome.FAILED, f"a reply without what the contract says it holds ({type(exc).__name__}: {exc})"

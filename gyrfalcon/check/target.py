@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import shlex
+import ssl
 import urllib.parse
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -80,6 +81,8 @@ class Target:
     api_key: str | None = None
     model_name: str | None = None
     timeout: float = 120.0
+    #: HTTPS without verifying the certificate (a test deployment's self-signed one)
+    insecure: bool = False
     #: every reply of the running check, last one last (cleared by the runner between checks)
     replies: list[Reply] = field(default_factory=list)
 
@@ -110,7 +113,7 @@ class Target:
         return headers
 
     def _curl(self, method: str, path: str, data: bytes | None) -> str:
-        parts = ["curl", "-sS", "-N", "-X", method, shlex.quote(self.url.rstrip("/") + path)]
+        parts = ["curl", "-sS", "-N", *(["-k"] if self.insecure else []), "-X", method, shlex.quote(self.url.rstrip("/") + path)]
         if data is not None:
             parts += ["-H", shlex.quote("Content-Type: application/json")]
         if self.api_key:
@@ -123,8 +126,11 @@ class Target:
         """``peek``: on a 200, hang up without reading the body (a stream the server should have
         refused; a server that aborts on disconnect then stops generating it)."""
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        conn = cls(self._host, self._port, timeout=self.timeout)
+        if self._https:
+            context = ssl._create_unverified_context() if self.insecure else ssl.create_default_context()
+            conn = http.client.HTTPSConnection(self._host, self._port, timeout=self.timeout, context=context)
+        else:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
         try:
             conn.request(method, self._prefix + path, body=data, headers=self._headers(data is not None))
             resp = conn.getresponse()

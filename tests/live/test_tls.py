@@ -25,5 +25,11 @@ def test_https_with_a_certificate(tiny_model_dir, tmp_path):
         assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1]
         with pytest.raises(requests.ConnectionError):  # plain HTTP is not spoken on that port
             requests.get(server.url.replace("https://", "http://") + "/health", timeout=5)
+        # gyrfalcon check over HTTPS: a self-signed certificate is an error unless --insecure
+        from gyrfalcon.check import Outcome, Target, run_check, selected
+
+        one = selected(["models"])[0]
+        assert run_check(Target(server.url, model_name="tiny"), one).outcome is Outcome.ERROR
+        assert run_check(Target(server.url, insecure=True), one).outcome is Outcome.PASSED
     finally:
         stop_server(server)

@@ -100,3 +100,15 @@ def test_reports():
     data = json.loads(to_json(results, "http://x", "tiny"))
     assert data["summary"] == {"passed": 1, "failed": 1, "unsupported": 1}
     assert data["checks"][1]["reproduce"] == "curl -d x"
+
+
+def test_a_server_that_cannot_be_reached_is_an_error_not_a_failure():
+    import socket
+
+    from gyrfalcon.check import run_check
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again before the check runs: nothing listens there
+    result = run_check(Target(f"http://127.0.0.1:{port}", model_name="m"), selected(["models"])[0])
+    assert result.outcome is Outcome.ERROR and "ConnectionRefused" in result.message
