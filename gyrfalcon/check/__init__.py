@@ -21,14 +21,14 @@ __all__ = ["CHECKS", "ENDPOINTS", "Check", "Outcome", "Result", "Target", "check
 
 
 def check_server(target: Target, only: Iterable[str] | None = None, spec: str = "builtin", max_examples: int = 10,
-                 progress: Callable[[Result], None] | None = None) -> list[Result]:  # fmt: skip
+                 progress: Callable[[Result], None] | None = None, max_tokens: int = 16) -> list[Result]:  # fmt: skip
     """Every selected semantic check, then (when ``schema`` is selected) the Schemathesis phase."""
     groups = set(only or ENDPOINTS)
     results = run_checks(target, selected(groups - {"schema"}), progress)
     if "schema" in groups:
         from gyrfalcon.check.schema import run_schema
 
-        for result in run_schema(target, groups if groups != {"schema"} else set(ENDPOINTS), spec, max_examples):
+        for result in run_schema(target, groups if groups != {"schema"} else set(ENDPOINTS), spec, max_examples, max_tokens=max_tokens):
             results.append(result)
             if progress:
                 progress(result)

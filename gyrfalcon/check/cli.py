@@ -19,6 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", choices=("builtin", "served"), default="builtin",
                    help="Schemathesis against gyrfalcon's contract (builtin) or the target's /openapi.json (served)")
     p.add_argument("--examples", type=int, default=10, help="Schemathesis examples per operation and mode (10)")
+    p.add_argument("--schema-max-tokens", type=int, default=16,
+                   help="Schemathesis's valid cases ask for at most this many new tokens (16; 0: as generated)")
     p.add_argument("--report", choices=("junit", "json"), default=None, help="also write a machine-readable report")
     p.add_argument("--report-path", default=None, help="where --report goes (gyrfalcon-check.xml / .json)")
     p.add_argument("--fail-on-unsupported", action="store_true", help="a refused feature fails the run too")
@@ -44,7 +46,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"{len(checks)} semantic checks")
         return 0
     print(f"gyrfalcon check {args.url}", flush=True)
-    results = check_server(target, only, args.spec, args.examples, progress=lambda r: print(line(r), flush=True))
+    results = check_server(target, only, args.spec, args.examples, progress=lambda r: print(line(r), flush=True),
+                           max_tokens=args.schema_max_tokens)  # fmt: skip
     print(summary(results))
     if args.report:
         path = args.report_path or ("gyrfalcon-check.xml" if args.report == "junit" else "gyrfalcon-check.json")
