@@ -6,11 +6,17 @@ request may therefore still be refused with 400. The ``filter_case`` hook below 
 *positive* generation only, the cases that break such a rule, using the token bounds the served spec
 publishes under ``x-limits`` — so "valid data is accepted" stays a strict check. Use it from the CLI
 with ``SCHEMATHESIS_HOOKS=gyrfalcon.contract schemathesis run …``.
+
+With ``GYRFALCON_SCHEMA_MAX_TOKENS=N`` set, the ``before_call`` hook also caps what a positive case
+asks for at ``N`` new tokens, so a run takes minutes on a real model on a CPU rather than hours
+(`gyrfalcon check` and the fuzz campaign set it; long generations are what the semantic checks
+cover, the schema phase covers the request space).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import schemathesis
@@ -224,3 +230,39 @@ def filter_case(context: Any, case: Any) -> bool:
     if not limits or case.operation.method.upper() != "POST":
         return True
     return not breaks_runtime_rule(case.operation.path, case.body, limits)
+
+
+MAX_TOKENS_ENV = "GYRFALCON_SCHEMA_MAX_TOKENS"
+_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+def cap_tokens(params: dict[str, Any], cap: int, absent_means_context: bool) -> None:
+    """At most ``cap`` new tokens (never below ``min_tokens``); set where leaving it out means up to
+    the context (chat, batch chat, generate)."""
+    floor = params.get("min_tokens") if isinstance(params.get("min_tokens"), int) else 0
+    limit = max(cap, floor)
+    present = [name for name in _FIELDS if params.get(name) is not None]
+    if not present and absent_means_context:
+        params["max_tokens"] = limit
+    for name in present:
+        value = params[name]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
+            params[name] = limit
+
+
+@schemathesis.hook
+def before_call(context: Any, case: Any, **kwargs: Any) -> None:
+    """Cap a positive case's tokens (negative cases go out as generated)."""
+    meta = getattr(case, "meta", None)
+    cap = int(os.environ.get(MAX_TOKENS_ENV, "0") or 0)
+    if cap <= 0 or meta is None or meta.generation.mode != schemathesis.GenerationMode.POSITIVE:
+        return
+    path, body = case.operation.path, case.body
+    if not isinstance(body, dict):
+        return
+    if path.endswith("/generate"):
+        if body.get("sampling_params") is None:
+            body["sampling_params"] = {}  # null is "not set": the same request
+        cap_tokens(body["sampling_params"], cap, absent_means_context=True)
+    elif path.endswith(("/completions", "/batch")):
+        cap_tokens(body, cap, absent_means_context="/chat/" in path)

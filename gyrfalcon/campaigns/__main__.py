@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8, help="soak")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="sigterm: the server's --drain-timeout")
     p.add_argument("--max-examples", type=int, default=1000, help="fuzz: examples per operation")
+    p.add_argument("--max-tokens", type=int, default=16, help="fuzz: valid cases ask for at most this many new tokens (0: as generated)")
     args = p.parse_args(argv)
     if args.campaign == "sigterm":
         from gyrfalcon.campaigns import sigterm
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             elif args.campaign == "fuzz":
                 from gyrfalcon.campaigns import fuzz
 
-                report = fuzz.run(url, args.max_examples)
+                report = fuzz.run(url, args.max_examples, max_tokens=args.max_tokens)
             else:
                 from gyrfalcon.campaigns import soak
 

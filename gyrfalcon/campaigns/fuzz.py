@@ -18,25 +18,32 @@ class FuzzReport:
     max_examples: int
     returncode: int
     summary: str
+    max_tokens: int = 0
 
     def met(self) -> bool:
         return self.returncode == 0
 
     def lines(self) -> list[str]:
-        return [f"Schemathesis, {self.max_examples} examples per operation, all checks, both modes:", self.summary]
+        cap = f", valid cases capped at {self.max_tokens} new tokens" if self.max_tokens else ""
+        return [f"Schemathesis, {self.max_examples} examples per operation, all checks, both modes{cap}:", self.summary]
 
 
-def run(url: str, max_examples: int = 1000, workers: int = 2, seed: int = 1, request_timeout: float = 300) -> FuzzReport:
+def run(url: str, max_examples: int = 1000, workers: int = 2, seed: int = 1, request_timeout: float = 300,
+        max_tokens: int = 16) -> FuzzReport:  # fmt: skip
+    """``max_tokens``: valid cases ask for at most this many new tokens (0: as generated); long
+    generations cost minutes each on a CPU and add nothing to what a case tests of the contract."""
+    from gyrfalcon.contract import MAX_TOKENS_ENV
+
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", url.rstrip("/") + "/openapi.json", "--checks", "all",
            "--mode", "all", "--max-examples", str(max_examples), "--seed", str(seed), "--workers", str(workers),
            "--generation-database", "none", "--output-sanitize", "false",
            # a real model on a CPU takes longer than Schemathesis's 10 s for the largest valid requests
            "--request-timeout", str(request_timeout), "--max-response-time", str(request_timeout)]  # fmt: skip
-    env = dict(os.environ, SCHEMATHESIS_HOOKS="gyrfalcon.contract")
+    env = dict(os.environ, SCHEMATHESIS_HOOKS="gyrfalcon.contract", **{MAX_TOKENS_ENV: str(max_tokens)})
     result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     out = result.stdout
     counted = re.findall(r"^\s*(\d+ generated.*|No issues found.*|.*failures? in .*)$", out, re.M)
     summary = "\n".join(counted) if counted else out[-3000:]
     if result.returncode != 0:
         summary = out[-6000:] + result.stderr[-2000:]
-    return FuzzReport(max_examples, result.returncode, summary)
+    return FuzzReport(max_examples, result.returncode, summary, max_tokens)

@@ -1,5 +1,5 @@
 """The Schemathesis phase: positive and negative cases for every operation of the contract, every
-check Schemathesis has, with gyrfalcon's runtime-rule hooks (:mod:`gyrfalcon.check.hooks`).
+check Schemathesis has, with gyrfalcon's runtime-rule hooks (:mod:`gyrfalcon.contract`).
 
 ``builtin`` is gyrfalcon's own contract, narrowed to the target's deployment so that "valid"
 means valid there (:func:`builtin_spec`); ``served`` is the target's own ``/openapi.json``.
@@ -61,7 +61,7 @@ def builtin_spec(target: Target) -> dict:
 def run_schema(target: Target, only: set[str], spec: str = "builtin", max_examples: int = 10, workers: int = 2,
                max_tokens: int = 16) -> list[Result]:  # fmt: skip
     """One result per operation Schemathesis tested (its JUnit report read back); positive cases ask
-    for at most ``max_tokens`` new tokens (:mod:`gyrfalcon.check.hooks`)."""
+    for at most ``max_tokens`` new tokens (:mod:`gyrfalcon.contract`'s ``before_call``)."""
     started = time.monotonic()
     try:
         import schemathesis  # noqa: F401
@@ -85,7 +85,9 @@ def run_schema(target: Target, only: set[str], spec: str = "builtin", max_exampl
             cmd += ["--header", f"Authorization: Bearer {target.api_key}"]
         if target.insecure:
             cmd += ["--tls-verify", "false"]
-        env = dict(os.environ, SCHEMATHESIS_HOOKS="gyrfalcon.check.hooks", GYRFALCON_CHECK_MAX_TOKENS=str(max_tokens))
+        from gyrfalcon.contract import MAX_TOKENS_ENV
+
+        env = dict(os.environ, SCHEMATHESIS_HOOKS="gyrfalcon.contract", **{MAX_TOKENS_ENV: str(max_tokens)})
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if not os.path.exists(junit):
             return [_error((done.stdout[-1500:] + done.stderr[-1500:]).strip(), started)]

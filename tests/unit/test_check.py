@@ -112,3 +112,20 @@ def test_a_server_that_cannot_be_reached_is_an_error_not_a_failure():
         port = s.getsockname()[1]  # closed again before the check runs: nothing listens there
     result = run_check(Target(f"http://127.0.0.1:{port}", model_name="m"), selected(["models"])[0])
     assert result.outcome is Outcome.ERROR and "ConnectionRefused" in result.message
+
+
+def test_the_schema_phase_caps_the_tokens_of_valid_cases():
+    from gyrfalcon.contract import cap_tokens
+
+    chat = {"max_completion_tokens": 900, "max_tokens": 5}
+    cap_tokens(chat, 16, absent_means_context=True)
+    assert chat == {"max_completion_tokens": 16, "max_tokens": 5}
+    floor = {"max_tokens": 500, "min_tokens": 20}  # never below min_tokens, so the case stays valid
+    cap_tokens(floor, 16, absent_means_context=False)
+    assert floor == {"max_tokens": 20, "min_tokens": 20}
+    unset = {}
+    cap_tokens(unset, 16, absent_means_context=True)  # chat's "up to the context" becomes 16
+    assert unset == {"max_tokens": 16}
+    completions = {}
+    cap_tokens(completions, 16, absent_means_context=False)  # completions' default is 16 already
+    assert completions == {}
