@@ -7,8 +7,9 @@ request may therefore still be refused with 400. The ``filter_case`` hook below 
 publishes under ``x-limits`` — so "valid data is accepted" stays a strict check. Use it from the CLI
 with ``SCHEMATHESIS_HOOKS=gyrfalcon.contract schemathesis run …``.
 
-With ``GYRFALCON_SCHEMA_MAX_TOKENS=N`` set, the ``before_call`` hook also caps what a positive case
-asks for at ``N`` new tokens, so a run takes minutes on a real model on a CPU rather than hours
+With ``GYRFALCON_SCHEMA_MAX_TOKENS=N`` set, the ``before_call`` hook also caps the work a positive
+case asks for (``N`` new tokens, :data:`MAX_CHOICES` choices), so a run takes minutes on a real model
+on a CPU rather than hours
 (`gyrfalcon check` and the fuzz campaign set it; long generations are what the semantic checks
 cover, the schema phase covers the request space).
 """
@@ -233,12 +234,14 @@ def filter_case(context: Any, case: Any) -> bool:
 
 
 MAX_TOKENS_ENV = "GYRFALCON_SCHEMA_MAX_TOKENS"
+#: choices per valid case while capped (the semantic checks cover large n)
+MAX_CHOICES = 2
 _FIELDS = ("max_tokens", "max_completion_tokens")
 
 
 def cap_tokens(params: dict[str, Any], cap: int, absent_means_context: bool) -> None:
-    """At most ``cap`` new tokens (never below ``min_tokens``); set where leaving it out means up to
-    the context (chat, batch chat, generate)."""
+    """At most ``cap`` new tokens (never below ``min_tokens``; set where leaving it out means up to
+    the context: chat, batch chat, generate) and :data:`MAX_CHOICES` choices."""
     floor = params.get("min_tokens") if isinstance(params.get("min_tokens"), int) else 0
     limit = max(cap, floor)
     present = [name for name in _FIELDS if params.get(name) is not None]
@@ -248,6 +251,9 @@ def cap_tokens(params: dict[str, Any], cap: int, absent_means_context: bool) -> 
         value = params[name]
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
             params[name] = limit
+    n = params.get("n")
+    if isinstance(n, (int, float)) and not isinstance(n, bool) and n > MAX_CHOICES:
+        params["n"] = MAX_CHOICES
 
 
 @schemathesis.hook

@@ -117,9 +117,9 @@ def test_a_server_that_cannot_be_reached_is_an_error_not_a_failure():
 def test_the_schema_phase_caps_the_tokens_of_valid_cases():
     from gyrfalcon.contract import cap_tokens
 
-    chat = {"max_completion_tokens": 900, "max_tokens": 5}
+    chat = {"max_completion_tokens": 900, "max_tokens": 5, "n": 700}
     cap_tokens(chat, 16, absent_means_context=True)
-    assert chat == {"max_completion_tokens": 16, "max_tokens": 5}
+    assert chat == {"max_completion_tokens": 16, "max_tokens": 5, "n": 2}
     floor = {"max_tokens": 500, "min_tokens": 20}  # never below min_tokens, so the case stays valid
     cap_tokens(floor, 16, absent_means_context=False)
     assert floor == {"max_tokens": 20, "min_tokens": 20}
