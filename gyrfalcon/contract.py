@@ -242,7 +242,8 @@ _FIELDS = ("max_tokens", "max_completion_tokens")
 def cap_tokens(params: dict[str, Any], cap: int, absent_means_context: bool) -> None:
     """At most ``cap`` new tokens (never below ``min_tokens``; set where leaving it out means up to
     the context: chat, batch chat, generate) and :data:`MAX_CHOICES` choices."""
-    floor = params.get("min_tokens") if isinstance(params.get("min_tokens"), int) else 0
+    least = params.get("min_tokens")  # fuzzers send whole floats for integers
+    floor = int(least) if isinstance(least, (int, float)) and not isinstance(least, bool) else 0
     limit = max(cap, floor)
     present = [name for name in _FIELDS if params.get(name) is not None]
     if not present and absent_means_context:

@@ -123,6 +123,9 @@ def test_the_schema_phase_caps_the_tokens_of_valid_cases():
     floor = {"max_tokens": 500, "min_tokens": 20}  # never below min_tokens, so the case stays valid
     cap_tokens(floor, 16, absent_means_context=False)
     assert floor == {"max_tokens": 20, "min_tokens": 20}
+    whole_float = {"min_tokens": 241.0}  # the fuzz campaign's two ST202s before this was read
+    cap_tokens(whole_float, 16, absent_means_context=True)
+    assert whole_float == {"min_tokens": 241.0, "max_tokens": 241}
     unset = {}
     cap_tokens(unset, 16, absent_means_context=True)  # chat's "up to the context" becomes 16
     assert unset == {"max_tokens": 16}
