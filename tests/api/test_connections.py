@@ -70,7 +70,15 @@ def test_what_the_parser_refuses_is_a_400_envelope(port, garbage):
     assert status == 400 and error["type"] == "BadRequestError"
 
 
-def test_health_answers_beside_many_stalled_connections(port):
+def test_health_answers_beside_many_stalled_connections(app):
+    # the stalled clients hold their connections for 30 s, far past the bound below: a server that
+    # waited for them could not answer in time however loaded the machine
+    limits = ConnectionLimits(header_timeout=30, send_timeout=0.5, max_head_bytes=4096, max_url_bytes=1024)
+    with ServedInThread(app, limits) as url:
+        _answers_beside_stalled(int(url.rsplit(":", 1)[1]))
+
+
+def _answers_beside_stalled(port: int) -> None:
     stalled = []
     try:
         for _ in range(200):
@@ -79,7 +87,8 @@ def test_health_answers_beside_many_stalled_connections(port):
             stalled.append(sock)
         started = time.monotonic()
         raw = exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        assert raw.startswith(b"HTTP/1.1 200") and time.monotonic() - started < 0.4
+        # the 100 ms target is the slow-clients campaign's, timed on an otherwise idle machine
+        assert raw.startswith(b"HTTP/1.1 200") and time.monotonic() - started < 10
     finally:
         for sock in stalled:
             sock.close()
