@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
-from gyrfalcon.policies import BatchRows, LogitsProcessor, NewRow, put_rows, row_index, take_rows
+from gyrfalcon.policies import BatchRows, LogitsProcessor, NewRow, put_rows, row_index, take_rows, to_device
 from gyrfalcon.structured.grammar import check, constraint_key
 
 #: compiled grammars kept (a request with a known constraint skips compilation)
@@ -104,13 +104,15 @@ class StructuredOutputProcessor(LogitsProcessor):
         import llguidance
         import llguidance.torch as llgt
 
-        matchers = []
+        matchers, broken = [], []
         for place, i in enumerate(selected):
             state = self._rows[rows.slot_list[i]]
             drawn = rows.output_token_ids[i]
             if len(drawn) > state.consumed:  # the tokens drawn since the last step
                 state.matcher.consume_tokens(drawn[state.consumed:])
                 state.consumed = len(drawn)
+            if state.matcher.is_error():
+                broken.append(place)
             matchers.append((state.matcher, place))
         vocab = logits.shape[-1]
         bitmask = llgt.allocate_token_bitmask(len(selected), self._llg_tokenizer().vocab_size)
@@ -118,6 +120,11 @@ class StructuredOutputProcessor(LogitsProcessor):
             self._executor = llguidance.LLExecutor()
         llgt.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
         allowed = self._unpack(bitmask.to(logits.device, non_blocking=True), vocab)
+        if broken:
+            # llguidance 1.9 allows the byte after one no token spells (SmolLM2 has none for 0xf1,
+            # 0xf2): the matcher rejects that draw, and the row gets nothing, the sampler's 400,
+            # rather than an end-of-text only and a 200 outside the constraint
+            allowed[to_device(broken, allowed.device)] = False
         index = row_index(selected, logits)
         constrained = take_rows(logits, index).masked_fill(~allowed, float("-inf"))
         return put_rows(logits, index, constrained)

@@ -143,3 +143,17 @@ def test_one_hundred_generated_schemas(engine):
             matcher = llguidance.LLMatcher(lltok, check({"json": schema}))
             assert matcher.consume_tokens(choice.token_ids) and not matcher.is_error(), choice.text
     assert stopped >= 50
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_constraint_this_vocabulary_cannot_spell_is_refused_not_left(engine, temperature):
+    """U+A7706 is the bytes f2 a7 9c 86, and no token of SmolLM2's spells 0xf2 (found by the fuzz
+    campaign): llguidance 1.9's mask offers 0xa7 alone there, the matcher rejects that draw, and the
+    request ends in the 400 naming the constraint, not in a 200 whose text is outside it."""
+    from gyrfalcon.engine_api.types import OutputKind
+
+    prompt = engine.tokenize("Say it:", add_special_tokens=False)
+    params = SamplingParams(max_tokens=6, temperature=temperature, seed=5, structured_outputs={"choice": ["\U000a7706"]})
+    last = list(engine.submit(EngineRequest(f"unspellable-{temperature}", prompt, params, OutputKind.FINAL_ONLY)))[-1]
+    assert last.error is not None, last.outputs[0].text
+    assert last.error.status == 400 and last.error.param == "structured_outputs", last.error
