@@ -28,7 +28,7 @@ def check_server(target: Target, only: Iterable[str] | None = None, spec: str = 
     if "schema" in groups:
         from gyrfalcon.check.schema import run_schema
 
-        for result in run_schema(target, groups if groups != {"schema"} else set(ENDPOINTS), spec, max_examples, max_tokens=max_tokens):
+        for result in run_schema(target, groups, spec, max_examples, max_tokens=max_tokens):
             results.append(result)
             if progress:
                 progress(result)

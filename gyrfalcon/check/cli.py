@@ -7,8 +7,7 @@ import os
 import sys
 
 from gyrfalcon.check.registry import ENDPOINTS, Outcome
-
-API_KEY_ENV = "GYRFALCON_CHECK_API_KEY"
+from gyrfalcon.check.target import API_KEY_ENV
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

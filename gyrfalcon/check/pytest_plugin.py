@@ -73,11 +73,9 @@ class CheckCollector(pytest.Collector):
 
     def schema_results(self) -> dict:
         if self._schema is None:
-            from gyrfalcon.check.registry import ENDPOINTS
             from gyrfalcon.check.schema import run_schema
 
-            groups = set(self.only) if self.only and set(self.only) != {"schema"} else set(ENDPOINTS)
-            self._schema = {r.check.name: r for r in run_schema(self.target, groups)}
+            self._schema = {r.check.name: r for r in run_schema(self.target, set(self.only or ()))}
         return self._schema
 
     def collect(self):
@@ -99,9 +97,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if not url:
         return
     from gyrfalcon.check import Target
+    from gyrfalcon.check.target import API_KEY_ENV
 
     only = config.getoption("gyrfalcon_only")
-    target = Target(url, config.getoption("gyrfalcon_api_key") or os.environ.get("GYRFALCON_CHECK_API_KEY"),
+    target = Target(url, config.getoption("gyrfalcon_api_key") or os.environ.get(API_KEY_ENV),
                     config.getoption("gyrfalcon_model"))  # fmt: skip
     collector = CheckCollector.from_parent(session, name="gyrfalcon-check", target=target,
                                            only=[g.strip() for g in only.split(",")] if only else None,

@@ -16,7 +16,7 @@ import time
 import xml.etree.ElementTree as ET
 
 from gyrfalcon.check.registry import Check, Outcome, Result
-from gyrfalcon.check.target import Target
+from gyrfalcon.check.target import API_KEY_ENV, Target
 
 #: the operations of each endpoint group (Schemathesis's path filter)
 PATHS = {
@@ -60,7 +60,8 @@ def builtin_spec(target: Target) -> dict:
 
 def run_schema(target: Target, only: set[str], spec: str = "builtin", max_examples: int = 10, workers: int = 2,
                max_tokens: int = 16) -> list[Result]:  # fmt: skip
-    """One result per operation Schemathesis tested (its JUnit report read back); positive cases ask
+    """One result per operation Schemathesis tested (its JUnit report read back), over the operations
+    of ``only``'s endpoint groups (every operation when none of them has one); positive cases ask
     for at most ``max_tokens`` new tokens (:mod:`gyrfalcon.contract`'s ``before_call``)."""
     started = time.monotonic()
     try:
@@ -75,19 +76,27 @@ def run_schema(target: Target, only: set[str], spec: str = "builtin", max_exampl
             with open(location, "w") as f:
                 json.dump(builtin_spec(target), f)
         junit = os.path.join(tmp, "junit.xml")
-        pattern = "|".join(f"({PATHS[g]})" for g in sorted(only) if g in PATHS)
-        cmd = [sys.executable, "-m", "schemathesis.cli", "run", location, "--url", target.url.rstrip("/"),
+        groups = [g for g in sorted(only) if g in PATHS] or sorted(PATHS)  # "schema" alone: every operation
+        pattern = "|".join(f"({PATHS[g]})" for g in groups)
+        from gyrfalcon.contract import MAX_TOKENS_ENV
+
+        env = dict(os.environ, SCHEMATHESIS_HOOKS="gyrfalcon.contract", **{MAX_TOKENS_ENV: str(max_tokens)})
+        env.pop(API_KEY_ENV, None)
+        config = []
+        if target.api_key:
+            # in a file only this user reads: a command line is everyone's to read, and the server's
+            # rule holds here too (no key in a child's environment)
+            config = ["--config-file", os.path.join(tmp, "schemathesis.toml")]
+            with os.fdopen(os.open(config[1], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                value = "Bearer " + target.api_key.replace("${", "$${")  # "${" starts a placeholder there
+                f.write(f"headers = {{ Authorization = {json.dumps(value, ensure_ascii=False)} }}\n")
+        cmd = [sys.executable, "-m", "schemathesis.cli", *config, "run", location, "--url", target.url.rstrip("/"),
                "--checks", "all", "--mode", "all", "--max-examples", str(max_examples), "--seed", "1",
                "--workers", str(workers), "--generation-database", "none", "--include-path-regex", pattern,
                "--request-timeout", "120", "--max-response-time", "120", "--report", "junit",
                "--report-junit-path", junit]  # fmt: skip
-        if target.api_key:
-            cmd += ["--header", f"Authorization: Bearer {target.api_key}"]
         if target.insecure:
             cmd += ["--tls-verify", "false"]
-        from gyrfalcon.contract import MAX_TOKENS_ENV
-
-        env = dict(os.environ, SCHEMATHESIS_HOOKS="gyrfalcon.contract", **{MAX_TOKENS_ENV: str(max_tokens)})
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if not os.path.exists(junit):
             return [_error((done.stdout[-1500:] + done.stderr[-1500:]).strip(), started)]

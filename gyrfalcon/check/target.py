@@ -16,6 +16,8 @@ from gyrfalcon.check.registry import Broken, Unsupported
 
 #: statuses that refuse a request loudly (a missing route, a refused field or value)
 REFUSALS = (400, 404, 405, 415, 422, 501)
+#: where the API key is read from when no option gives it (command line and pytest plugin alike)
+API_KEY_ENV = "GYRFALCON_CHECK_API_KEY"
 
 
 @dataclass

@@ -79,6 +79,40 @@ def test_every_check_passes_against_gyrfalcon(server, tmp_path):
     print(f"gyrfalcon check: {len(names)} checks ({len(semantic)} semantic) passed in {elapsed:.1f} s")
 
 
+def test_an_api_key_reaches_every_phase_and_no_command_line(model_dir, tmp_path):
+    """A server behind an API key, the key given as the docs say (``$GYRFALCON_CHECK_API_KEY``):
+    both phases authenticate, and no process's command line shows the key while they run."""
+    key = "sk-check-${HOME}-7"  # "${" is Schemathesis's placeholder syntax: it must pass through as is
+    live = _serve(model_dir, tmp_path / "server.log", env={"GYRFALCON_API_KEY": key})  # not on its command line either
+    report, printed = tmp_path / "r.json", tmp_path / "printed.txt"
+    try:
+        with open(printed, "w") as out:
+            checker = subprocess.Popen([sys.executable, "-m", "gyrfalcon.cli", "check", live.url, "--only", "models,schema",
+                                        "--examples", "3", "--report", "json", "--report-path", str(report)],
+                                       stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, GYRFALCON_CHECK_API_KEY=key))  # fmt: skip
+        ran_schemathesis, shown = False, []
+        while checker.poll() is None:
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        cmdline = f.read()
+                except OSError:
+                    continue
+                ran_schemathesis |= b"schemathesis.cli" in cmdline
+                if key.encode() in cmdline:
+                    shown.append(cmdline)
+            time.sleep(0.05)
+    finally:
+        stop_server(live)
+    printed = printed.read_text()
+    assert checker.returncode == 0, printed[-6000:]
+    assert ran_schemathesis, printed[-3000:]
+    assert not shown, shown
+    results = outcomes(json.loads(report.read_text()))
+    assert any(name.startswith("schema.GET /v1/models") for name in results), results
+    assert set(results.values()) == {"passed"}, printed[-6000:]
+
+
 def test_planted_echo_shift_is_found(model_dir, tmp_path):
     """A server whose echo logprobs are one position late (a test-only plugin): the checker names
     the echo checks, and only checks that read prompt logprobs fail."""
