@@ -42,8 +42,22 @@ def run(url: str, max_examples: int = 1000, workers: int = 2, seed: int = 1, req
     env = dict(os.environ, SCHEMATHESIS_HOOKS="gyrfalcon.contract", **{MAX_TOKENS_ENV: str(max_tokens)})
     result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     out = result.stdout
-    counted = re.findall(r"^\s*(\d+ generated.*|No issues found.*|.*failures? in .*)$", out, re.M)
-    summary = "\n".join(counted) if counted else out[-3000:]
+    summary = "\n".join(_phases(out) + _summary(out)) or out[-3000:]
     if result.returncode != 0:
         summary = out[-6000:] + result.stderr[-2000:]
     return FuzzReport(max_examples, result.returncode, summary, max_tokens)
+
+
+def _phases(out: str) -> list[str]:
+    """Each phase's heading with its time, and the count under it ("✅ 1000 passed")."""
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    heading = re.compile(r"^\S+\s+(Examples|Coverage|Fuzzing|Stateful) \(in [^)]*\)$")
+    return [f"{ln}: {lines[i + 1]}" for i, ln in enumerate(lines[:-1]) if heading.match(ln)]
+
+
+def _summary(out: str) -> list[str]:
+    """Schemathesis's summary: operations selected and tested, phases, cases, the verdict."""
+    start = out.find("API Operations:")
+    if start < 0:
+        return re.findall(r"^\s*(\d+ generated.*|No issues found.*|.*failures? in .*)$", out, re.M)
+    return [ln.rstrip() for ln in out[start:].splitlines() if ln.strip() and not ln.startswith("Seed:")]
