@@ -55,5 +55,16 @@ class ServingRequest:
     #: fields that change nothing in the output, recorded in the access log (``metadata``,
     #: ``service_tier``, ``safety_identifier``, ``prompt_cache_key``)
     recorded: dict[str, Any] = field(default_factory=dict)
+    #: the field the constraint came from when it is not ``structured_outputs`` (``response_format``,
+    #: ``tools``): the ``param`` of the errors the constraint causes in the engine
+    constraint_param: str | None = None
     #: chat with tools (and tool_choice other than none): calls in the answer become ``tool_calls``
     tools: ToolUse | None = None
+
+    def wire_param(self, param: str | None) -> str | None:
+        """An engine-side ``param`` (an in-band error's, a refused submit's) as this client wrote it."""
+        from gyrfalcon.protocol.rules import wire_param
+
+        if param is not None and self.constraint_param is not None and param.partition(".")[0] == "structured_outputs":
+            return self.constraint_param
+        return wire_param(self.endpoint, param)

@@ -18,7 +18,6 @@ from gyrfalcon.engine_api.interface import Engine, OutputStream
 from gyrfalcon.engine_api.types import EngineError, RequestOutput
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.requests import ServingRequest
-from gyrfalcon.protocol.rules import wire_param
 from gyrfalcon.serving.formats import FORMATTERS, CompletionFormatter
 
 #: status logged for a request whose client went away before its answer (nginx's convention)
@@ -48,7 +47,7 @@ def submit_all(engine: Engine, serving: ServingRequest) -> list[OutputStream]:
         for stream in streams:
             stream.close()
         if isinstance(exc, RequestError):
-            exc.param = wire_param(serving.endpoint, exc.param)
+            exc.param = serving.wire_param(exc.param)
         raise
     return streams
 
@@ -117,7 +116,7 @@ class OutputReader:
 
     def _request_error(self, error: EngineError) -> RequestError:
         headers = None if error.retry_after is None else {"Retry-After": str(max(1, math.ceil(error.retry_after)))}
-        return RequestError(error.message, wire_param(self.serving.endpoint, error.param), status=error.status,
+        return RequestError(error.message, self.serving.wire_param(error.param), status=error.status,
                             type=error.type, headers=headers)  # fmt: skip
 
     async def started(self) -> None:

@@ -172,3 +172,12 @@ def test_a_grammar_that_allowed_token_ids_exclude_is_a_400_naming_the_grammar(cl
                                                       "allowed_token_ids": [0], "structured_outputs": {"regex": "[0-9]+"}})  # fmt: skip
     refused(r, "structured_outputs")
     assert "every token is excluded" in r.json["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_in_band_constraint_error_names_response_format_when_the_constraint_came_from_there(client, stream):
+    """The engine's error names ``structured_outputs``; the client wrote ``response_format``."""
+    r = _chat(client, max_tokens=5, stream=stream, allowed_token_ids=[0],
+              response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}})  # fmt: skip
+    refused(r, "response_format")
+    assert "every token is excluded" in r.json["error"]["message"]
