@@ -239,21 +239,23 @@ MAX_CHOICES = 2
 _FIELDS = ("max_tokens", "max_completion_tokens")
 
 
+def _number(value: Any) -> bool:
+    """An integer or a float (fuzzers send whole floats for integers), not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def cap_tokens(params: dict[str, Any], cap: int, absent_means_context: bool) -> None:
     """At most ``cap`` new tokens (never below ``min_tokens``; set where leaving it out means up to
     the context: chat, batch chat, generate) and :data:`MAX_CHOICES` choices."""
-    least = params.get("min_tokens")  # fuzzers send whole floats for integers
-    floor = int(least) if isinstance(least, (int, float)) and not isinstance(least, bool) else 0
-    limit = max(cap, floor)
+    least = params.get("min_tokens")
+    limit = max(cap, int(least) if _number(least) else 0)
     present = [name for name in _FIELDS if params.get(name) is not None]
     if not present and absent_means_context:
         params["max_tokens"] = limit
     for name in present:
-        value = params[name]
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
+        if _number(params[name]) and params[name] > limit:
             params[name] = limit
-    n = params.get("n")
-    if isinstance(n, (int, float)) and not isinstance(n, bool) and n > MAX_CHOICES:
+    if _number(params.get("n")) and params["n"] > MAX_CHOICES:
         params["n"] = MAX_CHOICES
 
 

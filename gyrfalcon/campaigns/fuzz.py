@@ -42,9 +42,10 @@ def run(url: str, max_examples: int = 1000, workers: int = 2, seed: int = 1, req
     env = dict(os.environ, SCHEMATHESIS_HOOKS="gyrfalcon.contract", **{MAX_TOKENS_ENV: str(max_tokens)})
     result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     out = result.stdout
-    summary = "\n".join(_phases(out) + _summary(out)) or out[-3000:]
-    if result.returncode != 0:
+    if result.returncode != 0:  # the failures themselves, with their reproductions
         summary = out[-6000:] + result.stderr[-2000:]
+    else:
+        summary = "\n".join(_phases(out) + _summary(out)) or out[-3000:]
     return FuzzReport(max_examples, result.returncode, summary, max_tokens)
 
 

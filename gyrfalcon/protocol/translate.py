@@ -181,7 +181,10 @@ class Translator:
                 exc.param = hook_param(fields, exc.param)
                 raise
         stream_options = fields.get("stream_options") or {}
+        # kept only where it differs from structured_outputs' own wire name (whose sub-fields it would hide)
         constraint_param = hook_param(fields, "structured_outputs") if sampling.structured_outputs is not None else None
+        if constraint_param == fields.param("structured_outputs"):
+            constraint_param = None
         echo = bool(fields.get("echo", False))
         prompt_only = endpoint == "completions" and echo and requests[0].sampling.max_tokens == 0
         return ServingRequest(
@@ -196,7 +199,7 @@ class Translator:
             continuous_usage=bool(stream_options.get("include_usage")) and bool(stream_options.get("continuous_usage_stats")),
             echo=echo,
             prompt_texts=prompt_texts,
-            constraint_param=constraint_param if constraint_param != fields.param("structured_outputs") else None,
+            constraint_param=constraint_param,
             return_token_ids=bool(fields.get("return_token_ids", False)),
             return_tokens_as_token_ids=bool(fields.get("return_tokens_as_token_ids", False)),
             logprobs=fields.get("logprobs"),
