@@ -26,7 +26,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="most sequences (prompts x n) one request may ask for")
     p.add_argument("--max-logprobs", type=int, default=Settings.max_logprobs)
     p.add_argument("--seed", type=int, default=Settings.seed)
-    p.add_argument("--dtype", default=Settings.dtype)
+    p.add_argument("--dtype", default=Settings.dtype, help="the model's dtype (auto: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--quantization", default=Settings.quantization,
+                   help="weight-only kernels of the linear layers: auto (a GGUF keeps its 4-bit bits), none, int4, int8")
     p.add_argument("--device", default=Settings.device)
     p.add_argument("--num-threads", type=int, default=Settings.num_threads, help="torch threads per worker")
     p.add_argument("--block-size", type=int, default=Settings.block_size, help="tokens per KV-cache block")

@@ -49,6 +49,9 @@ class Settings:
     max_logprobs: int = 20
     seed: int = 0
     dtype: str = "auto"  # bf16 on CUDA, fp32 on CPU
+    #: weight-only kernels of the linear layers (vLLM's --quantization): auto (a GGUF keeps its
+    #: 4-bit bits where the device computes them fast, other checkpoints their dtype), none, int4, int8
+    quantization: str = "auto"
     device: str = "auto"
     #: tokens per KV block
     block_size: int = 16
@@ -159,6 +162,10 @@ class Settings:
             raise ValueError(f"--generation-config must be auto or none, got {self.generation_config!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        from gyrfalcon.engine.model.quant import QUANTIZATIONS
+
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.seed < 2**63:

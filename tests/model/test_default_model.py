@@ -30,6 +30,14 @@ def engine(default_model_dir):
     engine.shutdown(grace=1.0)
 
 
+def served_model(folder: str):
+    """The model as the engine serves it at the defaults (``--quantization auto``: the GGUF's int4
+    bits), for plain transformers loops to compare the engine with."""
+    from gyrfalcon.models.loading import load_weights
+
+    return load_weights(folder, Settings.dtype, "cpu", Settings.quantization)[0]
+
+
 def test_cpu_build_of_torch():
     assert torch.version.cuda is None
 
@@ -48,13 +56,12 @@ def test_default_model_answers(engine):
 
 
 def test_greedy_matches_a_direct_forward_loop(engine, default_model_dir):
-    """The engine's greedy tokens equal argmax decoding with the plain transformers model."""
-    from transformers import AutoModelForCausalLM
-
+    """The engine's greedy tokens equal argmax decoding with the plain transformers model (its layers
+    in the same kernels: the quantisation the engine serves)."""
     prompt = engine.tokenize(engine.apply_chat_template(QUESTION, True), add_special_tokens=False)
     ours = list(engine.submit(EngineRequest("g", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))))
     ours_ids = ours[-1].outputs[0].token_ids
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, local_files_only=True, dtype=torch.float32).eval()
+    model = served_model(default_model_dir)
     ids = torch.tensor([prompt])
     reference = []
     with torch.inference_mode():
@@ -65,19 +72,27 @@ def test_greedy_matches_a_direct_forward_loop(engine, default_model_dir):
     assert ours_ids == reference
 
 
-def test_64_mixed_length_prompts_in_one_batch_give_the_eager_loops_tokens(default_model_dir):
-    """Batched over the paged cache (prefill chunks sharing forwards with decode rows), every prompt
-    gets the greedy tokens of a plain eager transformers loop run on it alone (fp32, CPU)."""
+def _mixed_prompts(count: int) -> list[list[int]]:
     import random
 
+    rng = random.Random(5)
+    return [[1] + [rng.randrange(100, 49152) for _ in range(rng.randrange(3, 60))] for _ in range(count)]
+
+
+def test_64_mixed_length_prompts_in_one_batch_give_the_eager_loops_tokens(default_model_dir):
+    """Batched over the paged cache (prefill chunks sharing forwards with decode rows), every prompt
+    gets the greedy tokens of a plain eager transformers loop run on it alone (fp32, CPU:
+    ``--quantization none``, where both sides compute the same fp32 products; with bf16 matmul
+    inputs the two attention implementations' last-bit differences can round apart, so the
+    default's promise is the next test's: the engine's own tokens alone and in any batch)."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    rng = random.Random(5)
-    prompts = [[1] + [rng.randrange(100, 49152) for _ in range(rng.randrange(3, 60))] for _ in range(64)]
+    prompts = _mixed_prompts(64)
     engine = create_transformers_engine(Settings(model=default_model_dir, max_model_len=512, max_num_seqs=64,
-                                                 max_queue_len=64))  # fmt: skip
+                                                 max_queue_len=64, quantization="none"))  # fmt: skip
     try:
         assert engine.wait_ready(timeout=180).ready
+        assert engine.info().quantization == "none" and engine.info().dtype == "float32"
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         streams = [engine.submit(EngineRequest(f"p{i}", p, params)) for i, p in enumerate(prompts)]
         ours = [list(stream)[-1].outputs[0].token_ids for stream in streams]
@@ -92,6 +107,39 @@ def test_64_mixed_length_prompts_in_one_batch_give_the_eager_loops_tokens(defaul
                 reference.append(next_id)
                 ids = torch.tensor([[next_id]])
             assert got == reference, prompt
+
+
+def test_at_the_defaults_a_request_gets_the_same_tokens_alone_and_in_a_batch(engine):
+    """The default model at the defaults (its GGUF's int4 bits): 32 mixed-length prompts, greedy and
+    seeded-sampled, give the same tokens submitted together (one batch, prefills beside decodes) as
+    one at a time (the kernels compute every row from its own input only)."""
+    assert engine.info().quantization == "int4"
+    prompts = _mixed_prompts(32)
+    for kind, params in (("greedy", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
+                         ("seeded", SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True))):  # fmt: skip
+        streams = [engine.submit(EngineRequest(f"{kind}-b{i}", p, params)) for i, p in enumerate(prompts)]
+        together = [list(stream)[-1].outputs[0].token_ids for stream in streams]
+        alone = [list(engine.submit(EngineRequest(f"{kind}-a{i}", p, params)))[-1].outputs[0].token_ids
+                 for i, p in enumerate(prompts)]  # fmt: skip
+        assert together == alone, kind
+        assert len({tuple(t) for t in together}) > 16  # the prompts really lead to different answers
+
+
+def test_the_ggufs_bits_are_kept_exactly(default_model_dir):
+    """The converted folder keeps the GGUF's 210 Q4_1 tensors and its Q8_0 embedding, and their bits
+    dequantise to exactly the folder's fp32 weights (q_proj's rows were permuted on the way)."""
+    from safetensors import safe_open
+
+    from gyrfalcon.models.gguf_bits import read_bits
+
+    bits = read_bits(default_model_dir)
+    assert bits is not None
+    kinds = [b.kind for b in bits.values()]
+    assert kinds.count("Q4_1") == 210 and kinds.count("Q8_0") == 1
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight"]
+    with safe_open(f"{default_model_dir}/model.safetensors", framework="pt") as f:
+        for name in names:
+            assert torch.equal(bits[name].dequantize(), f.get_tensor(name)), name
 
 
 @pytest.mark.live

@@ -73,7 +73,9 @@ class ModelRunner:
         """The width of the logits rows (the output embedding's rows; may exceed the tokenizer's
         vocabulary where a model pads it)."""
         head = self.model.get_output_embeddings()
-        return int(head.weight.shape[0]) if head is not None else int(self.model.config.vocab_size)
+        if head is None:
+            return int(self.model.config.vocab_size)
+        return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata, keep) -> torch.Tensor:
         """One model call: ``[1, T]`` ids and positions; the kept positions' logits ``[K, V]``."""

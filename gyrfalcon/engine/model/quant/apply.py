@@ -1,0 +1,171 @@
+"""``--quantization``: which layers of a loaded model run in which weight-only kernel, and from what bits.
+
+:func:`resolve_quantization` turns the setting into a mode; :func:`quantize_model` swaps the
+model's linear layers for :mod:`~gyrfalcon.engine.model.quant.layers` in place and returns a
+:class:`QuantizationReport`, the start-up line saying what each kind of layer runs in.
+
+- ``int4``: every linear layer of the decoder blocks in int4 groups of 32. Bits kept from a GGUF
+  (``Q4_0``/``Q4_1``, see :mod:`gyrfalcon.models.gguf_bits`) are used exactly; any other weight
+  is quantised (min/max per group, ``Q4_1``'s rule) and its error printed.
+- ``int8``: the same layers in int8 with one scale per output row (``Q8_0`` and 4-bit bits are
+  re-quantised from their exact dequantised values; error printed).
+- The output head runs in :data:`HEAD_KERNEL` under both; when it is quantised or bf16, a tied
+  input embedding reads its rows from the head's table (one copy). Measured on the default model
+  (README, quality table): against the fp32 reference an fp32 head moves log-probabilities by
+  0.033 nats, bf16 by 0.040, int8 by 0.072, int4 by 0.48 — and the kernels' bf16 outputs round
+  logits to 1/8 near 25, which makes exact argmax ties between tokens fp32 tells apart.
+- The matmuls take their inputs in ``compute`` dtype (bf16 where the CPU has it,
+  :func:`gyrfalcon.models.loading.kernel_dtype`); norms, attention and the residual stream stay in
+  the model's dtype.
+- ``auto``: a GGUF keeps its bits (``int4``) where the activations are in a dtype the kernel is
+  fast in (bf16/fp16); any other checkpoint keeps its dtype (``none``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from gyrfalcon.engine.model.quant.layers import (
+    CastLinear,
+    Int4Linear,
+    Int8Linear,
+    TiedEmbedding,
+    UnsupportedQuantization,
+    int4_fits,
+    int4_kernel,
+    int8_kernel,
+)
+from gyrfalcon.engine.model.quant.weights import GROUP, Int4Weights, Int8Weights, relative_error
+
+from gyrfalcon.engine.model.quant import QUANTIZATIONS
+#: the output head's kernel when the layers are quantised: ``none`` (the model's dtype: fp32 logits,
+#: no rounding ties), ``bf16`` (dense, :class:`CastLinear`: bf16 logits), ``int8`` (per row: at
+#: batch 1 a third of bf16's time, past the quality bar) or ``int4``
+HEAD_KERNEL = "none"
+
+
+def resolve_quantization(setting: str, has_gguf_bits: bool, dtype: torch.dtype, device: str) -> str:
+    """The mode for ``--quantization setting`` (see the module docstring for ``auto``)."""
+    if setting not in QUANTIZATIONS:
+        raise UnsupportedQuantization(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {setting!r}")
+    if setting != "auto":
+        return setting
+    fast = dtype in (torch.bfloat16, torch.float16) and int4_kernel(torch.device(device)) is not None
+    return "int4" if has_gguf_bits and fast else "none"
+
+
+@dataclass
+class _Kind:
+    """What one kind of layer became: counts by source, and the worst re-quantisation error."""
+
+    kernel: str = ""
+    exact: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    requantized: int = 0
+    kept: int = 0
+    worst_error: float = 0.0
+
+    def describe(self) -> str:
+        parts = [f"{count} from the GGUF's {kind} bits (exact)" for kind, count in sorted(self.exact.items())]
+        if self.requantized:
+            parts.append(f"{self.requantized} quantised at load (largest relative error {self.worst_error:.2%})")
+        if self.kernel.startswith("dense"):
+            return self.kernel
+        if self.kept:
+            parts.append(f"{self.kept} kept in the model dtype (no kernel for their shape)")
+        return f"{self.kernel}: " + ", ".join(parts)
+
+
+@dataclass
+class QuantizationReport:
+    """The start-up line: ``mode``, the model's dtype and the matmuls' input dtype, and per kind of
+    layer what it runs in."""
+
+    mode: str
+    dtype: torch.dtype
+    compute: torch.dtype | None = None
+    kinds: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.mode == "none":
+            return f"weights: --quantization none, every layer in {dtype}"
+        compute = str(self.compute).removeprefix("torch.")
+        layers = "; ".join(f"{name} {what}" for name, what in self.kinds.items())
+        return f"weights: --quantization {self.mode}, model in {dtype}, matmul inputs in {compute}; {layers}"
+
+
+def _convert(module: torch.nn.Linear, name: str, kernel: str, bits, dtype, device, kind: _Kind) -> torch.nn.Module:
+    """``module`` as an int4/int8 (or bf16 ``CastLinear``) layer, from the GGUF's bits where they fit, else quantised."""
+    weight_name = f"{name}.weight"
+    source = bits.get(weight_name) if bits else None
+    n, k = module.weight.shape
+    if kernel == "bf16":
+        kind.kept += 1
+        return CastLinear(module.weight if source is None else source.dequantize(), module.bias, torch.bfloat16, device)
+    if kernel == "int4":
+        if not int4_fits(n, k, device):
+            kind.kept += 1
+            return module
+        if source is not None and source.int4 is not None:
+            weights = source.int4
+            kind.exact[source.kind] += 1
+        else:
+            reference = source.dequantize() if source is not None else module.weight
+            weights = Int4Weights.quantize(reference)
+            kind.requantized += 1
+            kind.worst_error = max(kind.worst_error, relative_error(reference, weights.dequantize()))
+        return Int4Linear(weights, module.bias, dtype, device)
+    reference = source.dequantize() if source is not None else module.weight
+    weights8 = Int8Weights.quantize(reference)
+    kind.requantized += 1
+    kind.worst_error = max(kind.worst_error, relative_error(reference, weights8.dequantize()))
+    return Int8Linear(weights8, module.bias, dtype, device)
+
+
+def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+@torch.no_grad()
+def quantize_model(model, mode: str, bits: dict | None, compute: torch.dtype, device: str,
+                   head: str = HEAD_KERNEL) -> QuantizationReport:  # fmt: skip
+    """Swap ``model``'s linear layers (in place) for ``mode``'s kernels, their inputs in ``compute``
+    dtype; ``bits``: a converted GGUF's (:func:`gyrfalcon.models.gguf_bits.read_bits`), None for
+    any other checkpoint. Raises :class:`UnsupportedQuantization` where ``device`` has no kernel."""
+    stream = next(model.parameters()).dtype
+    report = QuantizationReport(mode, stream, compute)
+    if mode == "none":
+        return report
+    where = torch.device(device)
+    if (int4_kernel(where) if mode == "int4" else int8_kernel(where)) is None:
+        raise UnsupportedQuantization(f"--quantization {mode}: torch {torch.__version__} has no {mode} weight-only "
+                                      f"kernel on {where.type}")  # fmt: skip
+    output = model.get_output_embeddings()
+    embedding = model.get_input_embeddings()
+    tied = output is not None and embedding is not None and output.weight is embedding.weight
+    names = {id(m): n for n, m in model.named_modules()}
+    layers = _Kind(f"int4 g{GROUP}" if mode == "int4" else "int8 per row")
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear) and module is not output:
+            _set(model, name, _convert(module, name, mode, bits, compute, where, layers))
+    report.kinds["linear layers"] = layers.describe()
+    if output is not None and head != "none":
+        head_kind = _Kind({"int4": f"int4 g{GROUP}", "int8": "int8 per row"}.get(head, f"dense {head}"))
+        head_name = names[id(output)]
+        # a tied head's bits are stored under the embedding's name (GGUF's token_embd)
+        source = {f"{head_name}.weight": bits[f"{names[id(embedding)]}.weight"]} if tied and bits and \
+            f"{names[id(embedding)]}.weight" in bits else bits  # fmt: skip
+        new_head = _convert(output, head_name, head, source, compute, where, head_kind)
+        _set(model, head_name, new_head)
+        report.kinds["output head"] = head_kind.describe()
+        if tied and isinstance(new_head, (Int8Linear, CastLinear)):
+            _set(model, names[id(embedding)], TiedEmbedding(new_head, stream, getattr(embedding, "padding_idx", None)))
+            report.kinds["input embedding"] = "reads the tied head's rows"
+    if "input embedding" not in report.kinds and embedding is not None:
+        report.kinds["input embedding"] = str(embedding.weight.dtype).removeprefix("torch.")
+    model.config.tie_word_embeddings = False  # the tie is now the layers' own business
+    return report

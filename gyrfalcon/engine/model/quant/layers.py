@@ -1,0 +1,167 @@
+"""Weight-only quantised layers over torch's own kernels: int4 (groups of 32) and int8 (per row).
+
+The same classes serve every device torch has the kernel for: on the CPU
+``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm``, on CUDA ``_weight_int4pack_mm``
+(tinygemm, bf16 activations) and ``_weight_int8pack_mm`` where the build has it. Weights are
+packed for the device once, at construction; a device without the kernel is refused with
+:class:`UnsupportedQuantization`, never served by a slow fallback.
+
+Activations stay in the model's dtype. Each output row depends on its own input row only (the
+kernels tile rows independently: measured bit-identical alone and in batches up to 64), so a
+request gets the same logits alone and inside any batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gyrfalcon.engine.model.quant.weights import GROUP, Int4Weights, Int8Weights
+
+#: torch's int4 kernels store ``(q - 8) * scale + zero``
+_INT4_MIDPOINT = 8
+#: CUDA's packing: inner K tiles of the tinygemm layout (K must divide by 16 × this)
+_CUDA_INNER_K_TILES = 8
+
+
+class UnsupportedQuantization(ValueError):
+    """The requested quantisation has no kernel on this device, dtype or shape."""
+
+
+def _has_kernel(op: str, device: torch.device) -> bool:
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device.type)
+    return key is not None and hasattr(torch.ops.aten, op) and torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)
+
+
+def int4_kernel(device: torch.device) -> str | None:
+    """The int4 matmul op torch has for ``device``, None where it has none."""
+    op = "_weight_int4pack_mm_for_cpu" if device.type == "cpu" else "_weight_int4pack_mm"
+    return op if _has_kernel(op, device) else None
+
+
+def int8_kernel(device: torch.device) -> str | None:
+    """The int8 matmul op torch has for ``device``, None where it has none."""
+    return "_weight_int8pack_mm" if _has_kernel("_weight_int8pack_mm", device) else None
+
+
+def int4_fits(n: int, k: int, device: torch.device) -> bool:
+    """Whether an ``[n, k]`` weight has a shape the int4 kernel takes on ``device``."""
+    if device.type == "cuda":
+        return n % 8 == 0 and k % (16 * _CUDA_INNER_K_TILES) == 0 and k % GROUP == 0
+    return n % 16 == 0 and k % GROUP == 0
+
+
+def _flat(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
+
+
+class Int4Linear(torch.nn.Module):
+    """``y = x Wᵀ + b`` with ``W`` in int4 groups of 32, packed for ``device``; activations in ``dtype``."""
+
+    def __init__(self, weights: Int4Weights, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        n, k = weights.shape
+        op = int4_kernel(device)
+        if op is None:
+            raise UnsupportedQuantization(f"torch {torch.__version__} has no int4 weight-only kernel on {device.type}")
+        if not int4_fits(n, k, device):
+            raise UnsupportedQuantization(f"the int4 kernel on {device.type} does not take a [{n}, {k}] weight")
+        if device.type == "cuda" and dtype != torch.bfloat16:
+            raise UnsupportedQuantization("the CUDA int4 kernel (tinygemm) takes bfloat16 activations only")
+        self.in_features, self.out_features = k, n
+        self.dtype = dtype
+        self._op = getattr(torch.ops.aten, op)
+        q = weights.q.to(device)
+        if device.type == "cpu":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        else:  # tinygemm packs two weights a byte, the even column in the high nibble
+            packed = torch.ops.aten._convert_weight_to_int4pack((q[:, 0::2] << 4 | q[:, 1::2]).contiguous(),
+                                                                _CUDA_INNER_K_TILES)  # fmt: skip
+        scale = weights.scale.float()
+        zero = weights.minimum.float() + _INT4_MIDPOINT * scale
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_and_zero", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype).to(device))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype).to(device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._op(_flat(x, self.dtype), self.packed, GROUP, self.scale_and_zero)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 g{GROUP}, {self.dtype}"
+
+
+class Int8Linear(torch.nn.Module):
+    """``y = x Wᵀ + b`` with ``W`` in int8 with one scale per output row; activations in ``dtype``."""
+
+    def __init__(self, weights: Int8Weights, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        if int8_kernel(device) is None:
+            raise UnsupportedQuantization(f"torch {torch.__version__} has no int8 weight-only kernel on {device.type}")
+        self.out_features, self.in_features = weights.shape
+        self.dtype = dtype
+        self.register_buffer("q", weights.q.to(device).contiguous())
+        self.register_buffer("scale", weights.scale.to(dtype).to(device))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype).to(device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(_flat(x, self.dtype), self.q, self.scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantised rows ``ids`` of ``W`` (a tied embedding's lookup)."""
+        return self.q[ids].to(dtype) * self.scale[ids].unsqueeze(-1).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row, {self.dtype}"
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    return next(module.buffers()).device
+
+
+class CastLinear(torch.nn.Module):
+    """A dense ``y = x Wᵀ + b`` whose weight is kept (and multiplied) in ``dtype``, its output cast
+    back to the input's dtype: the output head in bf16 beside an fp32 stream (AMX matmuls, half the
+    bytes of fp32)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = dtype
+        self.register_buffer("weight", weight.detach().to(dtype).to(device).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype).to(device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(self.dtype), self.weight, self.bias).to(x.dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight[ids].to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, dense {self.dtype}"
+
+
+class TiedEmbedding(torch.nn.Module):
+    """An input embedding that reads its rows from its tied output head (:class:`CastLinear` or
+    :class:`Int8Linear`): one copy of the table, the lookup converting only the rows it gathers into
+    the model's ``dtype``."""
+
+    def __init__(self, head: CastLinear | Int8Linear, dtype: torch.dtype, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.head = [head]  # a list: not a submodule, so its buffers are not counted twice
+        self.dtype = dtype
+        self.padding_idx = padding_idx
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table in the model's dtype (for code that inspects it; the forward never builds it)."""
+        head = self.head[0]
+        return head.rows(torch.arange(self.num_embeddings, device=_device_of(head)), self.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head[0].rows(ids, self.dtype)

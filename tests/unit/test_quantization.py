@@ -1,0 +1,126 @@
+"""Weight-only quantisation: the layouts, the torch-kernel layers, ``--quantization`` on the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gyrfalcon.engine.model.quant.apply import quantize_model, resolve_quantization
+from gyrfalcon.engine.model.quant.layers import CastLinear, Int4Linear, Int8Linear, TiedEmbedding, UnsupportedQuantization
+from gyrfalcon.engine.model.quant.weights import Int4Weights, Int8Weights, relative_error
+
+CPU = torch.device("cpu")
+
+
+def _weight(n: int = 64, k: int = 96, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+
+
+def test_int4_weights_follow_q4_1s_rule_and_survive_the_disk_layout():
+    w = _weight()
+    q = Int4Weights.quantize(w)
+    assert q.q.dtype == torch.uint8 and int(q.q.max()) <= 15 and q.scale.shape == (64, 3)
+    # each group's extremes are representable exactly: its minimum is q = 0, its maximum q = 15
+    assert torch.allclose(q.dequantize().reshape(64, 3, 32).amin(-1), w.reshape(64, 3, 32).amin(-1), atol=1e-6)
+    assert 0 < relative_error(w, q.dequantize()) < 0.1
+    back = Int4Weights.from_nibbles(q.packed_nibbles(), q.scale, q.minimum)
+    assert torch.equal(back.q, q.q)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_quantised_layer_computes_its_dequantised_weight_and_each_row_alone(kind, dtype):
+    w, bias, x = _weight(), torch.randn(64), torch.randn(5, 7, 96)
+    if kind == "int4":
+        weights = Int4Weights.quantize(w)
+        layer = Int4Linear(weights, bias, dtype, CPU)
+    else:
+        weights = Int8Weights.quantize(w)
+        layer = Int8Linear(weights, bias, dtype, CPU)
+    y = layer(x)
+    assert y.shape == (5, 7, 64) and y.dtype == x.dtype  # the stream keeps its dtype
+    expected = x.to(dtype).float() @ weights.dequantize().t() + bias
+    tolerance = 1e-3 if dtype == torch.float32 else 0.05
+    assert (y - expected).abs().max() <= tolerance * expected.abs().max()
+    rows = x.reshape(35, 96)
+    alone = torch.cat([layer(rows[i : i + 1]) for i in range(35)])
+    assert torch.equal(alone, layer(rows))  # batch-invariant: bit for bit
+
+
+def test_shapes_and_devices_without_a_kernel_are_refused_loudly():
+    with pytest.raises(UnsupportedQuantization, match="does not take"):
+        Int4Linear(Int4Weights.quantize(_weight(40, 64)), None, torch.bfloat16, CPU)  # N not a multiple of 16
+    with pytest.raises(UnsupportedQuantization, match="no int4"):
+        Int4Linear(Int4Weights.quantize(_weight()), None, torch.bfloat16, torch.device("meta"))
+    with pytest.raises(UnsupportedQuantization, match="must be one of"):
+        resolve_quantization("fp8", False, torch.bfloat16, "cpu")
+
+
+def test_auto_keeps_a_ggufs_bits_where_the_kernel_is_fast_and_anything_else_as_it_is():
+    assert resolve_quantization("auto", True, torch.bfloat16, "cpu") == "int4"
+    assert resolve_quantization("auto", True, torch.float32, "cpu") == "none"  # the fp32 kernel path is ~30x slower
+    assert resolve_quantization("auto", False, torch.bfloat16, "cpu") == "none"
+    assert resolve_quantization("int8", False, torch.float32, "cpu") == "int8"
+
+
+def test_a_tied_head_and_embedding_share_one_table():
+    head = CastLinear(_weight(), None, torch.bfloat16, CPU)
+    embedding = TiedEmbedding(head, torch.float32)
+    ids = torch.tensor([[3, 0, 63]])
+    assert torch.equal(embedding(ids)[0], head.weight[ids[0]].float())
+    assert embedding(ids).dtype == torch.float32 and list(embedding.parameters()) == []
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_quantize_at_load_on_the_tiny_model(tiny_model_dir, mode):
+    """An fp32 checkpoint quantised at load: every linear layer swapped, the report says what each
+    kind of layer runs in and how far the re-quantisation moved the weights, and the logits stay close."""
+    from gyrfalcon.models.loading import load_model, load_weights
+
+    reference = load_model(tiny_model_dir, "float32", "cpu")
+    model, report = load_weights(tiny_model_dir, "float32", "cpu", mode)
+    linears = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert len(linears) == 2 * 7  # two layers of q, k, v, o, gate, up, down
+    assert not any(type(m) is torch.nn.Linear and m is not model.lm_head for m in model.modules())
+    line = report.describe()
+    assert f"--quantization {mode}" in line and "14 quantised at load (largest relative error" in line
+    ids = torch.tensor([[1, 17, 33, 250, 7, 90]])
+    with torch.inference_mode():
+        ours, theirs = model(ids).logits, reference(ids).logits
+    assert ours.dtype == torch.float32
+    assert relative_error(theirs, ours) < (0.2 if mode == "int4" else 0.05)
+    assert load_weights(tiny_model_dir, "float32", "cpu", "auto")[1].mode == "none"  # no GGUF bits: kept as is
+
+
+def test_quantize_model_refuses_a_device_without_the_kernel(tiny_model_dir):
+    from gyrfalcon.models.loading import load_model
+
+    with pytest.raises(UnsupportedQuantization, match="no int4 weight-only kernel on meta"):
+        quantize_model(load_model(tiny_model_dir, "float32", "cpu"), "int4", None, torch.bfloat16, "meta")
+
+
+def test_settings_refuse_an_unknown_quantization():
+    from gyrfalcon.config import Settings
+
+    with pytest.raises(ValueError, match="--quantization must be one of auto, none, int4, int8"):
+        Settings(quantization="gptq").validate()
+
+
+def test_an_int4_engine_gives_a_request_the_same_tokens_alone_and_in_a_batch(tiny_model_dir):
+    from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
+    from gyrfalcon.plugins.engines import create_transformers_engine
+    from tests.conftest import tiny_settings
+
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir, quantization="int4"))
+    try:
+        assert engine.wait_ready(timeout=60).ready
+        assert engine.info().quantization == "int4"
+        prompts = [[1] + list(range(10 + i, 10 + 3 * i + 2)) for i in range(12)]
+        params = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+        streams = [engine.submit(EngineRequest(f"b{i}", p, params)) for i, p in enumerate(prompts)]
+        together = [list(s)[-1].outputs[0].token_ids for s in streams]
+        alone = [list(engine.submit(EngineRequest(f"a{i}", p, params)))[-1].outputs[0].token_ids for i, p in enumerate(prompts)]
+    finally:
+        engine.shutdown(grace=1.0)
+    assert together == alone
+    assert len({tuple(t) for t in together}) > 6
