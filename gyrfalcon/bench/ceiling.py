@@ -41,14 +41,15 @@ class CeilingResult:
         return self.decode_s / max(self.new_tokens - 1, 1)
 
 
-def load(model_path: str, dtype: str | None = "float32", threads: int = 1, device: str | None = "cpu"):
-    """Load the model as the server does (``device``, ``dtype``, ``threads`` torch threads)."""
+def load(model_path: str, dtype: str | None = "float32", threads: int = 1, device: str | None = "cpu",
+         quantization: str = "none"):  # fmt: skip
+    """Load the model as the server does (``device``, ``dtype``, ``--quantization``, ``threads`` torch threads)."""
     import torch
 
-    from gyrfalcon.models.loading import load_model
+    from gyrfalcon.models.loading import load_weights
 
     torch.set_num_threads(threads)
-    return load_model(model_path, dtype, device)
+    return load_weights(model_path, dtype, device, quantization)[0]
 
 
 def _sync(device) -> None:

@@ -37,11 +37,26 @@ def _fmt(x: float | None, digits: int = 1) -> str:
     return "n/a" if x is None or x != x else f"{x:.{digits}f}"
 
 
+#: CPU targets against the fp32 eager loop (no quantisation) and against a peer server, by concurrency
+BASELINE_TARGETS = {1: 4.0, 16: 2.0}
+PEER_TARGETS = {1: 1.5, 16: 3.0}
+
+
 def targets(device: str, loads: list[LoadReport], eager: dict[int, CeilingResult], compiled: dict[int, CeilingResult],
-            n_cmp: dict[str, float] | None) -> list[Target]:  # fmt: skip
+            n_cmp: dict[str, float] | None, baseline: dict[int, CeilingResult] | None = None,
+            peer: list[LoadReport] | None = None) -> list[Target]:  # fmt: skip
     """The target ratios of ``device`` (``cpu`` or ``cuda…``) that this run measured both figures of."""
     by_c = {load.concurrency: load for load in loads}
     out = []
+    for c, target in BASELINE_TARGETS.items():
+        if not device.startswith("cuda") and c in by_c and c in (baseline or {}):
+            out.append(Target(f"c={c} output tok/s / fp32 eager loop at batch {c}",
+                              by_c[c].output_tokens_per_s / baseline[c].output_tokens_per_s, "≥", target))  # fmt: skip
+    peers = {load.concurrency: load for load in peer or []}
+    for c, target in PEER_TARGETS.items():
+        if not device.startswith("cuda") and c in by_c and c in peers and peers[c].output_tokens_per_s > 0:
+            out.append(Target(f"c={c} output tok/s / the peer's", by_c[c].output_tokens_per_s / peers[c].output_tokens_per_s,
+                              "≥", target))  # fmt: skip
     if device.startswith("cuda"):
         if 64 in by_c and 64 in compiled:
             out.append(Target("c=64 output tok/s / compiled ceiling at batch 64",
@@ -66,16 +81,25 @@ def targets(device: str, loads: list[LoadReport], eager: dict[int, CeilingResult
 
 def table(loads: list[LoadReport], eager: dict[int, CeilingResult], compiled: dict[int, CeilingResult] | None = None,
           n_cmp: dict[str, float] | None = None, memory: dict[str, Any] | None = None, device: str = "cpu",
-          compiled_error: str | None = None, peak_memory: int | None = None) -> str:  # fmt: skip
+          compiled_error: str | None = None, peak_memory: int | None = None,
+          baseline: dict[int, CeilingResult] | None = None, peer: list[LoadReport] | None = None) -> str:  # fmt: skip
     """The markdown table of a run, then one line per target ratio and the other findings.
 
-    ``ceiling`` columns are the eager loop; ``compiled`` columns (only when measured) the static-cache loop.
+    ``ceiling`` columns are the eager loop; ``compiled`` columns (only when measured) the static-cache
+    loop; ``fp32 loop`` the CPU baseline (unquantised fp32 eager loop); ``peer`` the same load on
+    another server.
     """
     compiled = compiled or {}
+    baseline = baseline or {}
+    peers = {load.concurrency: load for load in peer or []}
     head = ["concurrency", "req/s", "output tok/s", "ceiling tok/s", "ratio", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)",
             "ceiling step (ms)", "errors"]  # fmt: skip
     if compiled:
         head += ["compiled tok/s", "compiled step (ms)"]
+    if baseline:
+        head += ["fp32 loop tok/s", "ratio"]
+    if peers:
+        head += ["peer tok/s", "peer TPOT p50 (ms)", "ratio"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     nan = float("nan")
     for load in loads:
@@ -91,9 +115,16 @@ def table(loads: list[LoadReport], eager: dict[int, CeilingResult], compiled: di
         if compiled:
             fast = compiled.get(load.concurrency)
             cells += [_fmt(fast.output_tokens_per_s if fast else nan), _fmt(fast.time_per_step * 1000 if fast else nan, 2)]
+        if baseline:
+            base = baseline[load.concurrency].output_tokens_per_s if load.concurrency in baseline else nan
+            cells += [_fmt(base), _fmt(load.output_tokens_per_s / base, 2)]
+        if peers:
+            other = peers.get(load.concurrency)
+            tps = other.output_tokens_per_s if other else nan
+            cells += [_fmt(tps), _fmt(other.tpot(50) * 1000 if other else nan), _fmt(load.output_tokens_per_s / tps if tps else nan, 2)]
         lines.append("| " + " | ".join(cells) + " |")
     out = ["\n".join(lines), ""]
-    out.extend(t.line() for t in targets(device, loads, eager, compiled, n_cmp))
+    out.extend(t.line() for t in targets(device, loads, eager, compiled, n_cmp, baseline, peer))
     if n_cmp and n_cmp["n"] != 8:
         out.append(f"- n={n_cmp['n']} request {n_cmp['n_request_s']:.2f} s / {n_cmp['n']} sequential n=1 requests "
                    f"{n_cmp['sequential_s']:.2f} s: {n_cmp['ratio']:.2f}")  # fmt: skip
@@ -117,19 +148,26 @@ def _ceilings(results: dict[int, CeilingResult]) -> dict[int, dict[str, Any]]:
                 "total_s": r.total_s, "compile_s": r.compile_s} for c, r in results.items()}  # fmt: skip
 
 
+def _loads(loads: list[LoadReport]) -> list[dict[str, Any]]:
+    return [{"concurrency": x.concurrency, "requests": len(x.results), "req_per_s": x.request_throughput,
+             "tok_per_s": x.output_tokens_per_s, "ttft_p50": x.ttft(50), "ttft_p99": x.ttft(99),
+             "tpot_p50": x.tpot(50), "tpot_p99": x.tpot(99), "errors": x.errors} for x in loads]  # fmt: skip
+
+
 def figures(device: str, loads: list[LoadReport], eager: dict[int, CeilingResult], compiled: dict[int, CeilingResult],
-            n_cmp: dict[str, float] | None, memory: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:  # fmt: skip
+            n_cmp: dict[str, float] | None, memory: dict[str, Any] | None, baseline: dict[int, CeilingResult] | None = None,
+            peer_loads: list[LoadReport] | None = None, **extra: Any) -> dict[str, Any]:  # fmt: skip
     """Everything of the report as JSON-ready data (``extra``: run facts such as wall time and build time)."""
     return {
         "device": device,
-        "loads": [{"concurrency": x.concurrency, "requests": len(x.results), "req_per_s": x.request_throughput,
-                   "tok_per_s": x.output_tokens_per_s, "ttft_p50": x.ttft(50), "ttft_p99": x.ttft(99),
-                   "tpot_p50": x.tpot(50), "tpot_p99": x.tpot(99), "errors": x.errors} for x in loads],  # fmt: skip
+        "loads": _loads(loads),
+        "peer_loads": _loads(peer_loads or []),
+        "baseline_ceilings": _ceilings(baseline or {}),
         "ceilings": _ceilings(eager),
         "compiled_ceilings": _ceilings(compiled),
         "n": n_cmp,
         "memory": memory,
         "targets": [{"label": t.label, "value": t.value, "op": t.op, "target": t.target, "met": t.met}
-                    for t in targets(device, loads, eager, compiled, n_cmp)],  # fmt: skip
+                    for t in targets(device, loads, eager, compiled, n_cmp, baseline, peer_loads)],  # fmt: skip
         **extra,
     }

@@ -6,7 +6,9 @@ Workload (defaults follow the project's targets): 32-token prompts, temperature 
 n = 8 request against 8 sequential n = 1 requests; then, on a CPU, the worker's RSS before and
 after 1,000 mixed requests; finally, with the server stopped (``--launch``) or idle, the ceilings in
 this process on the same device, dtype and prompts: the eager loop, and on a GPU the compiled
-static-cache loop. ``--launch`` starts ``gyrfalcon serve`` on a free port and stops it again;
+static-cache loop; on a CPU also the fp32 eager loop without quantisation, the baseline of the
+targets. ``--peer-url URL`` runs the same loads against another OpenAI-compatible server (a llama.cpp
+server on the same GGUF) in the same run and prints each level's ratio. ``--launch`` starts ``gyrfalcon serve`` on a free port and stops it again;
 ``--random-weights CONFIG.json`` benchmarks a model of that shape with random weights, built first.
 """
 
@@ -27,6 +29,7 @@ from typing import Any
 from gyrfalcon.bench.ceiling import CeilingResult
 from gyrfalcon.bench.client import Client, run_load
 from gyrfalcon.config import Settings
+from gyrfalcon.engine.model.quant import QUANTIZATIONS
 
 MAX_CONCURRENCY = 128
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -45,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokenizer folder for --random-weights (default: the embedded default model's)")  # fmt: skip
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cuda, cpu: server and ceilings")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                   help="the launched server's and the eager ceiling's weight kernels (serve's --quantization)")
+    p.add_argument("--peer-url", default=None, metavar="URL",
+                   help="another OpenAI-compatible server (e.g. llama.cpp on the same GGUF): the same loads, ratios printed")
+    p.add_argument("--peer-api-key", default=None)
     p.add_argument("--serve-args", default="", metavar="ARGS",
                    help='more `gyrfalcon serve` options for --launch, one string (split like a shell would): '
                         '--serve-args "--max-num-batched-tokens 8192"; one option alone: --serve-args=--enforce-eager')  # fmt: skip
@@ -154,6 +162,19 @@ def warm_up(client: Client, model: str, prompts: list[list[int]], top: int, serv
             raise RuntimeError(f"warm-up request failed: {error}{log}")
 
 
+def run_peer(args: argparse.Namespace, prompts: list[list[int]], counts: list[int]):
+    """The same loads against ``--peer-url`` (its first model, the same token-id prompts), level by level."""
+    peer = Client(args.peer_url, args.peer_api_key)
+    name = peer.model_name()
+    warm_up(Client(args.peer_url, args.peer_api_key, timeout=WARM_UP_TIMEOUT_S), name, prompts, 1)
+    loads = []
+    for c, count in zip(args.concurrency, counts):
+        load = run_load(peer, [_completion(name, prompts[i % len(prompts)], args.output_tokens) for i in range(count)], c)
+        loads.append(load)
+        _say(f"peer c={c}: {load.output_tokens_per_s:.1f} tok/s, TPOT p50 {load.tpot(50) * 1000:.1f} ms, {load.errors} errors")
+    return loads
+
+
 def _say(text: str) -> None:
     print(f"bench: {text}", file=sys.stderr, flush=True)
 
@@ -171,7 +192,15 @@ def run_ceilings(model_path: str, args: argparse.Namespace, device: str, prompts
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    model = load(model_path, args.dtype, args.num_threads, device)
+    baseline: dict[int, CeilingResult] = {}
+    if not cuda:  # the fp32 eager loop without quantisation: the CPU targets' baseline
+        plain = load(model_path, "float32", args.num_threads, device, "none")
+        for c in args.concurrency:
+            bare_loop(plain, prompts[:c], 2)
+            baseline[c] = bare_loop(plain, prompts[:c], args.output_tokens)
+            _say(f"fp32 eager loop at batch {c}: {baseline[c].output_tokens_per_s:.1f} tok/s")
+        del plain
+    model = load(model_path, args.dtype, args.num_threads, device, args.quantization)
     eager: dict[int, CeilingResult] = {}
     compiled: dict[int, CeilingResult] = {}
     error = None
@@ -193,7 +222,7 @@ def run_ceilings(model_path: str, args: argparse.Namespace, device: str, prompts
     del model
     if cuda:
         torch.cuda.empty_cache()
-    return {"eager": eager, "compiled": compiled, "compiled_error": error, "peak_memory": peak}
+    return {"eager": eager, "compiled": compiled, "compiled_error": error, "peak_memory": peak, "baseline": baseline}
 
 
 def _header(args: argparse.Namespace, device: str, model_path: str, build_s: float | None) -> str:
@@ -208,7 +237,9 @@ def _header(args: argparse.Namespace, device: str, model_path: str, build_s: flo
         subject += f" (random weights, built in {build_s:.1f} s)"
     levels = ", ".join(f"{requests_at(args, c, device)} at c={c}" for c in args.concurrency)
     return (f"{subject} on {device} ({where}), {dtype}; requests {levels}; {args.prompt_tokens}-token prompts, "
-            f"{args.output_tokens} output tokens, temperature 0, ignore_eos. ceiling: the eager loop"
+            f"{args.output_tokens} output tokens, temperature 0, ignore_eos; --quantization {args.quantization}. "
+            f"ceiling: the eager loop on the same weights" + ("; baseline: the fp32 eager loop" if not device.startswith("cuda") else "")
+            + (f"; peer: {args.peer_url}" if args.peer_url else "")
             + ("; compiled: static cache + torch.compile" if args.compiled_ceiling else ""))  # fmt: skip
 
 
@@ -245,7 +276,8 @@ def main(args: argparse.Namespace) -> int:
         if args.launch:
 
             def argv(port: int) -> list[str]:
-                return serve_argv(port, model_path, device, args.dtype, args.num_threads, max(args.concurrency), args.serve_args)
+                extra = f"--quantization {args.quantization} {args.serve_args}"
+                return serve_argv(port, model_path, device, args.dtype, args.num_threads, max(args.concurrency), extra)
 
             server = launch(argv, os.path.join(workdir, "serve.log"))
             url = server.url
@@ -262,6 +294,7 @@ def main(args: argparse.Namespace) -> int:
             loads.append(load)
             _say(f"c={c}: {load.output_tokens_per_s:.1f} tok/s, TTFT p50 {load.ttft(50) * 1000:.0f} ms, "
                  f"TPOT p50 {load.tpot(50) * 1000:.1f} ms, {load.errors} errors")  # fmt: skip
+        peer_loads = run_peer(args, prompts, counts) if args.peer_url else []
         n_cmp = n_comparison(client, name, prompts[0], args.n, args.output_tokens) if args.n > 1 else None
         if n_cmp:
             _say(f"{n_cmp}")
@@ -271,7 +304,7 @@ def main(args: argparse.Namespace) -> int:
             _say(f"memory {memory}")
         if server is not None:  # free the device (and the CPU) for the ceilings
             server.stop()
-        ceilings: dict[str, Any] = {"eager": {}, "compiled": {}, "compiled_error": None, "peak_memory": None}
+        ceilings: dict[str, Any] = {"eager": {}, "compiled": {}, "compiled_error": None, "peak_memory": None, "baseline": {}}
         if not args.no_ceiling:
             ceilings = run_ceilings(model_path, args, device, prompts)
         header = _header(args, device, model_path, build_s)
@@ -284,12 +317,13 @@ def main(args: argparse.Namespace) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     wall = time.perf_counter() - started
     text = table(loads, ceilings["eager"], ceilings["compiled"], n_cmp, memory, device, ceilings["compiled_error"],
-                 ceilings["peak_memory"])  # fmt: skip
+                 ceilings["peak_memory"], ceilings["baseline"], peer_loads)  # fmt: skip
     print(f"{header}\n\n{text}\n\ntotal wall time {wall:.0f} s")
     if args.json:
         data = figures(device, loads, ceilings["eager"], ceilings["compiled"], n_cmp, memory, dtype=args.dtype,
                        compiled_error=ceilings["compiled_error"], peak_memory=ceilings["peak_memory"], build_s=build_s,
-                       wall_s=wall)  # fmt: skip
+                       wall_s=wall, quantization=args.quantization, baseline=ceilings["baseline"],
+                       peer_loads=peer_loads)  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(data, f, indent=2)
     return 0
