@@ -119,6 +119,27 @@ def test_cpu_report_prints_the_cpu_targets():
     assert rows[1].startswith("| 16 | ") and "| 0.97 |" in rows[1]
 
 
+def test_cpu_report_prints_the_fp32_baseline_and_the_peer_with_their_targets():
+    from gyrfalcon.bench.report import figures, table
+
+    loads = [_load(1, 40.0, 0.025), _load(16, 200.0, 0.08)]
+    eager = {1: _ceiling(1, 45.0, 0.022), 16: _ceiling(16, 210.0, 0.075)}
+    baseline = {1: _ceiling(1, 16.0, 0.06), 16: _ceiling(16, 95.0, 0.15)}
+    peer = [_load(1, 41.0, 0.024), _load(16, 36.0, 0.025)]
+    text = table(loads, eager, {}, None, None, "cpu", baseline=baseline, peer=peer)
+    assert "- c=1 output tok/s / fp32 eager loop at batch 1: 2.50 (target ≥ 4: missed)" in text
+    assert "- c=16 output tok/s / fp32 eager loop at batch 16: 2.11 (target ≥ 2: met)" in text
+    assert "- c=1 output tok/s / the peer's: 0.98 (target ≥ 1.5: missed)" in text
+    assert "- c=16 output tok/s / the peer's: 5.56 (target ≥ 3: met)" in text
+    header, rule, *rows = text.split("\n\n")[0].splitlines()
+    assert "fp32 loop tok/s" in header and "peer tok/s" in header
+    assert header.count("|") == rule.count("|") == rows[0].count("|") == 15
+    assert "| 95.0 | 2.11 | 36.0 | 25.0 | 5.56 |" in rows[1]
+    data = figures("cpu", loads, eager, {}, None, None, baseline=baseline, peer_loads=peer)
+    assert data["peer_loads"][1]["tok_per_s"] == pytest.approx(36.0) and data["baseline_ceilings"][16]["tok_per_s"] == pytest.approx(95.0)
+    assert sum(t["met"] for t in data["targets"]) == 2
+
+
 def test_cpu_report_prints_only_ratios_it_has_both_figures_of():
     from gyrfalcon.bench.report import table
 
