@@ -38,7 +38,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="share of the GPU's memory to use, KV cache included (CUDA)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=Settings.enable_prefix_caching, help="reuse the KV of equal prompt prefixes")
-    p.add_argument("--enforce-eager", action="store_true", help="never capture decode steps (CUDA graphs)")
+    p.add_argument("--enforce-eager", action="store_true", help="never capture or compile decode steps")
+    p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=Settings.compile_decode,
+                   help="CPU: compile the batch-1 decode step at start-up (about 35 s on the default model), "
+                        "checked against the eager step")
     p.add_argument("--generation-config", default=Settings.generation_config, choices=("auto", "none"),
                    help="auto: sampling defaults from the model's generation_config.json; none: the API's")
     p.add_argument("--scheduling-policy", default=Settings.scheduling_policy, choices=("fcfs", "priority"),

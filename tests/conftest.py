@@ -23,11 +23,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def tiny_settings(model_dir: str, **overrides):
-    """Settings for an engine on the tiny model: context 128, 8 sequences, fp32 on CPU, seed 0."""
+    """Settings for an engine on the tiny model: context 128, 8 sequences, fp32 on CPU, seed 0, eager
+    (the compiled decode step is tested once, in tests/unit/test_decode_path.py)."""
     from gyrfalcon.config import Settings
 
     values = dict(model=model_dir, max_model_len=TINY_MAX_MODEL_LEN, max_num_seqs=TINY_MAX_NUM_SEQS,
-                  max_queue_len=16, dtype="float32", device="cpu", seed=0, num_threads=1)  # fmt: skip
+                  max_queue_len=16, dtype="float32", device="cpu", seed=0, num_threads=1, enforce_eager=True)  # fmt: skip
     values.update(overrides)
     return Settings(**values)
 

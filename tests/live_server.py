@@ -33,7 +33,10 @@ class LiveServer:
 
 def start_server(args: list[str], log_path: str, timeout: float = 180.0, env: dict[str, str] | None = None,
                  scheme: str = "http") -> LiveServer:  # fmt: skip
-    """Run ``gyrfalcon serve ARGS --port <free>`` and wait until ``/health`` answers 200.
+    """Run ``gyrfalcon serve ARGS --port <free> --enforce-eager`` and wait until ``/health`` answers 200.
+
+    Test servers run eagerly: compiling the decode step takes seconds to minutes at each start
+    (``tests/unit/test_decode_path.py`` tests the compiled path once).
 
     Read time-outs and refused connections while gunicorn boots are expected; the server is
     killed if it exits or is not healthy within ``timeout`` seconds. ``env`` adds variables;
@@ -43,7 +46,7 @@ def start_server(args: list[str], log_path: str, timeout: float = 180.0, env: di
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
     log = open(log_path, "wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "gyrfalcon.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+        [sys.executable, "-m", "gyrfalcon.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", *args],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )
     server = LiveServer(f"{scheme}://127.0.0.1:{port}", process, log_path)

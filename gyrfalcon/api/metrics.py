@@ -37,6 +37,11 @@ class EngineCollector:
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats()
         yield from self._vllm_names(stats)
+        if isinstance(stats.get("decode_path"), str):  # "name (reason)": an info gauge
+            name, _, reason = stats["decode_path"].partition(" (")
+            info = GaugeMetricFamily("gyrfalcon_decode_path", "The path decode steps take (1), and why.", labels=["path", "reason"])
+            info.add_metric([name, reason.removesuffix(")")], 1)
+            yield info
         for key, value in sorted(stats.items()):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue

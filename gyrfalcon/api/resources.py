@@ -48,7 +48,7 @@ class HealthResource:
         health = self.ctx.engine.health()
         if not health.ready:
             raise APIError(503, health.message or "The model is loading", headers={"Retry-After": "1"})
-        _json(resp, {"status": "ok"})
+        _json(resp, {"status": "ok", **({"decode_path": health.decode_path} if health.decode_path else {})})
 
 
 class VersionResource:

@@ -131,7 +131,7 @@ def _vocab(model_path: str) -> int:
         return vocab
 
 
-def _completion(model: str, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+def _completion(model: str, prompt: list[int] | str, max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **extra}
 
 
@@ -162,8 +162,14 @@ def warm_up(client: Client, model: str, prompts: list[list[int]], top: int, serv
             raise RuntimeError(f"warm-up request failed: {error}{log}")
 
 
-def run_peer(args: argparse.Namespace, prompts: list[list[int]], counts: list[int]):
-    """The same loads against ``--peer-url`` (its first model, the same token-id prompts), level by level."""
+def run_peer(args: argparse.Namespace, model_path: str, prompts: list[list[int]], counts: list[int]):
+    """The same loads against ``--peer-url`` (its first model), level by level. The prompts go as
+    their text (decoded with the model's tokenizer), since not every server takes token ids
+    (llama.cpp's Python server does not); a peer on the same model tokenises them back to the same length."""
+    from gyrfalcon.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(model_path)
+    prompts = [tokenizer.decode(p) for p in prompts]  # type: ignore[misc]
     peer = Client(args.peer_url, args.peer_api_key)
     name = peer.model_name()
     warm_up(Client(args.peer_url, args.peer_api_key, timeout=WARM_UP_TIMEOUT_S), name, prompts, 1)
@@ -294,7 +300,7 @@ def main(args: argparse.Namespace) -> int:
             loads.append(load)
             _say(f"c={c}: {load.output_tokens_per_s:.1f} tok/s, TTFT p50 {load.ttft(50) * 1000:.0f} ms, "
                  f"TPOT p50 {load.tpot(50) * 1000:.1f} ms, {load.errors} errors")  # fmt: skip
-        peer_loads = run_peer(args, prompts, counts) if args.peer_url else []
+        peer_loads = run_peer(args, model_path, prompts, counts) if args.peer_url else []
         n_cmp = n_comparison(client, name, prompts[0], args.n, args.output_tokens) if args.n > 1 else None
         if n_cmp:
             _say(f"{n_cmp}")

@@ -22,6 +22,7 @@ from gyrfalcon.engine.batcher import Batcher
 from gyrfalcon.engine_api.interface import EngineCore, OutputStream
 from gyrfalcon.engine.kv.blocks import BlockPool
 from gyrfalcon.engine.kv.cache import KVShape, PagedKVCache, plan_cache
+from gyrfalcon.engine.model.captured import DecodePath
 from gyrfalcon.engine.model.runner import ModelRunner, Work
 from gyrfalcon.engine.request_state import RequestState
 from gyrfalcon.engine.sample.sampler import Sampler
@@ -64,6 +65,16 @@ class TransformersEngine(EngineCore):
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.quantization = resolve_quantization(cfg.quantization, self.model_path, self.dtype, self.device)
+        #: the decode steps' fast path: CUDA graphs unless --enforce-eager; on the CPU the compiled
+        #: step with --compile-decode (see gyrfalcon.engine.model.captured)
+        self.capture = "off"
+        if not cfg.enforce_eager:
+            kind = torch.device(self.device).type
+            self.capture = "cuda-graphs" if kind == "cuda" else "compiled" if kind == "cpu" and cfg.compile_decode else "off"
+        if self.capture == "compiled":  # inductor's code cached beside the models (read at its first use)
+            from gyrfalcon.models.default import cache_root
+
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root(cfg.cache_dir) / "inductor"))
         self.config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = self._eos_ids(GenerationConfig)
@@ -103,6 +114,8 @@ class TransformersEngine(EngineCore):
         self.scheduler = Scheduler(cfg.max_queue_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    PREFILL_CHUNK_TOKENS, policy=cfg.scheduling_policy)  # fmt: skip
         self.runner: ModelRunner | None = None
+        #: which path decode steps take, and why (known once the model is loaded)
+        self.decode_path = DecodePath("eager", "loading model")
         self.cache_plan = None  # gyrfalcon.engine.kv.cache.CachePlan, once loaded
         self.batcher: Batcher | None = None
         self._lock = threading.Lock()
@@ -219,6 +232,7 @@ class TransformersEngine(EngineCore):
             stats["prefix_cache_queries"] = pool.queries
             stats["prefix_cache_hits"] = pool.hits
         stats["preemptions"] = self.scheduler.preemptions
+        stats["decode_path"] = self.decode_path.describe()
         stats["pid"] = os.getpid()  # the worker process, for memory checks (bench reads its /proc status)
         return stats
 
@@ -309,7 +323,7 @@ class TransformersEngine(EngineCore):
         assert self.runner is not None
         self.batcher = Batcher(self.runner, self.sampler, self.scheduler, self._emit, self._count, self._fail,
                                self._prompt_logprobs)  # fmt: skip
-        self._health = EngineHealth(ready=True, message="")
+        self._health = EngineHealth(ready=True, message="", decode_path=self.decode_path.describe())
         return True
 
     def _main(self) -> None:
@@ -386,20 +400,20 @@ class TransformersEngine(EngineCore):
         self.cache_plan = plan
         cache = PagedKVCache(shape, plan.num_blocks, plan.block_size, self.device)
         pool = BlockPool(plan.num_blocks, plan.block_size, cfg.enable_prefix_caching)
-        capture = "off"
-        if self.device.startswith("cuda") and not cfg.enforce_eager:
-            capture = "cuda-graphs"
-        runner = ModelRunner(model, cache, capture=capture, max_batch=cfg.max_num_seqs,
+        runner = ModelRunner(model, cache, capture=self.capture, max_batch=cfg.max_num_seqs,
                              max_model_len=self._info.max_model_len)  # fmt: skip
         # Warm-up through the same kernels as requests, on the scratch block only (no request's KV).
         with torch.inference_mode():
             scratch = [pool.SCRATCH]
             runner.forward([Work([5, 6], 0, scratch, "all"), Work([7], 0, scratch)])
             runner.forward([Work([5], 1, scratch), Work([6], 1, scratch)])
-            if runner.decode_steps is not None:  # capture every batch bucket of the shortest contexts
-                for batch in runner.decode_steps.batch_buckets:
-                    runner.decode_steps.get(batch, runner.decode_steps.width_buckets[0])
-                log.warning("decode steps captured in %.1f s", runner.decode_steps.capture_s)
+            started = time.perf_counter()
+            if runner.decode_steps is not None:  # capture or compile, and check against the eager step
+                self.decode_path = runner.decode_steps.prepare()
+            else:
+                why = "--enforce-eager" if cfg.enforce_eager else "no --compile-decode" if self.device == "cpu" else "no fast path on this device"
+                self.decode_path = DecodePath("eager", why)
+            log.warning("decode path: %s (prepared in %.1f s)", self.decode_path.describe(), time.perf_counter() - started)
         runner.forwards = 0
         self.scheduler.pool = pool
         self.runner = runner

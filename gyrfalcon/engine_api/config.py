@@ -33,8 +33,12 @@ class EngineConfig:
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     enforce_eager: bool
+    #: CPU: compile the small-batch decode step at start-up (checked against the eager one)
+    compile_decode: bool = False
     generation_config: str = "auto"
     scheduling_policy: str = "fcfs"
+    #: where compiled code is cached across starts (None: the default cache folder)
+    cache_dir: str | None = None
 
     @classmethod
     def from_settings(cls, settings: Any, model: str) -> EngineConfig:

@@ -243,7 +243,9 @@ class EngineInfo:
 
 @dataclass
 class EngineHealth:
-    """``ready`` is False while the model loads or warms up; ``message`` says why."""
+    """``ready`` is False while the model loads or warms up; ``message`` says why. ``decode_path``:
+    which path decode steps take and why (``compiled (…)``, ``captured (…)``, ``eager (…)``), once known."""
 
     ready: bool
     message: str = ""
+    decode_path: str = ""

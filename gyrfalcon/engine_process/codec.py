@@ -106,7 +106,7 @@ def decode_info(data: dict[str, Any]) -> EngineInfo:
 
 
 def encode_health(health: EngineHealth) -> list[Any]:
-    return [health.ready, health.message]
+    return [health.ready, health.message, health.decode_path]
 
 
 def decode_health(data: list[Any]) -> EngineHealth:

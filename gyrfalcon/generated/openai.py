@@ -1194,6 +1194,12 @@ class DetokenizeResponse(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok"]
+    decode_path: Annotated[
+        str | MISSING,
+        Field(
+            description='Which path the engine\'s decode steps take, and why: "compiled (...)", "captured (...)" or "eager (...)" (a fast path serves only after matching the eager step at start-up).'
+        ),
+    ] = MISSING
 
 
 class VersionResponse(BaseModel):

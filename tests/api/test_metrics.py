@@ -74,6 +74,7 @@ def test_engine_gauges_under_vllms_names(client, tiny_engine):
     for name in ("num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total"):
         assert f"gyrfalcon:{name}" in samples, name
     assert samples["gyrfalcon_pid"] > 0
+    assert samples["gyrfalcon_decode_path{path=eager,reason=--enforce-eager}"] == 1  # which path runs, and why
 
 
 def test_every_series_the_dashboard_queries_is_served(client, tiny_engine):

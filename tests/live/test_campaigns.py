@@ -30,7 +30,7 @@ def test_soak_of_mixed_valid_and_invalid_requests(live_server):
 def test_sigterm_under_load(tiny_model_dir, tmp_path):
     argv = lambda port: [  # noqa: E731
         sys.executable, "-m", "gyrfalcon.cli", "serve", "--port", str(port), "--model", tiny_model_dir, "--max-model-len",
-        "128", "--max-num-seqs", "2", "--num-threads", "1", "--drain-timeout", "1"]  # fmt: skip
+        "128", "--max-num-seqs", "2", "--num-threads", "1", "--drain-timeout", "1", "--enforce-eager"]  # fmt: skip
     server = launch(argv, str(tmp_path / "server.log"), timeout_s=180)
     try:
         report = sigterm.run(server, requests=16)

@@ -24,7 +24,7 @@ def default_model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir):
-    engine = create_transformers_engine(Settings(model=default_model_dir, max_model_len=512, max_num_seqs=4))
+    engine = create_transformers_engine(Settings(model=default_model_dir, max_model_len=512, max_num_seqs=4, enforce_eager=True))
     assert engine.wait_ready(timeout=180).ready
     yield engine
     engine.shutdown(grace=1.0)
@@ -89,7 +89,7 @@ def test_64_mixed_length_prompts_in_one_batch_give_the_eager_loops_tokens(defaul
 
     prompts = _mixed_prompts(64)
     engine = create_transformers_engine(Settings(model=default_model_dir, max_model_len=512, max_num_seqs=64,
-                                                 max_queue_len=64, quantization="none"))  # fmt: skip
+                                                 max_queue_len=64, quantization="none", enforce_eager=True))  # fmt: skip
     try:
         assert engine.wait_ready(timeout=180).ready
         assert engine.info().quantization == "none" and engine.info().dtype == "float32"

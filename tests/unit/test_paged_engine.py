@@ -80,7 +80,7 @@ def test_the_static_decode_path_gives_the_engines_tokens(stepped):
         run(plain, streams)
         expected.extend(finals(streams))
     static = stepped()
-    static.core.runner.decode_steps = DecodeSteps(static.core.runner, 8, 128, graphs=False)
+    static.core.runner.decode_steps = DecodeSteps(static.core.runner, 8, 128, mode="static")
     streams = [static.submit(r) for r in make_requests()]
     run(static, streams)
     assert finals(streams) == expected

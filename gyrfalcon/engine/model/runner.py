@@ -50,9 +50,12 @@ def block_tables(tables: list[list[int]], blocks: int) -> torch.Tensor:
 class ModelRunner:
     """Runs steps of a transformers causal LM over a :class:`PagedKVCache`.
 
-    ``capture``: ``"cuda-graphs"`` replays captured decode steps (CUDA only), ``"static"`` runs
-    decode steps through the same static, bucket-padded buffers eagerly (what a captured step
-    computes, on any device — the tests use it on the CPU), ``"off"`` runs every step as it is.
+    ``capture``: ``"cuda-graphs"`` replays captured decode steps (CUDA only), ``"compiled"`` runs
+    small decode batches through ``torch.compile`` (CPU), ``"static"`` runs decode steps through the
+    same static, bucket-padded buffers eagerly (what a fast step computes, on any device — the tests
+    use it on the CPU), ``"off"`` runs every step as it is. A fast path serves only once
+    ``decode_steps.prepare()`` has checked it against the eager step
+    (:mod:`gyrfalcon.engine.model.captured`).
     """
 
     def __init__(self, model, cache: PagedKVCache, capture: str = "off", max_batch: int = 1, max_model_len: int = 2048) -> None:
@@ -66,7 +69,7 @@ class ModelRunner:
                 config._attn_implementation = name
         self.decode_steps = None
         if capture != "off":
-            self.decode_steps = DecodeSteps(self, max_batch, max_model_len, graphs=capture == "cuda-graphs")
+            self.decode_steps = DecodeSteps(self, max_batch, max_model_len, mode=capture)
 
     @property
     def logits_width(self) -> int:

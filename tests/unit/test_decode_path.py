@@ -1,0 +1,90 @@
+"""The decode step's fast path proves itself: compiled on the CPU (the suite's one compile, on the tiny
+model), checked against the eager step, dropped with its reason when it fails or differs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gyrfalcon.engine.model.captured import DecodePath, DecodeSteps, check_fast_step
+from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
+from tests.conftest import tiny_settings
+
+PROMPTS = [[1, 5, 9, 12], [1, 40, 41], [1, 7, 7, 7, 7, 8], [1, 99]]
+
+
+def _tokens(engine, together: bool) -> list[list[int]]:
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=10, ignore_eos=True)
+    if together:
+        streams = [engine.submit(EngineRequest(f"t{i}", p, params)) for i, p in enumerate(PROMPTS)]
+        return [list(s)[-1].outputs[0].token_ids for s in streams]
+    return [list(engine.submit(EngineRequest(f"a{i}", p, params)))[-1].outputs[0].token_ids for i, p in enumerate(PROMPTS)]
+
+
+@pytest.mark.slow
+def test_the_compiled_cpu_step_is_checked_and_gives_the_eager_tokens(tiny_model_dir, tmp_path):
+    """With --compile-decode the CPU engine compiles its batch-1 decode step at start-up; the
+    step passed its check (it serves, or is dropped only for not being faster), and
+    requests get the eager engine's tokens alone and together."""
+    from gyrfalcon.plugins.engines import create_transformers_engine
+
+    eager = create_transformers_engine(tiny_settings(tiny_model_dir))
+    settings = tiny_settings(tiny_model_dir, enforce_eager=False, compile_decode=True, cache_dir=str(tmp_path))
+    fast = create_transformers_engine(settings)
+    try:
+        assert eager.wait_ready(timeout=60).ready and fast.wait_ready(timeout=300).ready
+        path = fast.core.decode_path
+        assert path.name == "compiled" or path.reason.startswith("the compiled step is not faster"), path
+        assert fast.health().decode_path == path.describe() == fast.stats()["decode_path"]
+        assert eager.health().decode_path == "eager (--enforce-eager)"
+        expected = _tokens(eager, together=False)
+        assert _tokens(fast, together=False) == expected
+        assert _tokens(fast, together=True) == expected
+        if path.name == "compiled":
+            assert any(b.compiled and b.runs for b in fast.core.runner.decode_steps._buckets.values())
+    finally:
+        eager.shutdown(grace=1.0)
+        fast.shutdown(grace=1.0)
+
+
+def _steps(tiny_model_dir):
+    from gyrfalcon.plugins.engines import create_transformers_engine
+
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir), start=False).core
+    assert engine.prepare()
+    return DecodeSteps(engine.runner, 4, 128, mode="compiled")
+
+
+def test_a_compiled_step_that_raises_or_differs_is_dropped_with_its_reason(tiny_model_dir, monkeypatch):
+    """Stand-ins for the compiler: one whose step raises, one whose logits are off by 1e-3. Each
+    time the engine's decode steps run eagerly and the path says why."""
+    steps = _steps(tiny_model_dir)
+
+    def raising(fn, **_):
+        def step(*args, **kwargs):
+            raise RuntimeError("no C++ compiler found")
+
+        return step
+
+    monkeypatch.setattr(torch, "compile", raising)
+    path = steps.prepare()
+    assert path == DecodePath("eager", "compiling the decode step failed: RuntimeError: no C++ compiler found")
+    assert steps._compiled is None and not any(b.compiled for b in steps._buckets.values())
+
+    steps = _steps(tiny_model_dir)
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: lambda *a, **k: fn(*a, **k) + 1e-2)
+    path = steps.prepare()
+    assert path.name == "eager" and path.reason.startswith("the fast step differs from the eager one (max |Δ logit| 0.01")
+    assert "argmax same" in path.reason
+    works = [__import__("gyrfalcon.engine.model.runner", fromlist=["Work"]).Work([5], 3, [0])]
+    assert torch.equal(steps.run(works), steps.runner.forward(works)[0])  # served eagerly
+
+
+def test_check_fast_step_wants_the_same_argmax_and_logits_within_tolerance():
+    logits = torch.tensor([[1.0, 2.0, 30.0]])
+    assert check_fast_step(lambda: logits.clone(), lambda: logits) is None
+    assert check_fast_step(lambda: logits + 2e-3, lambda: logits, rtol=1e-4) is None  # 30 * 1e-4 = 3e-3
+    assert "max |Δ logit| 0.004, argmax same" in check_fast_step(lambda: logits + 4e-3, lambda: logits, rtol=1e-4)
+    assert "argmax different" in check_fast_step(lambda: logits.flip(-1), lambda: logits)
+    assert "shape (1, 2)" in check_fast_step(lambda: logits[:, :2], lambda: logits)
+    assert check_fast_step(lambda: 1 / 0, lambda: logits).startswith("the fast step failed: ZeroDivisionError")
