@@ -151,3 +151,33 @@ def test_lm_eval_scores_through_the_server_equal_in_process(served_url, tiny_mod
     for a, h in samples:
         for (value, greedy), (ref, ref_greedy) in zip([r[0] for r in a["resps"]], [r[0] for r in h["resps"]]):
             assert greedy == ref_greedy and value == pytest.approx(ref, abs=1e-4)
+
+
+def test_an_int4_servers_loglikelihoods_equal_the_same_quantised_model_in_process(tiny_model_dir):
+    """``--quantization int4`` (the tiny fp32 checkpoint quantised at load): what the harness reads
+    through the API equals a direct forward of the same quantised model, as loaded in-process."""
+    from gyrfalcon.api.app import create_app
+    from gyrfalcon.models.loading import load_weights
+    from gyrfalcon.plugins import plugin_manager
+    from gyrfalcon.plugins.engines import create_transformers_engine
+    from tests.conftest import tiny_settings
+    from tests.helpers import api_client
+
+    settings = tiny_settings(tiny_model_dir, quantization="int4", served_model_name=["tiny"])
+    pm = plugin_manager()
+    engine = create_transformers_engine(settings, pm)
+    try:
+        assert engine.wait_ready(60).ready and engine.info().quantization == "int4"
+        quantised = load_weights(tiny_model_dir, "float32", "cpu", "int4")[0]
+        contexts, ctxlens, continuations = requests_for(engine, quantised)
+        prompts = [ctx + cont for ctx, cont in zip(contexts, continuations)]
+        r = api_client(create_app(engine, settings, pm)).simulate_post(COMPLETIONS, json={
+            "model": "tiny", "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "echo": True})  # fmt: skip
+        assert r.status_code == 200, r.text
+        got = parse_like_the_harness(r.json, ctxlens, drop_last=True)
+        expected = [reference(quantised, ctx, cont) for ctx, cont in zip(contexts, continuations)]
+        assert [g for _, g in got] == [g for _, g in expected]
+        for (value, _), (want, _) in zip(got, expected):
+            assert value == pytest.approx(want, abs=1e-4)
+    finally:
+        engine.shutdown(grace=1.0)
