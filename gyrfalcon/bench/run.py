@@ -231,7 +231,16 @@ def run_ceilings(model_path: str, args: argparse.Namespace, device: str, prompts
     return {"eager": eager, "compiled": compiled, "compiled_error": error, "peak_memory": peak, "baseline": baseline}
 
 
-def _header(args: argparse.Namespace, device: str, model_path: str, build_s: float | None) -> str:
+def decode_path(client: Client) -> str | None:
+    """The server's ``decode_path`` from its ``/health`` (None: a server that does not say)."""
+    try:
+        status, body = client.get("/health")
+        return json.loads(body).get("decode_path") if status == 200 else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _header(args: argparse.Namespace, device: str, model_path: str, build_s: float | None, path: str | None = None) -> str:
     import torch
 
     from gyrfalcon.models.loading import resolve_dtype
@@ -245,7 +254,7 @@ def _header(args: argparse.Namespace, device: str, model_path: str, build_s: flo
     return (f"{subject} on {device} ({where}), {dtype}; requests {levels}; {args.prompt_tokens}-token prompts, "
             f"{args.output_tokens} output tokens, temperature 0, ignore_eos; --quantization {args.quantization}. "
             f"ceiling: the eager loop on the same weights" + ("; baseline: the fp32 eager loop" if not device.startswith("cuda") else "")
-            + (f"; peer: {args.peer_url}" if args.peer_url else "")
+            + (f"; peer: {args.peer_url}" if args.peer_url else "") + (f"; decode path: {path}" if path else "")
             + ("; compiled: static cache + torch.compile" if args.compiled_ceiling else ""))  # fmt: skip
 
 
@@ -290,6 +299,7 @@ def main(args: argparse.Namespace) -> int:
             _say(f"server at {url}: {shlex.join(server.argv[2:])}")
         client = Client(url, args.api_key)
         name = client.model_name()
+        path = decode_path(client)
         vocab = _vocab(model_path)
         counts = [requests_at(args, c, device) for c in args.concurrency]
         prompts = _prompts(max(*counts, *args.concurrency), args.prompt_tokens, vocab, args.seed)
@@ -313,7 +323,7 @@ def main(args: argparse.Namespace) -> int:
         ceilings: dict[str, Any] = {"eager": {}, "compiled": {}, "compiled_error": None, "peak_memory": None, "baseline": {}}
         if not args.no_ceiling:
             ceilings = run_ceilings(model_path, args, device, prompts)
-        header = _header(args, device, model_path, build_s)
+        header = _header(args, device, model_path, build_s, path)
     except RuntimeError as exc:  # the server failed to start, or a request failed
         print(f"gyrfalcon bench: {exc}", file=sys.stderr)
         return 1
@@ -328,7 +338,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         data = figures(device, loads, ceilings["eager"], ceilings["compiled"], n_cmp, memory, dtype=args.dtype,
                        compiled_error=ceilings["compiled_error"], peak_memory=ceilings["peak_memory"], build_s=build_s,
-                       wall_s=wall, quantization=args.quantization, baseline=ceilings["baseline"],
+                       wall_s=wall, quantization=args.quantization, baseline=ceilings["baseline"], decode_path=path,
                        peer_loads=peer_loads)  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(data, f, indent=2)

@@ -1,7 +1,9 @@
 """``TransformersEngine``: the in-process engine running a transformers causal LM with continuous batching.
 
-Construction is quick (config and tokenizer only); a background thread loads the model, sizes and
-allocates the paged KV cache, warms up (and on CUDA captures the decode steps), then runs the step
+Construction is quick (config and tokenizer only); a background thread loads the model (its layers
+in the kernels of ``--quantization``), sizes and allocates the paged KV cache, warms up (on CUDA
+captures the decode steps, on the CPU with ``--compile-decode`` compiles one, and checks the fast
+step against the eager one: ``decode_path``), then runs the step
 loop (:class:`gyrfalcon.engine.batcher.Batcher`): newcomers wait in a bounded FIFO and are
 prefilled in chunks that share forwards with the running sequences' decode tokens; finished
 sequences leave at once. ``health()`` answers ``ready=False`` with ``"loading model"`` until the

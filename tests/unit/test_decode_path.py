@@ -77,7 +77,8 @@ def test_a_compiled_step_that_raises_or_differs_is_dropped_with_its_reason(tiny_
     assert path.name == "eager" and path.reason.startswith("the fast step differs from the eager one (max |Δ logit| 0.01")
     assert "argmax same" in path.reason
     works = [__import__("gyrfalcon.engine.model.runner", fromlist=["Work"]).Work([5], 3, [0])]
-    assert torch.equal(steps.run(works), steps.runner.forward(works)[0])  # served eagerly
+    with torch.inference_mode():  # as the runner calls it
+        assert torch.equal(steps.run(works), steps.runner.forward(works)[0])  # served eagerly
 
 
 def test_check_fast_step_wants_the_same_argmax_and_logits_within_tolerance():

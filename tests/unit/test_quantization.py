@@ -124,3 +124,19 @@ def test_an_int4_engine_gives_a_request_the_same_tokens_alone_and_in_a_batch(tin
         engine.shutdown(grace=1.0)
     assert together == alone
     assert len({tuple(t) for t in together}) > 6
+
+
+def test_a_kernel_that_does_not_reproduce_its_weights_is_refused(monkeypatch):
+    """The probe every layer runs once: a packing the kernel reads differently (here: nibbles
+    swapped, as a wrong layout on another device would) is refused at load, never served."""
+    aten = torch.ops.aten
+
+    class Ops:
+        def __getattr__(self, name):
+            if name == "_convert_weight_to_int4pack_for_cpu":
+                return lambda q, tiles: aten._convert_weight_to_int4pack_for_cpu(15 - q, tiles)
+            return getattr(aten, name)
+
+    monkeypatch.setattr(torch.ops, "aten", Ops())
+    with pytest.raises(UnsupportedQuantization, match="does not reproduce its weights"):
+        Int4Linear(Int4Weights.quantize(_weight()), None, torch.bfloat16, CPU)

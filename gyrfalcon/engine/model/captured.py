@@ -170,6 +170,7 @@ class DecodeSteps:
         bucket.step._masks.clear()
         return self._compiled(bucket.ids, bucket.positions, bucket.step, 0)
 
+    @torch.inference_mode()
     def prepare(self) -> DecodePath:
         """Build and check the fast path at start-up; returns (and keeps in :attr:`path`) what runs.
 

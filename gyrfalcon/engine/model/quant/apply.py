@@ -165,7 +165,7 @@ def quantize_model(model, mode: str, bits: dict | None, compute: torch.dtype, de
         if tied and isinstance(new_head, (Int8Linear, CastLinear)):
             _set(model, names[id(embedding)], TiedEmbedding(new_head, stream, getattr(embedding, "padding_idx", None)))
             report.kinds["input embedding"] = "reads the tied head's rows"
+        model.config.tie_word_embeddings = False  # the tie is now the layers' own business
     if "input embedding" not in report.kinds and embedding is not None:
         report.kinds["input embedding"] = str(embedding.weight.dtype).removeprefix("torch.")
-    model.config.tie_word_embeddings = False  # the tie is now the layers' own business
     return report

@@ -9,6 +9,10 @@ packed for the device once, at construction; a device without the kernel is refu
 Activations stay in the model's dtype. Each output row depends on its own input row only (the
 kernels tile rows independently: measured bit-identical alone and in batches up to 64), so a
 request gets the same logits alone and inside any batch.
+
+Every layer checks itself once when it is built: a probe row through the packed kernel must give
+the product with the dequantised weights (within the input dtype's rounding), so a packing layout
+that a torch build or device reads differently is refused at start-up, not served.
 """
 
 from __future__ import annotations
@@ -50,8 +54,26 @@ def int4_fits(n: int, k: int, device: torch.device) -> bool:
     return n % 16 == 0 and k % GROUP == 0
 
 
+#: a layer's probe may differ from the dequantised product by this share of the product's norm
+_PROBE_RTOL = {torch.float32: 1e-4}
+_PROBE_DEFAULT_RTOL = 2e-2
+
+
 def _flat(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
+
+
+@torch.no_grad()
+def _probe(layer: torch.nn.Module, reference: torch.Tensor, kind: str) -> None:
+    """Refuse ``layer`` unless one probe row gives ``x @ referenceᵀ`` (``reference``: fp32 ``[N, K]``)."""
+    device = next(layer.buffers()).device
+    x = torch.randn(1, reference.shape[1], generator=torch.Generator().manual_seed(0)).to(device)
+    want = x.to(layer.dtype).float() @ reference.to(device).t()
+    got = layer(x).float() - (0 if layer.bias is None else layer.bias.float())
+    error = float((got - want).norm() / want.norm().clamp_min(1e-30))
+    if not error <= _PROBE_RTOL.get(layer.dtype, _PROBE_DEFAULT_RTOL):
+        raise UnsupportedQuantization(f"the {kind} kernel on {device.type} does not reproduce its weights "
+                                      f"(relative error {error:.3g} on a probe): refusing to serve it")  # fmt: skip
 
 
 class Int4Linear(torch.nn.Module):
@@ -81,6 +103,7 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("scale_and_zero", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype).to(device))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype).to(device))
+        _probe(self, weights.dequantize(), "int4")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._op(_flat(x, self.dtype), self.packed, GROUP, self.scale_and_zero)
@@ -104,6 +127,7 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("q", weights.q.to(device).contiguous())
         self.register_buffer("scale", weights.scale.to(dtype).to(device))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype).to(device))
+        _probe(self, weights.dequantize(), "int8")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(_flat(x, self.dtype), self.q, self.scale)
