@@ -111,8 +111,12 @@ def test_abort_and_finish_choice_reach_the_engine(slow_engine, remote):
     assert slow_engine.core.stats()["running"] == 0
 
 
+@pytest.mark.parametrize("slow_engine", [0.02], indirect=True)
 def test_a_dead_workers_requests_are_aborted(slow_engine, served):
-    """A worker killed with SIGKILL sends no goodbye: the engine aborts its requests once it falls silent."""
+    """A worker killed with SIGKILL sends no goodbye: the engine aborts its requests once it falls silent.
+
+    20 ms a step: the doomed request's 200 tokens take 4 s, well past the 1 s of silence (at the
+    default 4 ms it could finish first: it did once in a clean-clone CI run, 0 aborted)."""
     before = slow_engine.core.stats()["requests_aborted"]
     worker = textwrap.dedent(f"""
         import os, sys
