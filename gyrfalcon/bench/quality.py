@@ -12,7 +12,10 @@ checkpoint quantised at load (``int4`` without the GGUF's bits) within 0.15 nats
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+import tempfile
 
 PARAGRAPH = (
     "When on board H.M.S. Beagle, as naturalist, I was much struck with certain facts in the distribution of the "
@@ -72,13 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     del reference
     rows = [("auto (the server's default)", "auto", "auto", True), ("int8", "auto", "int8", True),
             ("int4 quantised at load (the GGUF's bits unused)", "auto", "int4", False), ("bfloat16, no quantisation", "bfloat16", "none", True)]  # fmt: skip
-    print(f"{path.rsplit('/', 1)[-1]}: {ids.shape[1]} tokens of the paragraph, {len(QUESTIONS)} chat prompts; against fp32 without quantisation\n")
+    print(f"{os.path.basename(path)}: {ids.shape[1]} tokens of the paragraph, {len(QUESTIONS)} chat prompts; against fp32 without quantisation\n")
     print("| weights | what the layers run in | mean abs Δ log p (nats) | top-1 agreement | greedy answers identical |")
     print("|---|---|---|---|---|")
-    import os
-    import shutil
-    import tempfile
-
     for label, dtype, mode, with_bits in rows:
         folder = path
         if not with_bits and os.path.isfile(os.path.join(path, BITS_FILE)):  # the same checkpoint as a plain fp32 folder

@@ -97,10 +97,8 @@ def extract_bits(gguf_path: str | Path, model, out: str | Path) -> dict[str, int
             processed[part] = result.weights
         hf_name = names[tensor.name]
         bits = _bits(kind, processed)
-        reference = state.get(hf_name)
-        if reference is None or tuple(reference.shape) != tuple(bits.dequantize().shape) or not torch.equal(
-            bits.dequantize(), reference.float()
-        ):
+        reference, values = state.get(hf_name), bits.dequantize()
+        if reference is None or reference.shape != values.shape or not torch.equal(values, reference.float()):
             counts["mismatched"] += 1
             log.warning("GGUF tensor %s (%s) does not map exactly onto %s: left to re-quantisation", tensor.name, kind, hf_name)
             continue

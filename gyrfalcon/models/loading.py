@@ -7,7 +7,7 @@ from functools import lru_cache
 from typing import Any
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-#: CPU flags (``/proc/cpuinfo``) of native bf16 arithmetic: with one of them ``--dtype auto`` is bf16
+#: CPU flags (``/proc/cpuinfo``) of native bf16 arithmetic: with one of them the quantised matmuls take bf16 inputs
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 

@@ -62,6 +62,12 @@ class DecodePath:
         return f"{self.name} ({self.reason})" if self.reason else self.name
 
 
+def _one_line(exc: BaseException) -> str:
+    """``Type: first line of the message``, at most 300 characters (a reason in the decode path)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
+
 def check_fast_step(fast, eager, rtol: float = 0.0) -> str | None:
     """Run ``fast()`` then ``eager()`` (each returns the step's logits from the same inputs); None
     when every row has the same argmax and ``max |Δ| <= rtol * max(1, max |logit|)``, else why not
@@ -69,8 +75,7 @@ def check_fast_step(fast, eager, rtol: float = 0.0) -> str | None:
     try:
         got = fast()
     except Exception as exc:  # noqa: BLE001 - any failure of the fast path means eager
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return f"the fast step failed: {type(exc).__name__}: {first}"[:300]
+        return f"the fast step failed: {_one_line(exc)}"
     want = eager()
     if got.shape != want.shape:
         return f"the fast step's logits have shape {tuple(got.shape)}, the eager step's {tuple(want.shape)}"
@@ -119,8 +124,7 @@ class DecodeSteps:
         if mode not in MODES:
             raise ValueError(f"decode step mode must be one of {MODES}, got {mode!r}")
         self.runner = runner
-        self.graphs = mode == "cuda-graphs" and runner.device.type == "cuda"
-        self.mode = mode if mode != "cuda-graphs" or self.graphs else "static"
+        self.mode = "static" if mode == "cuda-graphs" and runner.device.type != "cuda" else mode
         self._compiled = None
         self.rtol = FAST_STEP_RTOL.get(runner.cache.shape.dtype, 1e-4)
         #: the path decode steps take (set by :meth:`prepare`)
@@ -135,6 +139,11 @@ class DecodeSteps:
         self._pool = None
         #: seconds spent capturing graphs so far (start-up report, bench)
         self.capture_s = 0.0
+
+    @property
+    def graphs(self) -> bool:
+        """Whether buckets are captured as CUDA graphs."""
+        return self.mode == "cuda-graphs"
 
     def bucket(self, batch: int, width: int) -> tuple[int, int] | None:
         """The ``(batch, width)`` bucket of a step, None when it is larger than every bucket."""
@@ -203,9 +212,8 @@ class DecodeSteps:
             self._compiled = torch.compile(self.runner.run_model, dynamic=True)
             self._run_compiled(bucket)  # compiles
         except Exception as exc:  # noqa: BLE001 - no compiler, an unsupported op: serve eagerly
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             self._compiled = None
-            return DecodePath("eager", f"compiling the decode step failed: {type(exc).__name__}: {first}"[:300])
+            return DecodePath("eager", f"compiling the decode step failed: {_one_line(exc)}")
         compile_s = time.perf_counter() - start
         self.capture_s += compile_s
         problem = check_fast_step(lambda: self._run_compiled(bucket), lambda: self._eager(bucket), self.rtol)
@@ -289,6 +297,6 @@ class DecodeSteps:
             assert bucket.logits is not None
             # a copy: the next replay (of any bucket: they share one memory pool) overwrites the output
             return bucket.logits[:n].to(torch.float32, copy=True)
-        if bucket.compiled and self._compiled is not None:
+        if bucket.compiled:
             return self._run_compiled(bucket)[:n].float()
         return self._eager(bucket)[:n].float()

@@ -110,19 +110,20 @@ def _convert(module: torch.nn.Linear, name: str, kernel: str, bits, dtype, devic
             kind.kept += 1
             return module
         if source is not None and source.int4 is not None:
-            weights = source.int4
             kind.exact[source.kind] += 1
-        else:
-            reference = source.dequantize() if source is not None else module.weight
-            weights = Int4Weights.quantize(reference)
-            kind.requantized += 1
-            kind.worst_error = max(kind.worst_error, relative_error(reference, weights.dequantize()))
-        return Int4Linear(weights, module.bias, dtype, device)
+            return Int4Linear(source.int4, module.bias, dtype, device)
+        return Int4Linear(_requantize(Int4Weights, module, source, kind), module.bias, dtype, device)
+    return Int8Linear(_requantize(Int8Weights, module, source, kind), module.bias, dtype, device)
+
+
+def _requantize(layout, module: torch.nn.Linear, source, kind: _Kind):
+    """``module``'s weight (or the exact values of its GGUF bits) quantised into ``layout``; the
+    error is counted in ``kind``."""
     reference = source.dequantize() if source is not None else module.weight
-    weights8 = Int8Weights.quantize(reference)
+    weights = layout.quantize(reference)
     kind.requantized += 1
-    kind.worst_error = max(kind.worst_error, relative_error(reference, weights8.dequantize()))
-    return Int8Linear(weights8, module.bias, dtype, device)
+    kind.worst_error = max(kind.worst_error, relative_error(reference, weights.dequantize()))
+    return weights
 
 
 def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
