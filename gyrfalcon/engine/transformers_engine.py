@@ -70,9 +70,12 @@ class TransformersEngine(EngineCore):
         #: the decode steps' fast path: CUDA graphs unless --enforce-eager; on the CPU the compiled
         #: step with --compile-decode (see gyrfalcon.engine.model.captured)
         self.capture = "off"
+        kind = torch.device(self.device).type
         if not cfg.enforce_eager:
-            kind = torch.device(self.device).type
             self.capture = "cuda-graphs" if kind == "cuda" else "compiled" if kind == "cpu" and cfg.compile_decode else "off"
+        if cfg.compile_decode and (kind != "cpu" or cfg.enforce_eager):  # said, not silently dropped
+            log.warning("--compile-decode has no effect %s", "with --enforce-eager" if cfg.enforce_eager else
+                        f"on {kind}: {'CUDA graphs are captured instead' if kind == 'cuda' else 'it compiles CPU steps only'}")  # fmt: skip
         if self.capture == "compiled":  # inductor's code cached beside the models (read at its first use)
             from gyrfalcon.models.default import cache_root
 

@@ -11,6 +11,7 @@ BAD = [
     (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
     (["--max-model-len", "1"], "--max-model-len must be at least 2"),
     (["--dtype", "float8"], "--dtype must be one of"),
+    (["--quantization", "gptq"], "--quantization must be one of auto, none, int4, int8, got 'gptq'"),
     (["--model", "does/not/exist"], "no such file or folder"),
     (["--port", "70000"], "--port must be in 1..65535"),
     (["--engine", "nope"], "--engine 'nope' is not installed"),
