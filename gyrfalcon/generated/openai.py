@@ -160,6 +160,12 @@ class CompletionRequest(BaseModel):
         str | None | MISSING,
         Field(description="An end-user id; recorded, never used for sampling."),
     ] = MISSING
+    suffix: Annotated[
+        str | None,
+        Field(
+            description='Text to come after the completion (insertion). No engine here can honour it: null (what SDKs send for "not set") is accepted, any text is refused with a 400 naming suffix.'
+        ),
+    ] = None
     echo: Annotated[
         bool | None,
         Field(
@@ -279,7 +285,7 @@ class Function(BaseModel):
     parameters: Annotated[
         dict[str, Any] | None | MISSING,
         Field(
-            description="A JSON schema of the arguments (absent or null - an object)."
+            description="A JSON Schema of the arguments (absent or null - an object). One that is not a valid JSON Schema (its draft's meta-schema, 2020-12 by default) is a 400 naming tools.<i>.function.parameters, whatever tool_choice is."
         ),
     ] = MISSING
     strict: Annotated[
@@ -454,7 +460,7 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: Annotated[
         int | None | MISSING,
         Field(
-            description="Number of top log-probabilities per position (at most the server's max_logprobs); needs logprobs true. top_logprobs then lists exactly the k most likely tokens; logprob_token_ids supersedes this count.",
+            description="Number of top log-probabilities per position (at most the server's max_logprobs); needs logprobs true when above 0 (0 without logprobs asks for nothing, as on vLLM). top_logprobs then lists exactly the k most likely tokens; logprob_token_ids supersedes this count.",
             ge=0,
         ),
     ] = MISSING
@@ -719,7 +725,7 @@ class BatchChatCompletionRequest(BaseModel):
     top_logprobs: Annotated[
         int | None | MISSING,
         Field(
-            description="Number of top log-probabilities per position (at most the server's max_logprobs); needs logprobs true. top_logprobs then lists exactly the k most likely tokens; logprob_token_ids supersedes this count.",
+            description="Number of top log-probabilities per position (at most the server's max_logprobs); needs logprobs true when above 0 (0 without logprobs asks for nothing, as on vLLM). top_logprobs then lists exactly the k most likely tokens; logprob_token_ids supersedes this count.",
             ge=0,
         ),
     ] = MISSING

@@ -80,7 +80,9 @@ RUNTIME_RULES: tuple[dict[str, str], ...] = (
         "param": "tool_choice",
         "description": "tool_choice other than none needs tools; a named function must be among them; tool "
         "names are distinct (param tools); required or a named function cannot join response_format or "
-        "structured_outputs, and the called tools' parameters schemas must compile (param tools).",
+        "structured_outputs, and the called tools' parameters schemas must compile (param tools); every tool's "
+        "parameters is a valid JSON Schema (its draft's meta-schema, 2020-12 by default), whatever tool_choice is "
+        "(param tools.<i>.function.parameters).",
     },
     {
         "id": "constraints_leave_a_token",

@@ -26,6 +26,7 @@ WIRE_CAPABILITY: dict[str, str] = {
     "cache_salt": "cache_salt",
     "priority": "priority",
     "store": "store",  # no engine stores completions: only the default (false) is accepted
+    "suffix": "suffix",  # no engine inserts text: only the default (null) is accepted
     "response_format": "structured_outputs",
     # SGLang's fields that vllm-router sends with their defaults: no engine here honours another value
     "no_stop_trim": "no_stop_trim",

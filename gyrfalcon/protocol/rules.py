@@ -87,8 +87,8 @@ def n_greedy(f: RequestFields) -> None:
 
 
 def top_logprobs_requires_logprobs(f: RequestFields) -> None:
-    if f.endpoint in ("chat", "chat_batch") and f.has("top_logprobs") and f.get("logprobs") is not True:
-        raise f.error("top_logprobs", "'top_logprobs' requires 'logprobs': true")
+    if f.endpoint in ("chat", "chat_batch") and (f.get("top_logprobs") or 0) > 0 and f.get("logprobs") is not True:
+        raise f.error("top_logprobs", "'top_logprobs' above 0 requires 'logprobs': true")
 
 
 def logprob_token_ids_requires_logprobs(f: RequestFields) -> None:

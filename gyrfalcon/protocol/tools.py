@@ -19,6 +19,7 @@ from typing import Any
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.requests import ToolUse
 from gyrfalcon.protocol.rules import RequestFields
+from gyrfalcon.structured.grammar import check_json_schema
 
 
 def tool_use(f: RequestFields, body: dict[str, Any], parser: Any) -> ToolUse | None:
@@ -34,6 +35,9 @@ def tool_use(f: RequestFields, body: dict[str, Any], parser: Any) -> ToolUse | N
     names = [tool["function"]["name"] for tool in tools]
     if len(set(names)) != len(names):
         raise f.error("tools", "two tools have the same name")
+    for i, tool in enumerate(tools):  # whatever tool_choice is: a bad schema is refused, as OpenAI does
+        if "parameters" in tool["function"]:
+            check_json_schema(tool["function"]["parameters"], f"tools.{i}.function.parameters")
     if choice == "none":
         return None
     if isinstance(choice, dict):

@@ -93,6 +93,28 @@ def _checked(key: str) -> str:
     return grammar
 
 
+@functools.lru_cache(maxsize=1024)
+def _schema_problem(key: str) -> str | None:
+    from jsonschema import exceptions, validators
+
+    schema = json.loads(key)
+    try:
+        validators.validator_for(schema, default=validators.Draft202012Validator).check_schema(schema)
+    except exceptions.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path)
+        return f"{exc.message}" + (f" (at {where})" if where else "")
+    return None
+
+
+def check_json_schema(schema: Any, param: str) -> None:
+    """A 400 naming ``param`` unless ``schema`` is a JSON Schema: valid against the meta-schema of
+    the draft its ``$schema`` names (2020-12 by default). Cached by the schema's text, as
+    constraints are, so a schema sent with every request is checked once."""
+    problem = _schema_problem(constraint_key(schema)) if isinstance(schema, (dict, bool)) else "not an object"
+    if problem is not None:
+        raise RequestError(f"Invalid JSON Schema in '{param}': {problem[:500]}", param)
+
+
 def constraint_key(constraint: dict[str, Any]) -> str:
     """The cache key of a constraint: its canonical JSON."""
     return json.dumps(constraint, sort_keys=True, separators=(",", ":"))

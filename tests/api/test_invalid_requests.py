@@ -135,6 +135,10 @@ OTHER_CASES = [
     (BATCH, {"messages": [[MSG[0]], [MSG[0], {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
         "function": {"name": "f", "arguments": "{}"}}]}]]}, 400, "messages.1.1.tool_calls"),  # the template ignores calls
     (CHAT, {"messages": MSG, "tools": []}, 400, "tools"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
+     400, "tools.0.function.parameters"),  # auto (the default): refused as OpenAI does, not only when a call is forced
+    (CHAT, {"messages": MSG, "tool_choice": "none", "tools": [{"type": "function", "function": {"name": "f"}},
+     {"type": "function", "function": {"name": "g", "parameters": {"properties": []}}}]}, 400, "tools.1.function.parameters"),
     (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, 400, "response_format.type"),
     (CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"messages": MSG, "logprobs": False, "logprob_token_ids": [3]}, 400, "logprob_token_ids"),

@@ -436,6 +436,14 @@ def test_no_zero_and_some_logprobs(client):
         assert top[token] == pytest.approx(lp) == pytest.approx(max(top.values()))
 
 
+def test_suffix_null_is_not_set_and_a_suffix_is_refused_by_name(client):
+    # vLLM accepts suffix None, which the SDK sends when a caller passes it; nothing here inserts text
+    completion = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, suffix=None)
+    assert len(completion.choices) == 1 and completion.choices[0].text is not None
+    error = bad_request(lambda: client.completions.create(model="tiny", prompt="Hello", max_tokens=3, suffix=" the end"))
+    assert error.body["param"] == "suffix" and "suffix" in error.message
+
+
 def test_too_many_completion_logprobs(live_server, client):
     # vLLM: tests/entrypoints/openai/completion/test_completion.py::test_too_many_completion_logprobs
     error = bad_request(lambda: client.completions.create(model="tiny", prompt=[0, 0, 0, 0, 0], max_tokens=5,
@@ -504,6 +512,15 @@ def test_no_zero_and_some_logprobs_chat(client):
         assert len(entry.top_logprobs) == 5
         # greedy: the chosen token is the first of the 5 best
         assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+
+
+def test_top_logprobs_zero_without_logprobs_chat(client):
+    # vLLM refuses top_logprobs without logprobs only above 0: 0 asks for nothing
+    r = client.chat.completions.create(model="tiny", messages=CHAT_MSG, max_completion_tokens=3, top_logprobs=0)
+    assert r.choices[0].logprobs is None
+    error = bad_request(lambda: client.chat.completions.create(model="tiny", messages=CHAT_MSG, max_completion_tokens=3,
+                                                               top_logprobs=1))  # fmt: skip
+    assert error.body["param"] == "top_logprobs"
 
 
 def test_too_many_chat_logprobs(live_server, client):

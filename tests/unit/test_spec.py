@@ -216,7 +216,9 @@ RULE_CASES = {
         ("ChatCompletionRequest", {"messages": [MSG], "top_logprobs": 2, "logprobs": False}, False),
         ("ChatCompletionRequest", {"messages": [MSG], "top_logprobs": 2, "logprobs": True}, True),
         ("ChatCompletionRequest", {"messages": [MSG], "logprobs": True}, True),
-        ("BatchChatCompletionRequest", {"messages": [[MSG]], "top_logprobs": 0}, False),
+        ("BatchChatCompletionRequest", {"messages": [[MSG]], "top_logprobs": 1}, False),
+        ("BatchChatCompletionRequest", {"messages": [[MSG]], "top_logprobs": 0}, True),  # 0 asks for nothing (vLLM)
+        ("ChatCompletionRequest", {"messages": [MSG], "top_logprobs": None}, True),
         ("BatchChatCompletionRequest", {"messages": [[MSG]], "top_logprobs": 0, "logprobs": True}, True),
     ],
     "logprob_token_ids_requires_logprobs": [
