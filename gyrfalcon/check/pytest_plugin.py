@@ -3,7 +3,8 @@
 Registered through the ``pytest11`` entry point; without ``--gyrfalcon-url`` it adds nothing. One
 test per semantic check (``gyrfalcon-check::<name>``, so ``-k`` selects them), plus one per
 operation of the Schemathesis phase when ``schema`` is among ``--gyrfalcon-only``'s groups. An
-unsupported feature is a skip (``--gyrfalcon-strict`` makes it a failure).
+unsupported feature is a skip (``--gyrfalcon-strict`` makes it a failure); an inconclusive check is
+a skip either way.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class CheckItem(pytest.Item):
         result = run_check(self.target, self.check)
         if result.outcome is Outcome.UNSUPPORTED and not self.strict:
             pytest.skip(f"unsupported: {result.message}")
+        if result.outcome is Outcome.INCONCLUSIVE:  # the model's doing, never the server's: strict or not
+            pytest.skip(f"inconclusive: {result.message}")
         if result.outcome is not Outcome.PASSED:
             raise CheckFailed(result)
 

@@ -1,13 +1,16 @@
 """What a check is, what it can conclude, and the one list of them.
 
 A check is a function of a :class:`~gyrfalcon.check.target.Target` tagged with the endpoint it
-exercises and the features it needs. It concludes one of four outcomes:
+exercises and the features it needs. It concludes one of five outcomes:
 
 - **passed**: the server kept the promise;
 - **failed**: the server accepted the request and did something else (or answered 5xx) — the report
   carries the request that shows it, as a ``curl`` line;
 - **unsupported**: the server refused a feature the check needs loudly (a 4xx naming it, a 404 for a
   route it lacks) — honest, and not a failure;
+- **inconclusive**: what the model itself answered leaves nothing to check (no stop string can be
+  chosen from any answer, a distribution that allows one answer only): not a failure — the
+  checker never accuses a server of what its model did;
 - **error**: the check could not run (the server could not be reached).
 """
 
@@ -26,11 +29,16 @@ class Outcome(enum.Enum):
     PASSED = "passed"
     FAILED = "failed"
     UNSUPPORTED = "unsupported"
+    INCONCLUSIVE = "inconclusive"
     ERROR = "error"
 
 
 class Unsupported(Exception):
     """The server refused, loudly, a feature the check needs."""
+
+
+class Inconclusive(Exception):
+    """The model's own answers do not give the check what it needs (after its retries)."""
 
 
 class Broken(AssertionError):

@@ -8,7 +8,7 @@ import ssl
 import time
 from collections.abc import Callable, Iterable
 
-from gyrfalcon.check.registry import Broken, Check, Outcome, Result, Unsupported
+from gyrfalcon.check.registry import Broken, Check, Inconclusive, Outcome, Result, Unsupported
 from gyrfalcon.check.target import Target
 
 
@@ -22,6 +22,8 @@ def run_check(target: Target, one: Check) -> Result:
         outcome, message = Outcome.PASSED, ""
     except Unsupported as exc:
         outcome, message = Outcome.UNSUPPORTED, str(exc)
+    except Inconclusive as exc:
+        outcome, message = Outcome.INCONCLUSIVE, str(exc)
     except Broken as exc:
         outcome, message = Outcome.FAILED, str(exc)
     except TimeoutError:

@@ -87,6 +87,9 @@ class Target:
     insecure: bool = False
     #: every reply of the running check, last one last (cleared by the runner between checks)
     replies: list[Reply] = field(default_factory=list)
+    #: what checks learned about the server and keep for the next ones (its token ids: see
+    #: :mod:`gyrfalcon.check.semantics.ids`)
+    learned: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         parsed = urllib.parse.urlsplit(self.url)

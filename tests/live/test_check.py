@@ -1,6 +1,8 @@
-"""`gyrfalcon check URL` run as its docs say: against gyrfalcon itself (every check passes), against
-a gyrfalcon with a planted fault and against `transformers serve` (each found without being told),
-and as a pytest plugin inside another suite."""
+"""`gyrfalcon check URL` run as its docs say: against gyrfalcon itself (every check passes, on a model
+with a vocabulary under 400 and on one whose greedy text repeats one token: the checker never
+accuses a correct server of what its model does), against a gyrfalcon with a planted fault and
+against `transformers serve` (each found without being told), and as a pytest plugin inside
+another suite."""
 
 from __future__ import annotations
 
@@ -23,12 +25,38 @@ pytestmark = [pytest.mark.live]
 ROOT = Path(__file__).resolve().parents[2]
 
 
+#: under 400 tokens: fixed ids such as 401 would be refused (correctly), so every id a check sends
+#: must come from the server
+SMALL_VOCABULARY = 382
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    """The tiny model with room for tool prompts (2,048 positions)."""
+    """The tiny model with a small vocabulary and room for tool prompts (2,048 positions)."""
     from gyrfalcon.models.tiny import build_tiny_model
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("check-model"), positions=2048))
+    return str(build_tiny_model(tmp_path_factory.mktemp("check-model"), vocab_size=SMALL_VOCABULARY, positions=2048))
+
+
+@pytest.fixture(scope="module")
+def repeating_model_dir(tmp_path_factory) -> str:
+    """The tiny model edited so that its greedy text is "eeee…" (the token "e" gets a margin at every
+    position), while sampled text stays varied. The edit is in the weights rather than a logits
+    processor: the server's logprobs are the model's own, so greedy still picks their top token."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from gyrfalcon.models.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("repeating-model"), positions=2048)
+    token = AutoTokenizer.from_pretrained(path).convert_tokens_to_ids("e")
+    weights = load_file(path / "model.safetensors")
+    embeddings, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
+    embeddings[:, 0] = 8 * embeddings.std()  # one coordinate of the stream, the same sign everywhere …
+    head[:, 0] = 0
+    head[token, 0] = 0.7  # … read by "e" alone
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return str(path)
 
 
 def _serve(model_dir: str, log: Path, *extra: str, env: dict | None = None):
@@ -79,6 +107,22 @@ def test_every_check_passes_against_gyrfalcon(server, tmp_path):
     print(f"gyrfalcon check: {len(names)} checks ({len(semantic)} semantic) passed in {elapsed:.1f} s")
 
 
+def test_no_check_fails_when_greedy_text_repeats_one_token(repeating_model_dir, tmp_path):
+    """A model whose greedy answer is sixteen "e"s (no stop string can be chosen from it): the
+    semantic checks find what they need in other answers, and none fails or is skipped."""
+    live = _serve(repeating_model_dir, tmp_path / "server.log")
+    try:
+        greedy = requests.post(live.url + "/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 16,
+                                                                   "temperature": 0}, timeout=60).json()  # fmt: skip
+        code, report, printed = gyrfalcon_check(live.url, tmp_path / "r.json", "--only",
+                                                "models,completions,chat,batch,generate,errors")  # fmt: skip
+    finally:
+        stop_server(live)
+    assert greedy["choices"][0]["text"] == "e" * 16, greedy
+    assert code == 0, printed[-6000:]
+    assert set(outcomes(report).values()) == {"passed"}, printed[-6000:]
+
+
 def test_an_api_key_reaches_every_phase_and_no_command_line(model_dir, tmp_path):
     """A server behind an API key, the key given as the docs say (``$GYRFALCON_CHECK_API_KEY``):
     both phases authenticate, and no process's command line shows the key while they run."""
@@ -113,9 +157,11 @@ def test_an_api_key_reaches_every_phase_and_no_command_line(model_dir, tmp_path)
     assert set(results.values()) == {"passed"}, printed[-6000:]
 
 
-def test_planted_echo_shift_is_found(model_dir, tmp_path):
+@pytest.mark.parametrize("model", ["model_dir", "repeating_model_dir"])
+def test_planted_echo_shift_is_found(request, model, tmp_path):
     """A server whose echo logprobs are one position late (a test-only plugin): the checker names
-    the echo checks, and only checks that read prompt logprobs fail."""
+    the echo checks, and only checks that read prompt logprobs fail — on both models."""
+    model_dir = request.getfixturevalue(model)
     site = tmp_path / "site"
     info = site / "planted_faults-0.0.dist-info"
     info.mkdir(parents=True)

@@ -10,7 +10,7 @@ import pytest
 
 from gyrfalcon.check import Outcome, Result, Target, selected
 from gyrfalcon.check.registry import ENDPOINTS, Broken, Unsupported
-from gyrfalcon.check.report import line, to_json, to_junit
+from gyrfalcon.check.report import line, summary, to_json, to_junit
 from gyrfalcon.check.semantics.stream_shape import expect_choices, read_stream
 from gyrfalcon.check.target import Reply, accepted, refused
 
@@ -89,16 +89,19 @@ def test_curl_lines_reproduce_without_the_key():
 
 
 def test_reports():
-    one, two, three = selected(["models"])[:3]
+    one, two, three, four = selected(["models"])[:4]
     results = [Result(one, Outcome.PASSED, seconds=0.1), Result(two, Outcome.FAILED, "n=4 gave [0]", "curl -d x", 0.2),
-               Result(three, Outcome.UNSUPPORTED, "404")]  # fmt: skip
+               Result(three, Outcome.UNSUPPORTED, "404"), Result(four, Outcome.INCONCLUSIVE, "one answer only")]  # fmt: skip
     assert "FAIL" in line(results[1]) and "reproduce: curl -d x" in line(results[1])
+    assert line(results[3]).startswith("INCONCLUSIVE") and "one answer only" in line(results[3])
+    assert "1 unsupported, 1 inconclusive" in summary(results)
     suite = ET.fromstring(to_junit(results, "http://x"))
-    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("3", "1", "1")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("4", "1", "2")
     failure = suite.find("testcase/failure")
     assert failure is not None and "curl -d x" in failure.text
+    assert [s.get("message") for s in suite.iter("skipped")] == ["unsupported: 404", "inconclusive: one answer only"]
     data = json.loads(to_json(results, "http://x", "tiny"))
-    assert data["summary"] == {"passed": 1, "failed": 1, "unsupported": 1}
+    assert data["summary"] == {"passed": 1, "failed": 1, "unsupported": 1, "inconclusive": 1}
     assert data["checks"][1]["reproduce"] == "curl -d x"
 
 

@@ -7,9 +7,10 @@ import json
 import re
 
 from gyrfalcon.check.registry import check
-from gyrfalcon.check.semantics.completions import LOGPROB_IDS, _exact_ids
+from gyrfalcon.check.semantics.completions import _exact_ids, logprob_ids
 from gyrfalcon.check.semantics.flavours import CHAT as F
 from gyrfalcon.check.semantics.flavours import by_index, expect
+from gyrfalcon.check.semantics.ids import server_ids
 from gyrfalcon.check.semantics.stream_shape import expect_choices, read_stream
 
 PATH = F.path
@@ -85,10 +86,11 @@ def stream_role_comes_first(target):
 def logprob_token_ids_exact(target):
     """logprob_token_ids on chat: at every position of every choice (n = 2), exactly the sampled
     token and the ids asked for."""
-    body = F.body("Name a colour.", max_tokens=5, n=2, temperature=1.0, **{**LOGPROB_IDS, "logprobs": True, "top_logprobs": 0})
+    watched = server_ids(target).watched
+    body = F.body("Name a colour.", max_tokens=5, n=2, temperature=1.0, **{**logprob_ids(watched), "logprobs": True, "top_logprobs": 0})
     r = target.ok(PATH, body).json
     for c in by_index(r, 2).values():
-        _exact_ids(F.positions(c), f"choice {c['index']}")
+        _exact_ids(F.positions(c), watched, f"choice {c['index']}")
 
 
 def _calls(message: dict) -> list[dict]:

@@ -8,14 +8,11 @@ import math
 from gyrfalcon.check.registry import check
 from gyrfalcon.check.semantics.flavours import COMPLETIONS as F
 from gyrfalcon.check.semantics.flavours import by_index, expect, indices
+from gyrfalcon.check.semantics.ids import server_ids
 from gyrfalcon.check.semantics.stream_shape import expect_choices, read_stream
 from gyrfalcon.check.semantics.texts import TOLERANCE
 
 PATH = F.path
-#: a prompt as token ids, below any vocabulary's size and clear of the usual special tokens
-PROMPT_IDS = [261, 300, 330, 401, 275, 290, 310]
-#: ids whose logprobs are asked for by id (logprob_token_ids)
-WATCHED = [3, 97, 260, 511]
 
 
 def _tops_agree(a: dict[str, float], b: dict[str, float]) -> bool:
@@ -36,9 +33,10 @@ def several_prompts_with_n(target):
 @check("completions", "token_prompts")
 def token_id_prompt(target):
     """A prompt given as token ids is taken as those tokens: usage.prompt_tokens is their count."""
-    r = target.ok(PATH, {"prompt": PROMPT_IDS, "max_tokens": 3}).json
-    expect(r["usage"]["prompt_tokens"] == len(PROMPT_IDS),
-           f"{len(PROMPT_IDS)} prompt ids counted as {r['usage']['prompt_tokens']} prompt tokens")  # fmt: skip
+    prompt = server_ids(target).prompt
+    r = target.ok(PATH, {"prompt": prompt, "max_tokens": 3}).json
+    expect(r["usage"]["prompt_tokens"] == len(prompt),
+           f"{len(prompt)} prompt ids counted as {r['usage']['prompt_tokens']} prompt tokens")  # fmt: skip
 
 
 @check("completions", "logprobs", params=[("generated", False), ("echo", True)])
@@ -77,7 +75,7 @@ def _echo(target, ids: list[int], k: int = 5) -> list[tuple]:
 def echo_logprobs_cover_prompt(target):
     """echo with logprobs: one position per prompt token plus the generated one; the first has no
     logprob (null), every other one has a logprob ≤ 0 and its top logprobs."""
-    positions = _echo(target, PROMPT_IDS)
+    positions = _echo(target, server_ids(target).prompt)
     expect(positions[0][1] is None and positions[0][2] is None, f"the first prompt position has logprobs: {positions[0]}")
     for i, (token, logprob, top) in enumerate(positions[1:], 1):
         expect(isinstance(logprob, (int, float)) and logprob <= 1e-4 and top, f"position {i} ({token!r}): {logprob}, {top}")
@@ -87,9 +85,10 @@ def echo_logprobs_cover_prompt(target):
 def echo_logprobs_at_their_positions(target, k):
     """The logprobs echo reports at a position are those of the model predicting that position: the
     same as a request whose prompt is the tokens before it (an echo shifted by one fails here)."""
-    positions = _echo(target, PROMPT_IDS)
-    cut = len(PROMPT_IDS) if k is None else k % len(PROMPT_IDS)
-    r = target.ok(PATH, {"prompt": PROMPT_IDS[:cut], "logprobs": 5, "max_tokens": 1, "temperature": 0.0}).json
+    prompt = server_ids(target).prompt
+    positions = _echo(target, prompt)
+    cut = len(prompt) if k is None else k % len(prompt)
+    r = target.ok(PATH, {"prompt": prompt[:cut], "logprobs": 5, "max_tokens": 1, "temperature": 0.0}).json
     (_, _, alone), = F.positions(r["choices"][0])
     token, logprob, echoed = positions[cut]
     expect(echoed and _tops_agree(echoed, alone),
@@ -101,17 +100,19 @@ def echo_logprobs_at_their_positions(target, k):
 @check("completions", "echo", "max_tokens_zero")
 def echo_with_max_tokens_zero(target):
     """echo with max_tokens 0 (lm-eval's scoring request): the prompt alone, no completion token."""
-    r = target.ok(PATH, {"prompt": PROMPT_IDS, "echo": True, "max_tokens": 0, "logprobs": 1}).json
+    prompt = server_ids(target).prompt
+    r = target.ok(PATH, {"prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 1}).json
     expect(r["usage"]["completion_tokens"] == 0, f"max_tokens 0 generated {r['usage']['completion_tokens']} tokens")
-    expect(len(F.positions(r["choices"][0])) == len(PROMPT_IDS), "echo positions are not the prompt's")
+    expect(len(F.positions(r["choices"][0])) == len(prompt), "echo positions are not the prompt's")
 
 
 @check("completions", "return_token_ids", "token_prompts")
 def return_token_ids(target):
     """return_token_ids (vLLM): each choice carries its generated ids and the prompt's."""
-    r = target.ok(PATH, {"prompt": PROMPT_IDS, "max_tokens": 4, "return_token_ids": True, "temperature": 0.0}).json
+    prompt = server_ids(target).prompt
+    r = target.ok(PATH, {"prompt": prompt, "max_tokens": 4, "return_token_ids": True, "temperature": 0.0}).json
     choice = r["choices"][0]
-    expect(choice.get("prompt_token_ids") == PROMPT_IDS, f"prompt_token_ids {choice.get('prompt_token_ids')}, sent {PROMPT_IDS}")
+    expect(choice.get("prompt_token_ids") == prompt, f"prompt_token_ids {choice.get('prompt_token_ids')}, sent {prompt}")
     ids = choice.get("token_ids")
     expect(isinstance(ids, list) and len(ids) == r["usage"]["completion_tokens"],
            f"token_ids {ids} for {r['usage']['completion_tokens']} completion tokens")  # fmt: skip
@@ -121,38 +122,43 @@ def return_token_ids(target):
 def prompt_logprobs(target):
     """prompt_logprobs (vLLM): null for the first prompt position, then each position keyed by token
     id, the prompt's own token among them."""
-    r = target.ok(PATH, {"prompt": PROMPT_IDS, "max_tokens": 1, "prompt_logprobs": 2}).json
+    prompt = server_ids(target).prompt
+    r = target.ok(PATH, {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}).json
     entries = r.get("prompt_logprobs", r["choices"][0].get("prompt_logprobs"))
-    expect(isinstance(entries, list) and len(entries) == len(PROMPT_IDS), f"prompt_logprobs {str(entries)[:200]}")
+    expect(isinstance(entries, list) and len(entries) == len(prompt), f"prompt_logprobs {str(entries)[:200]}")
     expect(entries[0] is None, f"the first prompt position has logprobs: {entries[0]}")
-    for i, (token_id, entry) in enumerate(zip(PROMPT_IDS[1:], entries[1:]), 1):
+    for i, (token_id, entry) in enumerate(zip(prompt[1:], entries[1:]), 1):
         expect(isinstance(entry, dict) and str(token_id) in entry, f"position {i}: prompt token {token_id} not in {str(entry)[:200]}")
 
 
-def _exact_ids(positions, what: str) -> None:
-    wanted = {f"token_id:{i}" for i in WATCHED}
+def _exact_ids(positions, watched: list[int], what: str) -> None:
+    wanted = {f"token_id:{i}" for i in watched}
     expect(positions, f"{what}: no logprob positions")
     for i, (token, _, top) in enumerate(positions):
         expect(set(top or {}) == wanted | {token}, f"{what}, position {i}: top logprobs {sorted(top or {})}, asked "
                f"{sorted(wanted)} and the sampled {token!r}")  # fmt: skip
 
 
-LOGPROB_IDS = {"logprobs": 0, "logprob_token_ids": WATCHED, "return_tokens_as_token_ids": True}
+def logprob_ids(watched: list[int]) -> dict:
+    """The fields asking for exactly the logprobs of ``watched`` (and the sampled token), by id."""
+    return {"logprobs": 0, "logprob_token_ids": watched, "return_tokens_as_token_ids": True}
 
 
 @check("completions", "logprob_token_ids", "n")
 def logprob_token_ids_exact(target):
     """logprob_token_ids: at every position of every choice (n = 2), exactly the sampled token and
     the ids asked for."""
-    r = target.ok(PATH, {"prompt": "Name a colour:", "max_tokens": 5, "n": 2, "temperature": 1.0, **LOGPROB_IDS}).json
+    watched = server_ids(target).watched
+    r = target.ok(PATH, {"prompt": "Name a colour:", "max_tokens": 5, "n": 2, "temperature": 1.0, **logprob_ids(watched)}).json
     for c in by_index(r, 2).values():
-        _exact_ids(F.positions(c), f"choice {c['index']}")
+        _exact_ids(F.positions(c), watched, f"choice {c['index']}")
 
 
 @check("completions", "logprob_token_ids", "stream")
 def logprob_token_ids_exact_streamed(target):
     """logprob_token_ids streamed: every chunk's positions list exactly the sampled token and the ids."""
-    reply = target.ok(PATH, {"prompt": "Name a colour:", "max_tokens": 5, "stream": True, **LOGPROB_IDS})
+    watched = server_ids(target).watched
+    reply = target.ok(PATH, {"prompt": "Name a colour:", "max_tokens": 5, "stream": True, **logprob_ids(watched)})
     stream = read_stream(reply, F.delta_text)
     expect_choices(stream, 1)
-    _exact_ids([p for ch in stream.chunks for c in ch["choices"] if c.get("logprobs") for p in F.positions(c)], "stream")
+    _exact_ids([p for ch in stream.chunks for c in ch["choices"] if c.get("logprobs") for p in F.positions(c)], watched, "stream")

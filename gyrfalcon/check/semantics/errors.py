@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from gyrfalcon.check.registry import check
-from gyrfalcon.check.semantics.completions import PROMPT_IDS
+from gyrfalcon.check.semantics.ids import server_ids
 from gyrfalcon.check.target import refused
 
 HUGE = 10**9
@@ -42,13 +42,14 @@ INVALID: list[tuple[str, str, dict[str, Any], str]] = [
 ]  # fmt: skip
 
 _BASE = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT,
-         "/inference/v1/generate": {"token_ids": PROMPT_IDS, "sampling_params": {"max_tokens": 2}}}  # fmt: skip
+         "/inference/v1/generate": {"token_ids": None, "sampling_params": {"max_tokens": 2}}}  # fmt: skip
 
 
 @check("errors", params=[(name, (path, body, param)) for name, path, body, param in INVALID])
 def invalid_is_a_400_naming_its_param(target, case):
     """An invalid value or combination is a 400 whose error.param names the field."""
     path, body, param = case
-    request = {"model": target.model, **_BASE[path], **body}
+    base = _BASE[path] if path != "/inference/v1/generate" else {**_BASE[path], "token_ids": server_ids(target).prompt}
+    request = {"model": target.model, **base, **body}
     # streamed requests are peeked at: a server that accepts max_tokens 10^9 is not kept generating
     refused(target.post(path, {k: v for k, v in request.items() if v is not None}, peek=bool(body.get("stream"))), param)

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from gyrfalcon.check.registry import check
-from gyrfalcon.check.semantics.completions import PROMPT_IDS, WATCHED
 from gyrfalcon.check.semantics.flavours import by_index, expect, indices
+from gyrfalcon.check.semantics.ids import server_ids
 from gyrfalcon.check.semantics.stream_shape import expect_choices, read_stream
 
 PATH = "/inference/v1/generate"
 
 
 def _generate(target, stream: bool = False, **sampling):
-    return target.ok(PATH, {"token_ids": PROMPT_IDS, "sampling_params": {"max_tokens": 5, **sampling}, "stream": stream})
+    return target.ok(PATH, {"token_ids": server_ids(target).prompt, "sampling_params": {"max_tokens": 5, **sampling},
+                            "stream": stream})  # fmt: skip
 
 
 def _ids(choice: dict) -> list[int]:
@@ -28,7 +29,7 @@ def token_ids_out(target):
     expect(indices(r["choices"]) == [0], f"indices {indices(r['choices'])}")
     ids = _ids(r["choices"][0])
     expect(0 < len(ids) <= 5 and r["choices"][0].get("finish_reason") in ("stop", "length"), f"{len(ids)} ids for max_tokens 5")
-    expect(r["usage"]["prompt_tokens"] == len(PROMPT_IDS), f"usage.prompt_tokens {r['usage']['prompt_tokens']}")
+    expect(r["usage"]["prompt_tokens"] == len(server_ids(target).prompt), f"usage.prompt_tokens {r['usage']['prompt_tokens']}")
 
 
 @check("generate", "n")
@@ -57,8 +58,9 @@ def stream_equals_non_stream(target):
 @check("generate", "logprob_token_ids", "n")
 def logprob_token_ids_exact(target):
     """logprob_token_ids: at every position of every choice exactly the sampled id and the ids asked."""
-    r = _generate(target, n=2, temperature=1.0, logprobs=0, logprob_token_ids=WATCHED).json
-    wanted = {f"token_id:{i}" for i in WATCHED}
+    watched = server_ids(target).watched
+    r = _generate(target, n=2, temperature=1.0, logprobs=0, logprob_token_ids=watched).json
+    wanted = {f"token_id:{i}" for i in watched}
     for c in by_index(r, 2).values():
         content = (c.get("logprobs") or {}).get("content")
         expect(isinstance(content, list) and len(content) == len(_ids(c)), f"choice {c['index']}: logprobs {str(content)[:200]}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-from gyrfalcon.check.semantics.flavours import Flavour, by_index, expect, indices, on_both
+from gyrfalcon.check.registry import Inconclusive
+from gyrfalcon.check.semantics.flavours import PROMPT, Flavour, by_index, expect, indices, on_both
 from gyrfalcon.check.semantics.stream_shape import expect_choices, read_stream
 
 TOLERANCE = 0.02  # log-probabilities of one server, batched differently (bf16 on a GPU)
@@ -45,12 +46,34 @@ def n_choices(target, f: Flavour):
         expect(c.get("finish_reason") in ("stop", "length"), f"choice {c['index']}: finish_reason {c.get('finish_reason')!r}")
 
 
+#: four independent samples all equal to one answer are expected (not a copied sample) when that
+#: answer's probability cubed is at least this
+ONE_ANSWER_CHANCE = 1e-4
+
+
 @on_both("n")
 def n_choices_are_samples_of_their_own(target, f: Flavour):
-    """n = 4 sampled at temperature 1.5: the choices are separate samples, not copies of one."""
-    r = target.ok(f.path, f.body(n=4, max_tokens=16, temperature=1.5)).json
-    texts = [f.text(c) for c in by_index(r, 4).values()]
-    expect(len(set(texts)) > 1, f"four sampled choices, all the same: {texts[0]!r}")
+    """n = 4 sampled at temperature 1.5: the choices are separate samples, not copies of one. Four
+    equal answers are a failure only when the server's own logprobs make that answer unlikely (a
+    model that allows one answer gives four equal samples: inconclusive)."""
+    body = f.body(n=4, max_tokens=16, temperature=1.5)
+    texts = [f.text(c) for c in by_index(target.ok(f.path, body).json, 4).values()]
+    if len(set(texts)) > 1:
+        return
+    reply = target.post(f.path, {"model": target.model, **body, **f.logprobs(0)})
+    choices = by_index(reply.json, 4) if reply.status == 200 else None
+    if choices is None or not all(isinstance(c.get("logprobs"), dict) for c in choices.values()):
+        raise Inconclusive(f"four sampled choices, all {texts[0]!r}, and no logprobs to tell a copied sample from a "
+                           "model that allows one answer")  # fmt: skip
+    texts = [f.text(c) for c in choices.values()]
+    if len(set(texts)) > 1:
+        return
+    logprob = sum(lp for _, lp, _ in f.positions(choices[0]) if lp is not None)
+    chance = math.exp(3 * logprob)
+    expect(chance >= ONE_ANSWER_CHANCE, f"four sampled choices, all {texts[0]!r}, an answer the server's own logprobs "
+           f"give probability {math.exp(logprob):.2g}: copies of one sample, not four samples")  # fmt: skip
+    raise Inconclusive(f"four sampled choices, all {texts[0]!r}, which the model gives probability "
+                       f"{math.exp(logprob):.2g}: one answer is what this model says")  # fmt: skip
 
 
 @on_both("n", "logprobs")
@@ -105,16 +128,39 @@ def logprobs_shape(target, f: Flavour):
             expect(math.isclose(top[token], logprob, abs_tol=1e-3), f"position {i}: {token!r} is {logprob} and {top[token]}")
 
 
+#: prompts whose greedy answers the stop-string check tries in turn, before seeded samples
+STOP_PROMPTS = (PROMPT, "Write one sentence about the sea.", "List three animals, then three colours:")
+STOP_SEEDS = (101, 202, 303)
+
+
+def _stop_string(text: str) -> str | None:
+    """Two characters of ``text`` that first occur past its start (so the cut answer is not empty),
+    beginning with a character seen nowhere before them: None when the text has none."""
+    start = next((i for i in range(1, len(text) - 1) if not text[i].isspace() and text[i] not in text[:i]), None)
+    return None if start is None else text[start:start + 2]
+
+
+def _stop_candidate(target, f: Flavour) -> tuple[dict, str, str]:
+    """A request, its answer and a stop string chosen from it: greedy answers to a few prompts, then
+    seeded samples (each asked twice: only a reproducible answer can be cut and compared);
+    :class:`Inconclusive` when no answer offers a stop string."""
+    seen = []
+    bodies = [f.body(prompt, max_tokens=16, temperature=0.0) for prompt in STOP_PROMPTS]
+    bodies += [f.body(PROMPT, max_tokens=16, temperature=1.0, seed=seed) for seed in STOP_SEEDS]
+    for body in bodies:
+        text = f.text(target.ok(f.path, body).json["choices"][0])
+        seen.append(text)
+        stop = _stop_string(text)
+        if stop is not None and (body["temperature"] == 0.0 or f.text(target.ok(f.path, body).json["choices"][0]) == text):
+            return body, text, stop
+    raise Inconclusive(f"no stop string can be chosen from the model's answers {seen}")
+
+
 @on_both("stop")
 def stop_string_cuts(target, f: Flavour):
-    """A stop string taken from the greedy answer: the answer ends just before it, finish "stop"."""
-    body = f.body(max_tokens=16, temperature=0.0)
-    text = f.text(target.ok(f.path, body).json["choices"][0])
-    start = next((i for i in range(2, len(text) - 2) if not text[i].isspace() and text[i] not in text[:i]), None)
-    expect(start is not None or len(text) < 5, f"a stop string cannot be chosen from {text!r}")
-    if start is None:
-        return
-    stop = text[start:start + 2]
+    """A stop string taken from the model's answer: the answer ends just before it, finish "stop",
+    streamed and not (inconclusive when no answer of the model offers one)."""
+    body, text, stop = _stop_candidate(target, f)
     r = target.ok(f.path, {**body, "stop": [stop]}).json["choices"][0]
     expect(f.text(r) == text[: text.index(stop)] and r["finish_reason"] == "stop",
            f"stop {stop!r}: text {f.text(r)!r} finish {r['finish_reason']!r}; without it {text!r}")  # fmt: skip
