@@ -135,3 +135,74 @@ def test_the_schema_phase_caps_the_tokens_of_valid_cases():
     completions = {}
     cap_tokens(completions, 16, absent_means_context=False)  # completions' default is 16 already
     assert completions == {}
+
+
+class Answering(Target):
+    """A target whose server is a function of (path, body) → (status, JSON body): the checker's own
+    logic under answers no real model gives on demand."""
+
+    def __init__(self, answer) -> None:
+        super().__init__("http://127.0.0.1:9", model_name="m")
+        self.answer = answer
+
+    def request(self, method, path, body=None, raw=None, peek=False) -> Reply:
+        status, payload = self.answer(path, body or {})
+        self.replies.append(Reply(method, path, body, status, {"content-type": "application/json"},
+                                  json.dumps(payload).encode(), "curl ..."))  # fmt: skip
+        return self.replies[-1]
+
+
+def _choices(texts, logprob=None):
+    lp = lambda: {"tokens": ["x"] * 16, "token_logprobs": [logprob] * 16, "top_logprobs": [{}] * 16}  # noqa: E731
+    return {"choices": [{"index": i, "text": t, "finish_reason": "length", **({"logprobs": lp()} if logprob is not None else {})}
+                        for i, t in enumerate(texts)]}  # fmt: skip
+
+
+def _check(name: str):
+    return next(c for c in selected(["completions"]) if c.name == name)
+
+
+def test_a_model_that_offers_no_stop_string_is_inconclusive_not_a_failure():
+    from gyrfalcon.check import run_check
+
+    result = run_check(Answering(lambda path, body: (200, _choices(["eeeeeeeeeeeeeeee"]))), _check("completions.stop_string_cuts"))
+    assert result.outcome is Outcome.INCONCLUSIVE and "no stop string can be chosen" in result.message
+    # a server that ignores the stop string it was given is still caught
+    sampled = lambda path, body: (200, _choices(["eeee" if body["temperature"] == 0 else "abcdef"]))  # noqa: E731
+    result = run_check(Answering(sampled), _check("completions.stop_string_cuts"))
+    assert result.outcome is Outcome.FAILED and "stop 'bc'" in result.message
+
+
+def test_four_equal_samples_fail_only_where_the_models_logprobs_make_them_unlikely():
+    from gyrfalcon.check import run_check
+
+    def server(logprob):
+        return lambda path, body: (200, _choices(["same"] * body["n"], logprob if "logprobs" in body else None))
+
+    one_answer = run_check(Answering(server(-0.001)), _check("completions.n_choices_are_samples_of_their_own"))
+    assert one_answer.outcome is Outcome.INCONCLUSIVE and "one answer is what this model says" in one_answer.message
+    copied = run_check(Answering(server(-2.0)), _check("completions.n_choices_are_samples_of_their_own"))
+    assert copied.outcome is Outcome.FAILED and "copies of one sample" in copied.message
+    refused = lambda path, body: (400, {"error": {"message": "no logprobs"}}) if "logprobs" in body else server(None)(path, body)  # noqa: E731
+    unknown = run_check(Answering(refused), _check("completions.n_choices_are_samples_of_their_own"))
+    assert unknown.outcome is Outcome.INCONCLUSIVE
+
+
+def test_token_ids_come_from_the_server():
+    from gyrfalcon.check.semantics.ids import server_ids
+
+    def tokenizer(path, body):
+        return (200, {"tokens": [5, 9, 5, 12, 30, 31, 7, 8]}) if path == "/tokenize" else (404, {})
+
+    ids = server_ids(Answering(tokenizer))
+    assert ids.prompt == [5, 9, 5, 12, 30, 31, 7] and ids.watched == [30, 31, 7, 8] and ids.source == "POST /tokenize"
+
+    def completions_only(path, body):
+        if path != "/v1/completions":
+            return 404, {}
+        return 200, {"choices": [{"index": 0, "text": "x", "prompt_token_ids": [3, 4, 5, 6, 7, 8], "token_ids": [9, 3]}]}
+
+    target = Answering(completions_only)
+    assert server_ids(target).prompt == [3, 4, 5, 6, 7, 8, 9] and not target.replies  # the search leaves no reply behind
+    nothing = server_ids(Answering(lambda path, body: (404, {})))
+    assert nothing.prompt == list(range(7)) and "smallest" in nothing.source
