@@ -36,6 +36,8 @@ INVALID: list[tuple[str, str, dict[str, Any], str]] = [
     ("chat temperature -1", "/v1/chat/completions", {"temperature": -1}, "temperature"),
     ("chat max_completion_tokens -1", "/v1/chat/completions", {"max_completion_tokens": -1}, "max_completion_tokens"),
     ("chat stream_options without stream", "/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("chat tool parameters not a JSON Schema", "/v1/chat/completions", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "nonsense"}}}]}, "tools"),  # OpenAI: tools[0].function.parameters
     ("chat tool_choice naming no tool", "/v1/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ("generate token_ids empty", "/inference/v1/generate", {"token_ids": []}, "token_ids"),
     ("generate token id beyond the vocabulary", "/inference/v1/generate", {"token_ids": [HUGE]}, "token_ids"),

@@ -3,7 +3,7 @@ error envelope every OpenAI client parses."""
 
 from __future__ import annotations
 
-from gyrfalcon.check.registry import check
+from gyrfalcon.check.registry import Unsupported, check
 from gyrfalcon.check.semantics.flavours import expect
 from gyrfalcon.check.target import refused
 
@@ -21,8 +21,10 @@ def models_listed(target):
 
 @check("models", "health")
 def health_answers(target):
-    """GET /health answers 200 on a server that is serving."""
+    """GET /health answers 200 on a server that is serving (a server without the route is unsupported)."""
     r = target.get("/health")
+    if r.status in (404, 405):
+        raise Unsupported(f"GET /health: the route is missing ({r.status})")
     expect(r.status == 200, r.describe())
 
 

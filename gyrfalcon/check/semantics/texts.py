@@ -10,6 +10,10 @@ from gyrfalcon.check.semantics.flavours import PROMPT, Flavour, by_index, expect
 from gyrfalcon.check.semantics.stream_shape import expect_choices, read_stream
 
 TOLERANCE = 0.02  # log-probabilities of one server, batched differently (bf16 on a GPU)
+#: one request asked twice (streamed and not): a server that reuses the first one's cached prompt
+#: computes the second's positions in other shapes (llama.cpp, Q4_1 on a CPU: 0.055 measured). The
+#: tokens must still be the same, position by position.
+REPEAT_TOLERANCE = 0.1
 
 
 @on_both()
@@ -215,7 +219,8 @@ def stream_usage_chunk(target, f: Flavour):
 
 @on_both("stream", "logprobs")
 def stream_logprobs(target, f: Flavour):
-    """Streamed logprobs: as many positions as completion tokens, the same values as not streamed."""
+    """Streamed logprobs: as many positions as completion tokens, the same tokens as not streamed and
+    the same values (within the numerics of a request computed twice)."""
     body = f.body(max_tokens=6, temperature=0.0, **f.logprobs(1))
     whole = f.positions(target.ok(f.path, body).json["choices"][0])
     stream = read_stream(target.ok(f.path, {**body, "stream": True}), f.delta_text)
@@ -223,7 +228,7 @@ def stream_logprobs(target, f: Flavour):
     expect([t for t, _, _ in streamed] == [t for t, _, _ in whole],
            f"streamed tokens {[t for t, _, _ in streamed]}, not streamed {[t for t, _, _ in whole]}")  # fmt: skip
     for i, ((_, a, _), (_, b, _)) in enumerate(zip(streamed, whole)):
-        expect(math.isclose(a, b, abs_tol=TOLERANCE), f"position {i}: streamed logprob {a}, not streamed {b}")
+        expect(math.isclose(a, b, abs_tol=REPEAT_TOLERANCE), f"position {i}: streamed logprob {a}, not streamed {b}")
 
 
 #: optional fields an SDK or a framework sends as null meaning "not set"
