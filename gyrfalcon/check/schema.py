@@ -36,13 +36,31 @@ ASSUMED = {"vocab_size": 256, "max_model_len": 2048, "max_request_seqs": 16}
 PINNED = frozenset({"use_beam_search", "priority", "store", "no_stop_trim", "return_hidden_states", "reasoning_parser"})
 
 
+#: what OpenAI's own API reference requires of its responses, where gyrfalcon's contract requires
+#: more (vLLM's extensions: ``stop_reason``, ``token_ids``, a model card's ``root``…): a server that is
+#: not gyrfalcon is held to OpenAI's list, never accused of lacking an extension
+OPENAI_REQUIRED = {
+    "ModelCard": ["id", "object", "created", "owned_by"],
+    "CompletionResponse": ["id", "object", "created", "model", "choices"],
+    "CompletionStreamResponse": ["id", "object", "created", "model", "choices"],
+    "CompletionChoice": ["index", "text", "logprobs", "finish_reason"],
+    "ChatCompletionResponse": ["id", "object", "created", "model", "choices"],
+    "ChatCompletionStreamResponse": ["id", "object", "created", "model", "choices"],
+    "ChatCompletionChoice": ["index", "message", "logprobs", "finish_reason"],
+    "ChatCompletionStreamChoice": ["index", "delta", "finish_reason"],
+    "ChatResponseMessage": ["role", "content"],
+    "ChatToolCallDelta": ["index"],
+}
+
+
 def builtin_spec(target: Target) -> dict:
     """gyrfalcon's contract for ``target``.
 
     A gyrfalcon server serves that contract narrowed to its deployment (its limits, its engine's
     capabilities, its chat template: ``x-limits`` and ``x-runtime-rules`` say so), which is used as
     it is. For any other server: the bundled documents with the model's name, the bounds in
-    :data:`ASSUMED` and the :data:`PINNED` fields at their defaults."""
+    :data:`ASSUMED`, the :data:`PINNED` fields at their defaults, and responses required to hold
+    what OpenAI requires (:data:`OPENAI_REQUIRED`)."""
     from gyrfalcon.openapi.limits import ServedLimits
     from gyrfalcon.openapi.served import bundle, request_field_names, served_spec
     from gyrfalcon.protocol.capabilities import capability_of
@@ -55,6 +73,8 @@ def builtin_spec(target: Target) -> dict:
     pinned = {f for f in request_field_names(bundle()) if capability_of(f) in PINNED}
     spec = served_spec(ServedLimits(model_names=[target.model], unsupported=pinned, **ASSUMED))
     spec["x-limits"] = {"chat": None, "kv_cache": None, **ASSUMED}
+    for name, required in OPENAI_REQUIRED.items():
+        spec["components"]["schemas"][name]["required"] = required
     return spec
 
 

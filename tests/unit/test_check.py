@@ -206,3 +206,14 @@ def test_token_ids_come_from_the_server():
     assert server_ids(target).prompt == [3, 4, 5, 6, 7, 8, 9] and not target.replies  # the search leaves no reply behind
     nothing = server_ids(Answering(lambda path, body: (404, {})))
     assert nothing.prompt == list(range(7)) and "smallest" in nothing.source
+
+
+def test_a_server_that_is_not_gyrfalcon_is_held_to_what_openai_requires_of_responses():
+    from gyrfalcon.check.schema import OPENAI_REQUIRED, builtin_spec
+
+    spec = builtin_spec(Answering(lambda path, body: (404, {})))
+    schemas = spec["components"]["schemas"]
+    assert schemas["ModelCard"]["required"] == ["id", "object", "created", "owned_by"]  # no vLLM "root"
+    for name, required in OPENAI_REQUIRED.items():
+        assert set(required) <= set(schemas[name]["properties"]), name
+    assert spec["x-limits"]["vocab_size"] == 256
