@@ -31,6 +31,12 @@ from gyrfalcon.structured.grammar import check, constraint_key
 CACHE_SIZE = 256
 
 
+def _cleared_bit(bit: int) -> int:
+    """The int32 word with every bit set but ``bit`` (an AND mask for llguidance's bitmask words)."""
+    word = ~(1 << bit) & 0xFFFFFFFF
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
 @dataclass
 class _Row:
     matcher: Any
@@ -52,6 +58,8 @@ class StructuredOutputProcessor(LogitsProcessor):
         self._rows: dict[int, _Row] = {}
         self._executor: Any = None
         self._shifts: torch.Tensor | None = None
+        #: end-of-text ids inside the logits' width (cleared for rows whose grammar cannot end yet)
+        self._eos = [i for i in info.eos_token_ids if 0 <= i < info.vocab_size]
 
     # ------------------------------------------------------------------ compiling (cached)
 
@@ -104,7 +112,7 @@ class StructuredOutputProcessor(LogitsProcessor):
         import llguidance
         import llguidance.torch as llgt
 
-        matchers, broken = [], []
+        matchers, broken, unfinished = [], [], []
         for place, i in enumerate(selected):
             state = self._rows[rows.slot_list[i]]
             drawn = rows.output_token_ids[i]
@@ -113,12 +121,21 @@ class StructuredOutputProcessor(LogitsProcessor):
                 state.consumed = len(drawn)
             if state.matcher.is_error():
                 broken.append(place)
+            elif not state.matcher.is_accepting():
+                unfinished.append(place)
             matchers.append((state.matcher, place))
         vocab = logits.shape[-1]
         bitmask = llgt.allocate_token_bitmask(len(selected), self._llg_tokenizer().vocab_size)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         llgt.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+        if unfinished:
+            # where nothing the vocabulary spells continues the grammar (regex "H\x06" after "H" on
+            # SmolLM2, which has no token for 0x06), llguidance allows end-of-text alone: a 200
+            # answer outside the constraint. End-of-text only where the grammar may end (cleared in
+            # the host's bitmask: no transfer of its own); a row left with nothing gets the 400
+            for eos in self._eos:
+                bitmask[unfinished, eos // 32] &= _cleared_bit(eos % 32)
         allowed = self._unpack(bitmask.to(logits.device, non_blocking=True), vocab)
         if broken:
             # llguidance 1.9 allows the byte after one no token spells (SmolLM2 has none for 0xf1,

@@ -217,3 +217,12 @@ def test_a_server_that_is_not_gyrfalcon_is_held_to_what_openai_requires_of_respo
     for name, required in OPENAI_REQUIRED.items():
         assert set(required) <= set(schemas[name]["properties"]), name
     assert spec["x-limits"]["vocab_size"] == 256
+
+
+def test_chat_tokens_that_are_halves_of_characters_are_told_apart_by_their_bytes():
+    from gyrfalcon.check.semantics.flavours import CHAT
+
+    entry = {"token": "\ufffd", "logprob": -1.0, "bytes": [129], "top_logprobs": [
+        {"token": "\ufffd", "logprob": -1.0, "bytes": [129]}, {"token": "\ufffd", "logprob": -1.5, "bytes": [167]}]}
+    ((token, logprob, top),) = CHAT.positions({"logprobs": {"content": [entry]}})
+    assert len(top) == 2 and top[token] == logprob == -1.0  # two tokens, and the chosen one found among them

@@ -52,8 +52,17 @@ class Flavour:
         content = logprobs.get("content")
         if not isinstance(content, list):
             raise Broken(f"chat logprobs without a content list: {str(logprobs)[:200]}")
-        return [(e["token"], e["logprob"], {t["token"]: t["logprob"] for t in e.get("top_logprobs") or []})
+        return [(token_key(e), e["logprob"], {token_key(t): t["logprob"] for t in e.get("top_logprobs") or []})
                 for e in content]  # fmt: skip
+
+
+def token_key(entry: dict[str, Any]) -> str:
+    """A chat logprob entry's token, told apart by its bytes where its text is a partial character:
+    two tokens holding different halves of one character both read "\ufffd" and are not one token."""
+    token, raw = entry["token"], entry.get("bytes")
+    if "\ufffd" in token and isinstance(raw, list):
+        return f"{token}<{bytes(b & 0xFF for b in raw if isinstance(b, int)).hex()}>"
+    return token
 
 
 COMPLETIONS = Flavour("completions", "/v1/completions", "text_completion", "text_completion")

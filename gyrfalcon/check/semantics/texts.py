@@ -119,14 +119,17 @@ def greedy_picks_the_most_likely(target, f: Flavour):
 @on_both("logprobs")
 def logprobs_shape(target, f: Flavour):
     """logprobs with k = 2: one entry per generated token, values ≤ 0, 2 to 3 top entries (the k
-    most likely and the chosen one), the chosen token's value the same in both places."""
+    most likely and the chosen one), the chosen token's value the same in both places. (Completions'
+    top logprobs are an object keyed by text: two tokens that are halves of characters both read
+    "\ufffd" there and take one key.)"""
     r = target.ok(f.path, f.body(max_tokens=6, temperature=1.0, seed=5, **f.logprobs(2))).json
     positions = f.positions(r["choices"][0])
     expect(len(positions) == r["usage"]["completion_tokens"],
            f"{len(positions)} logprob positions for {r['usage']['completion_tokens']} completion tokens")  # fmt: skip
     for i, (token, logprob, top) in enumerate(positions):
         expect(isinstance(logprob, (int, float)) and logprob <= 1e-4, f"position {i}: logprob {logprob}")
-        expect(top is not None and 2 <= len(top) <= 3, f"position {i}: {len(top or {})} top logprobs for k=2")
+        collided = f.endpoint == "completions" and any("\ufffd" in t for t in top or {})
+        expect(top is not None and (2 if not collided else 1) <= len(top) <= 3, f"position {i}: {len(top or {})} top logprobs for k=2")
         expect(all(v <= 1e-4 for v in top.values()), f"position {i}: a top logprob above 0: {top}")
         if token in top:
             expect(math.isclose(top[token], logprob, abs_tol=1e-3), f"position {i}: {token!r} is {logprob} and {top[token]}")
