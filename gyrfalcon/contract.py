@@ -124,6 +124,29 @@ def _constraint_breaks_rule(params: dict[str, Any]) -> bool:
     return False
 
 
+def _strings(value: Any):
+    """Every string inside a JSON value (keys included)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+def _needs_unspellable(params: dict[str, Any], unspellable: list[int]) -> bool:
+    """A constraint whose text holds a character the vocabulary cannot spell (a byte no token holds,
+    ``x-limits.unspellable_bytes``): it may leave no token (rule constraints_leave_a_token)."""
+    if not unspellable or not _is_constrained(params):
+        return False
+    missing = set(unspellable)
+    texts = _strings([params.get("structured_outputs"), params.get("response_format"), params.get("tools")])
+    return any(not missing.isdisjoint(ch.encode("utf-8", "surrogatepass")) for text in texts for ch in set(text))
+
+
 def _tools_break_rule(params: dict[str, Any]) -> bool:
     """Schema-valid tool fields the server refuses (rule tools_consistent)."""
     from gyrfalcon.errors import RequestError
@@ -197,6 +220,8 @@ def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
         return True
     if params.get("allowed_token_ids") and _is_constrained(params):
         return True  # constraints_leave_a_token: a grammar may need a token allowed_token_ids excludes
+    if _needs_unspellable(params, limits.get("unspellable_bytes") or []):
+        return True
     if _is_completions(path):
         prompt = body.get("prompt")
         texts = prompt if isinstance(prompt, list) else [prompt]

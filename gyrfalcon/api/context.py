@@ -18,6 +18,7 @@ from gyrfalcon.api.spec import (
     chat_template_overhead,
     deployment_spec,
     kv_cache_limits,
+    unspellable_bytes,
 )
 from gyrfalcon.config import Settings
 from gyrfalcon.engine_api.interface import Engine
@@ -90,6 +91,7 @@ class ServerContext:
                 max_seqs=self.settings.max_request_seqs,
                 template=TemplateSupport.probe(self.engine),
                 kv_cache=kv_cache_limits(self.engine.stats()),
+                unspellable=unspellable_bytes(self.engine, info.vocab_size),
             )
             self._spec = orjson.dumps(spec)
         return self._spec

@@ -31,6 +31,19 @@ def bounded_extensions(extensions: dict[str, dict[str, Any]], info: EngineInfo) 
     return bounded
 
 
+def unspellable_bytes(engine: Engine, vocab_size: int) -> list[int]:
+    """The bytes no token of the vocabulary holds (SmolLM2: 0x04, 0x06, 0xf1…): a constraint that
+    needs one cannot be met, and is refused while generating (rule constraints_leave_a_token)."""
+    held: set[int] = set()
+    try:
+        for start in range(0, vocab_size, 4096):
+            for raw in engine.token_bytes(list(range(start, min(start + 4096, vocab_size)))):
+                held.update(raw)
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot say: publish nothing rather than a guess
+        return []
+    return sorted(set(range(256)) - held)
+
+
 def chat_template_overhead(engine: Engine) -> dict[str, int] | None:
     """Tokens a chat template adds: ``fixed`` per conversation, ``per_message`` per message.
 
@@ -124,11 +137,13 @@ def deployment_spec(
     template: TemplateSupport = TemplateSupport(),
     max_seqs: int | None = None,
     kv_cache: dict[str, int] | None = None,
+    unspellable: list[int] | None = None,
 ) -> dict[str, Any]:
     """The spec served at ``/openapi.json``: what is valid there is valid for this server.
 
     ``x-limits`` publishes the bounds a fuzzer needs to keep clear of the runtime-only rules
-    (``gyrfalcon.contract``); ``chat`` is :func:`chat_template_overhead`.
+    (``gyrfalcon.contract``); ``chat`` is :func:`chat_template_overhead`, ``unspellable``
+    :func:`unspellable_bytes`.
     """
     unsupported = unsupported_fields(request_field_names(bundle()), info.capabilities)
     limits = ServedLimits(
@@ -152,5 +167,6 @@ def deployment_spec(
         "chat": chat,
         "max_request_seqs": max_seqs,
         "kv_cache": kv_cache,
+        "unspellable_bytes": unspellable or [],
     }
     return spec

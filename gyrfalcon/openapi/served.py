@@ -90,7 +90,8 @@ RUNTIME_RULES: tuple[dict[str, str], ...] = (
         "description": "The request's token-excluding constraints together (structured_outputs, "
         "response_format or a required tool call; allowed_token_ids; bad_words; min_tokens) leave at least "
         "one token at every step. Whether they do is known only while generating: a row left with no token "
-        "ends with a 400 naming the most specific of them (in band when it is not the first token).",
+        "ends with a 400 naming the most specific of them (in band when it is not the first token). A constraint "
+        "holding a character with a byte no token holds (x-limits unspellable_bytes) may meet this rule.",
     },
     {
         "id": "message_name_rendered",

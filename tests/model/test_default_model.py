@@ -194,14 +194,24 @@ def test_one_hundred_generated_schemas(engine):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_constraint_this_vocabulary_cannot_spell_is_refused_not_left(engine, temperature):
-    """U+A7706 is the bytes f2 a7 9c 86, and no token of SmolLM2's spells 0xf2 (found by the fuzz
-    campaign): llguidance 1.9's mask offers 0xa7 alone there, the matcher rejects that draw, and the
-    request ends in the 400 naming the constraint, not in a 200 whose text is outside it."""
+@pytest.mark.parametrize("constraint", [{"choice": ["\U000a7706"]}, {"regex": "H\x06"}], ids=["f2-byte", "after-a-token"])
+def test_a_constraint_this_vocabulary_cannot_spell_is_refused_not_left(engine, temperature, constraint):
+    """No token of SmolLM2's spells 0xf2 or 0x06 (both found by fuzzing). U+A7706 is the bytes f2 a7
+    9c 86: llguidance 1.9's mask offers 0xa7 alone there, the matcher rejects that draw. After "H" of
+    the regex "H\x06" its mask offers end-of-text alone, which the grammar does not allow yet. Either
+    way the request ends in the 400 naming the constraint, not in a 200 whose text is outside it."""
     from gyrfalcon.engine_api.types import OutputKind
 
     prompt = engine.tokenize("Say it:", add_special_tokens=False)
-    params = SamplingParams(max_tokens=6, temperature=temperature, seed=5, structured_outputs={"choice": ["\U000a7706"]})
-    last = list(engine.submit(EngineRequest(f"unspellable-{temperature}", prompt, params, OutputKind.FINAL_ONLY)))[-1]
+    params = SamplingParams(max_tokens=6, temperature=temperature, seed=5, structured_outputs=constraint)
+    last = list(engine.submit(EngineRequest(f"unspellable-{temperature}-{len(str(constraint))}", prompt, params, OutputKind.FINAL_ONLY)))[-1]
     assert last.error is not None, last.outputs[0].text
     assert last.error.status == 400 and last.error.param == "structured_outputs", last.error
+
+
+def test_the_served_spec_names_the_bytes_no_token_holds(engine):
+    """What a fuzzer needs to keep clear of those constraints (x-limits unspellable_bytes)."""
+    from gyrfalcon.api.spec import unspellable_bytes
+
+    missing = unspellable_bytes(engine, engine.info().vocab_size)
+    assert {0x04, 0x06, 0xF1, 0xF2} <= set(missing) and not {ord("H"), 0x0A, 0xE2, 0x80} & set(missing), missing

@@ -45,3 +45,17 @@ def test_a_grammar_with_allowed_token_ids_may_leave_no_token():
         assert breaks_runtime_rule("/v1/chat/completions", {**base, **constrained}, roomy), constrained
     for free in ({}, {"response_format": {"type": "text"}}, {"tools": [tool], "tool_choice": "auto"}):
         assert not breaks_runtime_rule("/v1/chat/completions", {**base, **free}, roomy), free
+
+
+def test_a_constraint_with_a_byte_no_token_holds_may_leave_no_token():
+    """Found by `gyrfalcon check` on the default model: SmolLM2 has no token holding 0x06 or 0xf2, so
+    the regex "H\\x06" cannot be met; the served spec says which bytes (x-limits unspellable_bytes)."""
+    limits = {**LIMITS, "unspellable_bytes": [6, 0xF2]}
+    generate = {"token_ids": [5], "sampling_params": {"max_tokens": 4, "structured_outputs": {"regex": "H\u0006"}}}
+    assert breaks_runtime_rule("/inference/v1/generate", generate, limits)
+    assert not breaks_runtime_rule("/inference/v1/generate", generate, LIMITS)  # a vocabulary that holds every byte
+    chat = {"messages": MESSAGES, "max_completion_tokens": 5,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"const": "\U00089e16"}}}}
+    assert breaks_runtime_rule("/v1/chat/completions", chat, limits)  # U+89E16 is f2 89 b8 96
+    plain = {"messages": [{"role": "user", "content": "H\u0006"}], "max_completion_tokens": 5}
+    assert not breaks_runtime_rule("/v1/chat/completions", plain, limits)  # no constraint: a prompt may hold anything
