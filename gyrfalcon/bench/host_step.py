@@ -1,0 +1,93 @@
+"""``python -m gyrfalcon.bench.host_step``: what one decode step costs the host, the model left out.
+
+The engine's step loop (scheduling, block bookkeeping, the runner's inputs, sampling, stop checks,
+the outputs) around a stub model that returns fixed logits at once: on a GPU this host work is what
+must hide behind the device's forward. A tiny random model (its vocabulary is small, so the stub's
+logits cost the sampler next to nothing) serves ``--batch`` greedy sequences decoding together; the
+median of ``--steps`` steps is printed per batch size, against the targets of the issue "A GPU step
+that cannot be wrong" (≤ 0.3 ms at batch 1, ≤ 1 ms at batch 64; measured, not asserted in tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import tempfile
+import time
+
+TARGETS_MS = {1: 0.3, 64: 1.0}
+
+
+def _stub_forward(runner, vocab: int):
+    """A ``ModelRunner.forward`` that runs no model: fixed fp32 logits, one row per wanted position."""
+    import torch
+
+    fixed = torch.randn(4096, vocab, generator=torch.Generator().manual_seed(0))
+
+    def forward(works):
+        spans, rows = [], 0
+        for work in works:
+            count = {"last": 1, "all": len(work.tokens)}.get(work.logits, 0)
+            spans.append((rows, count))
+            rows += count
+        runner.forwards += 1
+        return fixed[:rows], spans
+
+    return forward
+
+
+def measure(model_dir: str, batch: int, steps: int) -> float:
+    """The median seconds of a decode step of ``batch`` sequences around the stub."""
+    from gyrfalcon.config import Settings
+    from gyrfalcon.engine_api.types import EngineRequest, OutputKind, SamplingParams
+    from gyrfalcon.plugins.engines import create_transformers_engine
+
+    settings = Settings(model=model_dir, max_model_len=steps + 64, max_num_seqs=batch, max_queue_len=batch, dtype="float32",
+                        device="cpu", seed=0, num_threads=1, enforce_eager=True)  # fmt: skip
+    engine = create_transformers_engine(settings, start=False)
+    try:
+        assert engine.core.prepare()
+        core = engine.core
+        core.runner.forward = _stub_forward(core.runner, core.runner.logits_width)
+        params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+        streams = [engine.submit(EngineRequest(f"host-{batch}-{i}", [5, 6, 7, 8], params, OutputKind.DELTA))
+                   for i in range(batch)]  # fmt: skip
+        while core.batcher.running_sequences < batch or core.batcher.prefilling_requests():
+            core.batcher.step()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            core.batcher.step()
+            times.append(time.perf_counter() - start)
+            for stream in streams:  # what a consumer takes, so queues stay short
+                try:
+                    while stream.get(timeout=0) is not None:
+                        pass
+                except queue.Empty:
+                    pass
+        return sorted(times)[len(times) // 2]
+    finally:
+        engine.shutdown(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gyrfalcon.bench.host_step", description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--steps", type=int, default=200)
+    args = p.parse_args(argv)
+    from gyrfalcon.models.tiny import build_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="gyrfalcon-host-step-") as folder:
+        model_dir = str(build_tiny_model(folder, positions=args.steps + 64))
+        print("| batch | host time per decode step (median) | target |\n|---|---|---|")
+        for batch in args.batch:
+            ms = measure(model_dir, batch, args.steps) * 1000
+            target = TARGETS_MS.get(batch)
+            verdict = f"≤ {target} ms: {'met' if ms <= target else 'missed'}" if target else ""
+            print(f"| {batch} | {ms:.3f} ms | {verdict} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
