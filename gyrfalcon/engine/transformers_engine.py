@@ -419,6 +419,7 @@ class TransformersEngine(EngineCore):
                 why = "--enforce-eager" if cfg.enforce_eager else "no --compile-decode" if self.device == "cpu" else "no fast path on this device"
                 self.decode_path = DecodePath("eager", why)
             log.warning("decode path: %s (prepared in %.1f s)", self.decode_path.describe(), time.perf_counter() - started)
+            self._info.decode_path = self.decode_path.describe()
         runner.forwards = 0
         self.scheduler.pool = pool
         self.runner = runner

@@ -239,6 +239,9 @@ class EngineInfo:
     #: ``top_k``, ``min_p``, ``repetition_penalty``; ``max_tokens`` caps the unset default), from
     #: its generation config (vLLM's ``--generation-config auto``); empty with ``none``
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    #: which path decode steps take and why (``captured (…)``, ``compiled (…)``, ``eager (…)``), as
+    #: :class:`EngineHealth` says it; None until the model is loaded and its fast path checked
+    decode_path: str | None = None
 
 
 @dataclass

@@ -268,6 +268,8 @@ class RemoteEngineCore(EngineCore):
                                       type=ShuttingDown.type, status=503, retry_after=1.0))  # fmt: skip
             elif kind == b"beat":
                 self._health = codec.decode_health(data[0])
+                if self._health.decode_path and self._info.decode_path != self._health.decode_path:
+                    self._info.decode_path = self._health.decode_path  # known once the engine has loaded
                 if self._gone is not None:
                     log.warning("the engine answers again")
                     self._gone = None

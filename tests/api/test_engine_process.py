@@ -84,6 +84,7 @@ def test_remote_results_equal_in_process(slow_engine, remote):
 
         assert totals(there) == totals(here)
         assert len(totals(there)[0]) == 3 and there[-1].finished
+    assert remote.info().decode_path == slow_engine.info().decode_path == remote.health().decode_path is not None
 
 
 def test_refusals_travel_back_as_typed_errors(remote):

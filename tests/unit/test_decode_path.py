@@ -35,8 +35,8 @@ def test_the_compiled_cpu_step_is_checked_and_gives_the_eager_tokens(tiny_model_
         assert eager.wait_ready(timeout=60).ready and fast.wait_ready(timeout=300).ready
         path = fast.core.decode_path
         assert path.name == "compiled" or path.reason.startswith("the compiled step is not faster"), path
-        assert fast.health().decode_path == path.describe() == fast.stats()["decode_path"]
-        assert eager.health().decode_path == "eager (--enforce-eager)"
+        assert fast.health().decode_path == path.describe() == fast.stats()["decode_path"] == fast.info().decode_path
+        assert eager.health().decode_path == "eager (--enforce-eager)" == eager.info().decode_path
         expected = _tokens(eager, together=False)
         assert _tokens(fast, together=False) == expected
         assert _tokens(fast, together=True) == expected
