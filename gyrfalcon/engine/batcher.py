@@ -152,8 +152,11 @@ class Batcher:
                 rows.append(row)
                 sampled.append((item.seq, state))
         if rows:
-            index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-            self._sample(logits.index_select(0, index), sampled)
+            if rows == list(range(logits.shape[0])):  # a decode step: every row drawn, in order
+                self._sample(logits, sampled)
+            else:
+                index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+                self._sample(logits.index_select(0, index), sampled)
         self._settle(plan)
         return True
 

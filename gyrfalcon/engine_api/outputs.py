@@ -111,7 +111,8 @@ class OutputAggregator:
             request_id=self.request_id,
             outputs=choices,
             finished=self.finished,
-            prompt_token_ids=list(self.request.prompt_token_ids),
+            # the request's own list, not a copy per output per step (readers copy what they keep)
+            prompt_token_ids=self.request.prompt_token_ids,
             prompt_logprobs=self.prompt_logprobs,
             num_generated_tokens=self.num_generated_tokens(),
             error=error,

@@ -115,3 +115,28 @@ def test_static_bucket_padded_decode_equals_unpadded_decode():
     assert bucket.runs == 4 and bucket.graph is None  # eager replay of the static buffers on the CPU
     steps = static.decode_steps
     assert steps.bucket(3, 20) == (4, 64) and steps.bucket(5, 65) == (8, 128) and steps.bucket(9, 20) is None
+
+
+def test_a_step_sends_its_inputs_to_the_device_in_one_copy(monkeypatch):
+    """Whatever the step holds — prefill chunks beside decode rows, a decode batch in a static
+    bucket — its inputs (ids, positions, slots, block tables, kept rows) go in one upload."""
+    from gyrfalcon.engine.model import staging
+
+    _, model = _models("llama")
+    plain, pool = _runner(model)
+    static = ModelRunner(model, plain.cache, capture="static", max_batch=8, max_model_len=256)
+    uploads = []
+    real = staging.upload
+    monkeypatch.setattr(staging, "upload", lambda values, device, into=None: uploads.append(len(values)) or real(values, device, into))
+    seqs = [Seq([5 + n for n in range(length)], pool) for length in (3, 9, 14)]
+    plain.forward([seqs[0].work(3), seqs[1].work(9, "all"), seqs[2].work(6, "none")])  # three prefills
+    assert len(uploads) == 1
+    for s in seqs[:2]:
+        s.tokens.append(7)
+    plain.forward([seqs[0].work(1), seqs[1].work(1), seqs[2].work(8)])  # two decode rows beside a prefill
+    assert len(uploads) == 2
+    seqs[2].tokens.append(7)
+    for s in seqs:
+        s.tokens.append(9)
+    static.forward([s.work(1) for s in seqs])  # a decode batch in bucket 4
+    assert len(uploads) == 3 and uploads[-1] == 4 * 4 + 4 * static.decode_steps.get(4, 64).step.decode_blocks.shape[1]

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gyrfalcon.engine.model import staging
 from gyrfalcon.engine.model.attention import StepMetadata
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -108,6 +109,8 @@ class _Bucket:
     ids: torch.Tensor
     positions: torch.Tensor
     step: StepMetadata
+    #: the one buffer ``ids``, ``positions`` and the step's tensors are views of
+    flat: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     graph: Any = None
     #: why this bucket's captured graph was not kept (None: it was, or none was asked for)
@@ -152,12 +155,14 @@ class DecodeSteps:
         return None if b is None or w is None else (b, w)
 
     def _new(self, batch: int, width: int) -> _Bucket:
-        device = self.runner.device
-        zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
+        """A bucket's inputs — ids, positions, KV slots, the rows' positions, the block table — as
+        views of one device buffer, which each step fills with one copy."""
         blocks = -(-width // self.runner.cache.block_size)
-        step = StepMetadata(self.runner.cache, zeros(batch), decode_blocks=zeros(batch, blocks),
-                            decode_positions=zeros(batch), decode_only=True)  # fmt: skip
-        return _Bucket(batch, width, zeros(1, batch), zeros(1, batch), step)
+        flat = torch.zeros(4 * batch + batch * blocks, dtype=torch.long, device=self.runner.device)
+        ids, positions, slots, rows_at, table = staging.split(flat, [batch] * 4 + [batch * blocks])
+        step = StepMetadata(self.runner.cache, slots, decode_blocks=table.view(batch, blocks),
+                            decode_positions=rows_at, decode_only=True)  # fmt: skip
+        return _Bucket(batch, width, ids.view(1, batch), positions.view(1, batch), step, flat)
 
     def _eager(self, bucket: _Bucket) -> torch.Tensor:
         bucket.step._masks.clear()  # computed anew from this step's buffers
@@ -279,18 +284,13 @@ class DecodeSteps:
         bucket = self.get(*key)
         n, bs = len(works), self.runner.cache.block_size
         pad = [0] * (bucket.batch - n)  # padding rows: token 0 at position 0 in the scratch slot 0
-        rows = torch.tensor([
-            [w.tokens[0] for w in works] + pad,
-            [w.start for w in works] + pad,
-            [w.blocks[w.start // bs] * bs + w.start % bs for w in works] + pad,
-        ], dtype=torch.long)  # fmt: skip
-        tables = block_tables([w.blocks for w in works] + [[]] * len(pad), bucket.step.decode_blocks.shape[1])
-        step = bucket.step
-        bucket.ids.copy_(rows[0:1], non_blocking=True)
-        bucket.positions.copy_(rows[1:2], non_blocking=True)
-        step.slot_mapping.copy_(rows[2], non_blocking=True)
-        step.decode_positions.copy_(rows[1], non_blocking=True)
-        step.decode_blocks.copy_(tables, non_blocking=True)
+        positions = [w.start for w in works] + pad
+        values = [w.tokens[0] for w in works] + pad
+        values += positions
+        values += [w.blocks[w.start // bs] * bs + w.start % bs for w in works] + pad
+        values += positions
+        values += block_tables([w.blocks for w in works] + [[]] * len(pad), bucket.step.decode_blocks.shape[1])
+        staging.upload(values, self.runner.device, into=bucket.flat)  # the step's one host-to-device copy
         bucket.runs += 1
         if bucket.graph is not None:
             bucket.graph.replay()

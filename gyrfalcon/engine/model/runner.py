@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from gyrfalcon.engine.kv.cache import PagedKVCache
+from gyrfalcon.engine.model import staging
 from gyrfalcon.engine.model.attention import STEP_KWARG, Segment, StepMetadata, register
 from gyrfalcon.engine.model.captured import DecodeSteps
 
@@ -40,11 +41,15 @@ def _slots(blocks: list[int], start: int, stop: int, block_size: int) -> list[in
     return [blocks[p // block_size] * block_size + p % block_size for p in range(start, stop)]
 
 
-def block_tables(tables: list[list[int]], blocks: int) -> torch.Tensor:
-    """``[len(tables), blocks]`` (CPU): each table's first ``blocks`` blocks, padded with the
-    scratch block (0), whose columns lie past every row's position and are masked."""
-    padded = [table[:blocks] + [0] * (blocks - len(table[:blocks])) for table in tables]
-    return torch.tensor(padded, dtype=torch.long)
+def block_tables(tables: list[list[int]], blocks: int) -> list[int]:
+    """Each table's first ``blocks`` blocks, padded with the scratch block (0), whose columns lie
+    past every row's position and are masked: ``len(tables) * blocks`` ids, row after row."""
+    flat: list[int] = []
+    for table in tables:
+        head = table[:blocks]
+        flat.extend(head)
+        flat.extend([0] * (blocks - len(head)))
+    return flat
 
 
 class ModelRunner:
@@ -111,21 +116,20 @@ class ModelRunner:
             rows = {"last": [offset + count - 1], "all": list(range(offset, offset + count))}.get(work.logits, [])
             spans.append((len(keep), len(rows)))
             keep.extend(rows)
-        device = self.device
-        step = StepMetadata(self.cache, torch.tensor(slots, dtype=torch.long, device=device))
+        # every input of the forward in one host-to-device copy, then views of it
+        parts = [ids, positions, slots, keep]
+        decode_blocks = 0
         if decode:
-            blocks = -(-max(w.start + 1 for _, w in decode) // bs)
-            step.decode_rows = torch.tensor([o for o, _ in decode], dtype=torch.long, device=device)
-            step.decode_blocks = block_tables([w.blocks for _, w in decode], blocks).to(device)
-            step.decode_positions = torch.tensor([w.start for _, w in decode], dtype=torch.long, device=device)
-        for offset, work in prefill:
-            blocks = -(-(work.start + len(work.tokens)) // bs)
-            table = torch.tensor(work.blocks[:blocks], dtype=torch.long, device=device)
+            decode_blocks = -(-max(w.start + 1 for _, w in decode) // bs)
+            parts += [[o for o, _ in decode], [w.start for _, w in decode], block_tables([w.blocks for _, w in decode], decode_blocks)]
+        tables = [work.blocks[: -(-(work.start + len(work.tokens)) // bs)] for _, work in prefill]
+        parts += tables
+        views = staging.split(staging.upload([v for part in parts for v in part], self.device), [len(p) for p in parts])
+        step = StepMetadata(self.cache, views[2])
+        if decode:
+            step.decode_rows, step.decode_positions = views[4], views[5]
+            step.decode_blocks = views[6].view(len(decode), decode_blocks)
+        for (offset, work), table in zip(prefill, views[len(views) - len(tables):]):
             step.prefills.append(Segment(offset, work.start, len(work.tokens), table))
-        logits = self.run_model(
-            torch.tensor([ids], dtype=torch.long, device=device),
-            torch.tensor([positions], dtype=torch.long, device=device),
-            step,
-            torch.tensor(keep, dtype=torch.long, device=device),
-        )
+        logits = self.run_model(views[0].unsqueeze(0), views[1].unsqueeze(0), step, views[3])
         return logits.float(), spans

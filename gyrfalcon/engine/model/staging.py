@@ -1,0 +1,26 @@
+"""A step's integer inputs — token ids, positions, KV slots, block tables, kept rows — sent to the
+device in one copy: laid side by side in one host tensor (pinned on CUDA, from torch's caching host
+allocator, so the copy is queued without waiting), then read through views of the one device tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def upload(values: list[int], device: torch.device, into: torch.Tensor | None = None) -> torch.Tensor:
+    """``values`` as one long tensor on ``device``, in one host-to-device copy: into ``into`` when
+    given (a fixed buffer of the same length: a captured step's inputs keep their addresses),
+    else into a new tensor."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    if into is None:
+        return host.to(device, non_blocking=True)
+    into.copy_(host, non_blocking=True)
+    return into
+
+
+def split(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """The views of ``flat`` that :func:`upload` laid side by side, ``lengths[i]`` values each."""
+    return list(torch.split(flat, lengths))
