@@ -31,6 +31,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="weight-only kernels of the linear layers: auto (a GGUF keeps its 4-bit bits), none, int4, int8")
     p.add_argument("--device", default=Settings.device)
     p.add_argument("--num-threads", type=int, default=Settings.num_threads, help="torch threads per worker")
+    p.add_argument("--kv-cache-dtype", default=Settings.kv_cache_dtype,
+                   help="the KV cache's dtype: auto (the model's), float32, bfloat16 (twice the tokens per byte), float16")
     p.add_argument("--block-size", type=int, default=Settings.block_size, help="tokens per KV-cache block")
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes of KV cache (default: max-num-seqs full-length sequences, as memory allows)")

@@ -53,6 +53,8 @@ class Settings:
     #: 4-bit bits where the device computes them fast, other checkpoints their dtype), none, int4, int8
     quantization: str = "auto"
     device: str = "auto"
+    #: the KV cache's dtype (vLLM's --kv-cache-dtype): auto (the model's), float32, bfloat16, float16
+    kv_cache_dtype: str = "auto"
     #: tokens per KV block
     block_size: int = 16
     #: bytes of KV cache (None: enough for max_num_seqs full-length sequences, as the device allows)
@@ -172,6 +174,8 @@ class Settings:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(DTYPES)}, got {self.kv_cache_dtype!r}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):

@@ -39,6 +39,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     #: where compiled code is cached across starts (None: the default cache folder)
     cache_dir: str | None = None
+    #: the KV cache's dtype (``auto``: the model's)
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def from_settings(cls, settings: Any, model: str) -> EngineConfig:

@@ -12,6 +12,7 @@ BAD = [
     (["--max-model-len", "1"], "--max-model-len must be at least 2"),
     (["--dtype", "float8"], "--dtype must be one of"),
     (["--quantization", "gptq"], "--quantization must be one of auto, none, int4, int8, got 'gptq'"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype must be one of float32, bfloat16, float16, auto, got 'fp8'"),
     (["--model", "does/not/exist"], "no such file or folder"),
     (["--port", "70000"], "--port must be in 1..65535"),
     (["--engine", "nope"], "--engine 'nope' is not installed"),

@@ -89,3 +89,21 @@ def test_check_fast_step_wants_the_same_argmax_and_logits_within_tolerance():
     assert "argmax different" in check_fast_step(lambda: logits.flip(-1), lambda: logits)
     assert "shape (1, 2)" in check_fast_step(lambda: logits[:, :2], lambda: logits)
     assert check_fast_step(lambda: 1 / 0, lambda: logits).startswith("the fast step failed: ZeroDivisionError")
+
+
+def test_a_bfloat16_kv_cache_holds_twice_the_tokens_and_keeps_rows_apart(tiny_model_dir):
+    """--kv-cache-dtype bfloat16 beside an fp32 model: the same bytes hold twice the tokens, and a
+    seeded request still gets the same tokens alone and inside a batch."""
+    from gyrfalcon.plugins.engines import create_transformers_engine
+
+    budget = 1 << 20
+    full = create_transformers_engine(tiny_settings(tiny_model_dir, kv_cache_memory=budget))
+    half = create_transformers_engine(tiny_settings(tiny_model_dir, kv_cache_memory=budget, kv_cache_dtype="bfloat16"))
+    try:
+        assert full.wait_ready(timeout=60).ready and half.wait_ready(timeout=60).ready
+        assert half.core.runner.cache.keys[0].dtype == torch.bfloat16 and full.core.runner.cache.keys[0].dtype == torch.float32
+        assert half.core.cache_plan.tokens >= 2 * full.core.cache_plan.tokens - half.core.cache_plan.block_size
+        assert _tokens(half, together=False) == _tokens(half, together=True)
+    finally:
+        full.shutdown(1.0)
+        half.shutdown(1.0)
