@@ -4,7 +4,9 @@ For the default model (or ``--model DIR``): over a fixed English paragraph (the 
 *On the Origin of Species*, starting with the tokenizer's BOS where it has one), the mean
 ``|Δ log p|`` over the full vocabulary at every position and the top-1 agreement against the fp32
 model without quantisation; then greedy answers (24 tokens) to ten fixed chat prompts, counted
-identical to fp32's. Each row is a load as the server does it (:func:`load_weights`). Targets of
+identical to fp32's. Each row is a load as the server does it (:func:`load_weights`); the last two
+read the paragraph through the engine's paged runner with an fp32 and a bf16 KV cache
+(``--kv-cache-dtype``; their greedy answers are the plain model's). Targets of
 the issue "Weights kept in their bits": ≤ 0.05 nats, ≥ 98 % top-1, ≥ 8 of 10 answers; an fp32
 checkpoint quantised at load (``int4`` without the GGUF's bits) within 0.15 nats.
 """
@@ -66,19 +68,36 @@ def main(argv: list[str] | None = None) -> int:
         ids = [tokenizer.bos_token_id, *ids]
     ids = torch.tensor([ids])
 
-    def logprobs(model):
+    def logprobs(model, kv_dtype=None):
+        """Log-probabilities at every position: a plain forward, or with ``kv_dtype`` the engine's
+        paged runner over a KV cache in that dtype (prefilled at once)."""
         with torch.inference_mode():
-            return torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+            if kv_dtype is None:
+                return torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+            from gyrfalcon.engine.kv.cache import KVShape, PagedKVCache
+            from gyrfalcon.engine.model.runner import ModelRunner, Work
+
+            blocks = -(-ids.shape[1] // 16)
+            plain = model.config._attn_implementation  # the runner registers its own; generate needs this back
+            runner = ModelRunner(model, PagedKVCache(KVShape.of(model.config, kv_dtype), blocks + 1, 16, "cpu"))
+            try:
+                logits, _ = runner.forward([Work(ids[0].tolist(), 0, list(range(1, blocks + 1)), "all")])
+            finally:
+                model.config._attn_implementation = plain
+            return torch.log_softmax(logits.float(), dim=-1)
 
     reference, _ = load_weights(path, "float32", "cpu", "none")
     ref_lp, ref_answers = logprobs(reference), _answers(reference, tokenizer)
     del reference
-    rows = [("auto (the server's default)", "auto", "auto", True), ("int8", "auto", "int8", True),
-            ("int4 quantised at load (the GGUF's bits unused)", "auto", "int4", False), ("bfloat16, no quantisation", "bfloat16", "none", True)]  # fmt: skip
+    rows = [("auto (the server's default)", "auto", "auto", True, None), ("int8", "auto", "int8", True, None),
+            ("int4 quantised at load (the GGUF's bits unused)", "auto", "int4", False, None),
+            ("bfloat16, no quantisation", "bfloat16", "none", True, None),
+            ("auto, fp32 KV cache, the engine's paged runner", "auto", "auto", True, torch.float32),
+            ("auto, --kv-cache-dtype bfloat16, the engine's paged runner", "auto", "auto", True, torch.bfloat16)]  # fmt: skip
     print(f"{os.path.basename(path)}: {ids.shape[1]} tokens of the paragraph, {len(QUESTIONS)} chat prompts; against fp32 without quantisation\n")
     print("| weights | what the layers run in | mean abs Δ log p (nats) | top-1 agreement | greedy answers identical |")
     print("|---|---|---|---|---|")
-    for label, dtype, mode, with_bits in rows:
+    for label, dtype, mode, with_bits, kv_dtype in rows:
         folder = path
         if not with_bits and os.path.isfile(os.path.join(path, BITS_FILE)):  # the same checkpoint as a plain fp32 folder
             folder = tempfile.mkdtemp(prefix="gyrfalcon-quality-")
@@ -86,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 if name != BITS_FILE:
                     os.symlink(os.path.join(path, name), os.path.join(folder, name))
         model, report = load_weights(folder, dtype, "cpu", mode)
-        lp = logprobs(model)
+        lp = logprobs(model, kv_dtype)
         same = sum(a == b for a, b in zip(_answers(model, tokenizer), ref_answers))
         delta = float((lp - ref_lp).abs().mean())
         top1 = float((lp.argmax(-1) == ref_lp.argmax(-1)).float().mean())
