@@ -398,8 +398,8 @@ class TransformersEngine(EngineCore):
             torch.set_num_threads(cfg.num_threads)
         model, weights = load_weights(self.model_path, cfg.dtype, self.device, self.quantization)
         log.warning("%s", weights.describe())
-        model_dtype = next(model.parameters()).dtype
-        shape = KVShape.of(model.config, model_dtype if cfg.kv_cache_dtype == "auto" else getattr(torch, cfg.kv_cache_dtype))
+        kv_dtype = next(model.parameters()).dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, self.device)
+        shape = KVShape.of(model.config, kv_dtype)
         plan = plan_cache(shape, self.device, cfg.block_size, cfg.max_num_seqs, self._info.max_model_len,
                           cfg.kv_cache_memory, cfg.gpu_memory_utilization)  # fmt: skip
         log.warning("%s; %s", plan.describe(self._info.max_model_len), str(shape.dtype).removeprefix("torch."))

@@ -58,8 +58,8 @@ class StructuredOutputProcessor(LogitsProcessor):
         self._rows: dict[int, _Row] = {}
         self._executor: Any = None
         self._shifts: torch.Tensor | None = None
-        #: end-of-text ids inside the logits' width (cleared for rows whose grammar cannot end yet)
-        self._eos = [i for i in info.eos_token_ids if 0 <= i < info.vocab_size]
+        #: the bitmask word and AND mask of each end-of-text id (cleared for rows whose grammar cannot end yet)
+        self._eos_bits = [(i // 32, _cleared_bit(i % 32)) for i in info.eos_token_ids if 0 <= i < info.vocab_size]
 
     # ------------------------------------------------------------------ compiling (cached)
 
@@ -134,8 +134,8 @@ class StructuredOutputProcessor(LogitsProcessor):
             # SmolLM2, which has no token for 0x06), llguidance allows end-of-text alone: a 200
             # answer outside the constraint. End-of-text only where the grammar may end (cleared in
             # the host's bitmask: no transfer of its own); a row left with nothing gets the 400
-            for eos in self._eos:
-                bitmask[unfinished, eos // 32] &= _cleared_bit(eos % 32)
+            for word, mask in self._eos_bits:
+                bitmask[unfinished, word] &= mask
         allowed = self._unpack(bitmask.to(logits.device, non_blocking=True), vocab)
         if broken:
             # llguidance 1.9 allows the byte after one no token spells (SmolLM2 has none for 0xf1,

@@ -110,7 +110,7 @@ class _Bucket:
     positions: torch.Tensor
     step: StepMetadata
     #: the one buffer ``ids``, ``positions`` and the step's tensors are views of
-    flat: torch.Tensor | None = None
+    flat: torch.Tensor
     logits: torch.Tensor | None = None
     graph: Any = None
     #: why this bucket's captured graph was not kept (None: it was, or none was asked for)
