@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field
+
+from gyrfalcon.engine.model.quant import QUANTIZATIONS
 
 #: Environment variable through which `gyrfalcon serve` hands its settings to gunicorn workers.
 SETTINGS_ENV = "GYRFALCON_SETTINGS"
@@ -15,6 +19,8 @@ API_KEYS_FILE_ENV = "GYRFALCON_API_KEYS_FILE"
 #: Environment variable a user may set instead of ``--api-key`` (as vLLM's VLLM_API_KEY); `gyrfalcon
 #: serve` takes it out of the environment it passes on.
 API_KEY_ENV = "GYRFALCON_API_KEY"
+#: the name with which the private API-keys file begins (the gunicorn master removes it at exit)
+PRIVATE_KEYS_PREFIX = "gyrfalcon-keys-"
 
 
 def read_api_keys(path: str) -> list[str]:
@@ -31,101 +37,115 @@ def read_private_keys_file(path: str) -> list[str]:
         return list(json.load(f))
 
 
+def option(default=None, help: str = "", *, factory=None, type=None, flag: str | None = None, nargs: str | None = None,
+           choices: tuple[str, ...] | None = None, action: str | None = None, group: str | None = None,
+           checked: bool = False):
+    """A :class:`Settings` field with its ``gyrfalcon serve`` option: the parser is derived from
+    these (:func:`add_arguments`), so a new setting is written once, here.
+
+    ``type``: the option's type where the default is None; ``flag``: where it is not
+    ``--field-name``; ``action``: ``store_true``/``append`` (a bool is otherwise ``--x/--no-x``);
+    ``choices``: the allowed values, refused by the parser, or with ``checked`` by
+    :meth:`Settings.validate` in one line; ``group``: the ``--help`` section.
+    """
+    meta = {"help": help, "type": type, "flag": flag, "nargs": nargs, "choices": choices, "action": action,
+            "group": group, "checked": checked}  # fmt: skip
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+RAY = "Ray Serve: engine replicas behind one endpoint (pip install 'gyrfalcon[ray]')"
+
+
 @dataclass
 class Settings:
-    """Everything a worker needs to build the app and its engine (vLLM's names where they exist)."""
+    """Everything a worker needs to build the app and its engine (vLLM's names where they exist);
+    each field's option and help come with it (see :func:`option`)."""
 
-    model: str | None = None  # a Hugging Face folder or a .gguf file; None: the embedded default
-    served_model_name: list[str] = field(default_factory=list)
-    engine: str = "transformers"
-    max_model_len: int | None = None  # None: the model's own context length
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 4096
-    #: requests (prompts) waiting for the engine; beyond it a 503 with Retry-After
-    max_queue_len: int = 1024
-    #: most sequences (prompts × n) one request may ask for, vLLM's cap on prompts per request; the
-    #: choices beyond the running batch (max_num_seqs) wait their turn
-    max_request_seqs: int = 1024
-    max_logprobs: int = 20
-    seed: int = 0
-    dtype: str = "auto"  # bf16 on CUDA, fp32 on CPU
-    #: weight-only kernels of the linear layers (vLLM's --quantization): auto (a GGUF keeps its
-    #: 4-bit bits where the device computes them fast, other checkpoints their dtype), none, int4, int8
-    quantization: str = "auto"
-    device: str = "auto"
-    #: the KV cache's dtype (vLLM's --kv-cache-dtype): auto (the model's), float32, bfloat16, float16
-    kv_cache_dtype: str = "auto"
-    #: tokens per KV block
-    block_size: int = 16
-    #: bytes of KV cache (None: enough for max_num_seqs full-length sequences, as the device allows)
-    kv_cache_memory: int | None = None
-    #: share of the GPU's memory the server may use (weights, activations and KV cache)
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    #: never capture or compile decode steps (CUDA graphs, --compile-decode); every step runs eagerly
-    enforce_eager: bool = False
-    #: CPU: compile the batch-1 decode step with torch.compile at start-up, checked against the
-    #: eager step. Off by default: on the default model it takes its step from 27 to 17 ms but adds
-    #: about 35 s to every start (inductor's cache spares the compile, not dynamo's tracing)
-    compile_decode: bool = False
-    #: "auto": the model's generation_config.json gives the sampling defaults of the fields a client
-    #: leaves unset (vLLM's --generation-config); "none": the API's own defaults
-    generation_config: str = "auto"
-    #: "fcfs": requests run in arrival order; "priority": a request's ``priority`` orders them
-    #: (lower first) and non-zero priorities are accepted (vLLM's --scheduling-policy)
-    scheduling_policy: str = "fcfs"
-    #: torch threads per worker (CPU). Measured on the 2-core machine (bench, c=16): 2 threads gave
-    #: 111.6 output tok/s against 93.5 with 1, with the same time per token at c=1
-    num_threads: int = 2
+    model: str | None = option(None, "a Hugging Face folder or a .gguf file (default: embedded SmolLM2-135M-Instruct)", type=str)
+    served_model_name: list[str] = option(help="model names clients may ask for", factory=list, nargs="+")
+    engine: str = option("transformers", "engine backend (from the installed plugins)")
+    max_model_len: int | None = option(None, "context length (default: the model's)", type=int)
+    max_num_seqs: int = option(16, "sequences decoded together (the running batch)")
+    max_num_batched_tokens: int = option(4096, "most tokens of one step (prefill chunks and decode tokens)")
+    max_queue_len: int = option(1024, "requests (prompts) waiting for the engine; beyond it a 503 with Retry-After")
+    max_request_seqs: int = option(1024, "most sequences (prompts x n) one request may ask for; the choices beyond "
+                                   "the running batch wait their turn")  # fmt: skip
+    max_logprobs: int = option(20, "most top logprobs a request may ask for")
+    seed: int = option(0, "the engine's seed (unseeded requests draw theirs from it)")
+    dtype: str = option("auto", "the model's dtype (auto: bfloat16 on cuda, float32 on cpu)", choices=DTYPES, checked=True)
+    #: vLLM's --quantization
+    quantization: str = option("auto", "weight-only kernels of the linear layers: auto (a GGUF keeps its 4-bit bits), "
+                               "none, int4, int8", choices=QUANTIZATIONS, checked=True)  # fmt: skip
+    device: str = option("auto", "auto (cuda where there is one, else cpu), cpu, cuda, cuda:N")
+    #: vLLM's --kv-cache-dtype
+    kv_cache_dtype: str = option("auto", "the KV cache's dtype: auto (the model's), float32, bfloat16 (twice the tokens "
+                                 "per byte), float16", choices=DTYPES, checked=True)  # fmt: skip
+    block_size: int = option(16, "tokens per KV-cache block")
+    kv_cache_memory: int | None = option(None, "bytes of KV cache (default: max-num-seqs full-length sequences, as "
+                                         "memory allows)", type=int)  # fmt: skip
+    gpu_memory_utilization: float = option(0.9, "share of the GPU's memory to use, KV cache included (CUDA)")
+    enable_prefix_caching: bool = option(True, "reuse the KV of equal prompt prefixes")
+    enforce_eager: bool = option(False, "never capture or compile decode steps", action="store_true")
+    #: Off by default: on the default model it takes its step from 27 to 17 ms but adds about 35 s
+    #: to every start (inductor's cache spares the compile, not dynamo's tracing)
+    compile_decode: bool = option(False, "CPU: compile the batch-1 decode step at start-up (about 35 s on the default "
+                                  "model), checked against the eager step")  # fmt: skip
+    #: vLLM's --generation-config
+    generation_config: str = option("auto", "auto: sampling defaults from the model's generation_config.json; none: "
+                                    "the API's", choices=("auto", "none"))  # fmt: skip
+    #: vLLM's --scheduling-policy
+    scheduling_policy: str = option("fcfs", "fcfs: arrival order; priority: a request's priority field orders it "
+                                    "(lower first)", choices=("fcfs", "priority"))  # fmt: skip
+    #: Measured on the 2-core machine (bench, c=16): 2 threads gave 111.6 output tok/s against 93.5
+    #: with 1, with the same time per token at c=1
+    num_threads: int = option(2, "torch threads per worker")
     #: sized for max_request_seqs prompts of ~16 KB of text each
-    max_body_bytes: int = 16 * 1024 * 1024
-    #: seconds a client has to send a request's line and headers (nginx's client_header_timeout); a
-    #: connection that takes longer is closed with a 408
-    client_header_timeout: float = 20.0
-    #: seconds a client has to send a request's body once its headers are in (a 408)
-    client_body_timeout: float = 60.0
-    #: seconds a response may wait for a client that reads nothing (nginx's send_timeout): the
-    #: connection is then dropped and its request aborted
-    send_timeout: float = 30.0
-    #: seconds running requests may finish after SIGTERM: queued ones get a 503 at once, new ones
-    #: are refused, and what still runs after this ends with a 503 error (before any hard kill)
-    drain_timeout: float = 25.0
-    #: gunicorn workers serving the API (each with its own tokenizer and detokenizers); more than
-    #: one needs the engine in its own process
-    api_workers: int = 1
-    #: the engine runs in a process of its own, reached by the API workers over ZeroMQ (False: in
-    #: the one API worker, for tests and small deployments)
-    engine_process: bool = True
-    #: how the model writes tool calls (a ``gyrfalcon_tool_parsers`` name; vLLM's --tool-call-parser)
-    tool_call_parser: str = "hermes"
-    api_keys: list[str] = field(default_factory=list)
-    #: origins a browser may call the API from (CORS; "*" for any); empty: no CORS headers
-    allowed_origins: list[str] = field(default_factory=list)
-    #: TLS: the server's private key and certificate (PEM); both or neither
-    ssl_keyfile: str | None = None
-    ssl_certfile: str | None = None
-    #: Ray Serve (``--ray``, :mod:`gyrfalcon.ray`): engine replicas behind one endpoint, the API
-    #: workers being Ray Serve ingress replicas
-    ray: bool = False
-    #: engine replicas (with ``max_replicas``: the fewest the autoscaler keeps)
-    replicas: int = 1
-    #: autoscale between ``replicas`` and this many by ongoing requests; None: a fixed count
-    max_replicas: int | None = None
-    #: the ongoing requests per replica the autoscaler aims at
-    target_ongoing_requests: float = 8.0
-    #: seconds the autoscaler waits before adding or removing replicas
-    upscale_delay_s: float = 30.0
-    downscale_delay_s: float = 600.0
-    #: resources each engine replica asks Ray for; GPUs None: one per replica where the cluster has
-    #: GPUs, none elsewhere
-    replica_cpus: float = 1.0
-    replica_gpus: float | None = None
-    #: how requests pick their replica: prefix (affinity to the replica holding the prompt's
-    #: prefix, load allowing) or pow2 (Ray Serve's power of two choices)
-    routing: str = "prefix"
-    plugins_allow: list[str] | None = None  # None: every installed plugin
-    plugins_block: list[str] = field(default_factory=list)
-    cache_dir: str | None = None
+    max_body_bytes: int = option(16 * 1024 * 1024, "largest request body in bytes (a 413 beyond)")
+    #: nginx's client_header_timeout
+    client_header_timeout: float = option(20.0, "seconds a client has to send a request's headers (then a 408 and "
+                                          "the connection closes)")  # fmt: skip
+    client_body_timeout: float = option(60.0, "seconds a client has to send a request's body (then a 408)")
+    #: nginx's send_timeout
+    send_timeout: float = option(30.0, "seconds a response waits for a client that reads nothing (then the request "
+                                 "is aborted)")  # fmt: skip
+    #: what still runs after it ends with a 503 error (before any hard kill)
+    drain_timeout: float = option(25.0, "seconds running requests may finish after SIGTERM (queued ones get a 503 at "
+                                  "once)")  # fmt: skip
+    #: more than one needs the engine in its own process
+    api_workers: int = option(1, "API worker processes (HTTP, tokenizer, detokenizer); the engine has its own")
+    #: reached by the API workers over ZeroMQ
+    engine_process: bool = option(True, "run the engine in its own process (--no-engine-process: inside the one API "
+                                  "worker)")  # fmt: skip
+    #: a gyrfalcon_tool_parsers name; vLLM's --tool-call-parser
+    tool_call_parser: str = option("hermes", "how the model writes tool calls: hermes (<tool_call>{json}</tool_call>), "
+                                   "json, or a plugin's")  # fmt: skip
+    api_keys: list[str] = option(help=f"a key clients must send as 'Authorization: Bearer <key>' (also ${API_KEY_ENV})",
+                                 factory=list, flag="--api-key", action="append")  # fmt: skip
+    allowed_origins: list[str] = option(help="CORS: origins browsers may call from ('*': any)", factory=list, nargs="*")
+    ssl_keyfile: str | None = option(None, "TLS private key (PEM)", type=str)
+    ssl_certfile: str | None = option(None, "TLS certificate (PEM)", type=str)
+    #: :mod:`gyrfalcon.ray`: the API workers are then Ray Serve ingress replicas
+    ray: bool = option(False, "serve on Ray Serve (a local Ray, or $RAY_ADDRESS's cluster); --api-workers is then "
+                       "the number of ingress replicas", action="store_true", group=RAY)  # fmt: skip
+    replicas: int = option(1, "engine replicas (the fewest, when autoscaling)", group=RAY)
+    max_replicas: int | None = option(None, "autoscale up to this many engine replicas", type=int, group=RAY)
+    target_ongoing_requests: float = option(8.0, "ongoing requests per replica the autoscaler aims at", group=RAY)
+    upscale_delay_s: float = option(30.0, "seconds the autoscaler waits before adding replicas", group=RAY)
+    downscale_delay_s: float = option(600.0, "seconds the autoscaler waits before removing replicas", group=RAY)
+    replica_cpus: float = option(1.0, "CPUs per engine replica", group=RAY)
+    replica_gpus: float | None = option(None, "GPUs per engine replica (default: 1 where the cluster has GPUs, else 0)",
+                                        type=float, group=RAY)  # fmt: skip
+    routing: str = option("prefix", "prefix: a prompt's prefix goes back to the replica that holds it, load allowing; "
+                          "pow2: Ray Serve's power of two choices", choices=("prefix", "pow2"), group=RAY)  # fmt: skip
+    plugins_allow: list[str] | None = option(None, "load only these plugins (default: every installed one)", type=str, nargs="*")
+    plugins_block: list[str] = option(help="never load these plugins", factory=list, nargs="*")
+    cache_dir: str | None = option(None, "where converted models and compiled code are kept (default: ~/.cache/gyrfalcon)", type=str)
 
     def validate(self) -> None:
         """Raise ValueError with one clear line for a bad setting."""
@@ -152,8 +172,6 @@ class Settings:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(self, name)}")
         if self.replica_gpus is not None and self.replica_gpus < 0:
             raise ValueError(f"--replica-gpus must be at least 0, got {self.replica_gpus}")
-        if self.routing not in ("prefix", "pow2"):
-            raise ValueError(f"--routing must be prefix or pow2, got {self.routing!r}")
         if self.api_workers > 1 and not self.engine_process and not self.ray:
             raise ValueError("--api-workers above 1 needs the engine in its own process (drop --no-engine-process)")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -164,18 +182,10 @@ class Settings:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be at least 0, got {self.max_logprobs}")
-        if self.generation_config not in ("auto", "none"):
-            raise ValueError(f"--generation-config must be auto or none, got {self.generation_config!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        from gyrfalcon.engine.model.quant import QUANTIZATIONS
-
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in DTYPES:
-            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(DTYPES)}, got {self.kv_cache_dtype!r}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{_flag(f)} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
@@ -213,3 +223,55 @@ class Settings:
         if keys_file:
             settings.api_keys = read_private_keys_file(keys_file)
         return settings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add an option for every :class:`Settings` field, with its default, type and help."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(Settings):
+        meta = f.metadata
+        target: argparse.ArgumentParser | argparse._ArgumentGroup = parser
+        if meta.get("group"):
+            title, _, description = meta["group"].partition(": ")
+            target = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title, description))
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        kwargs: dict = {"dest": f.name, "default": default, "help": meta.get("help") or None}
+        if meta.get("action"):
+            kwargs["action"] = meta["action"]
+        elif isinstance(default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = meta.get("type") or (str if isinstance(default, list) else type(default))
+            if meta.get("nargs"):
+                kwargs["nargs"] = meta["nargs"]
+            if meta.get("choices") and not meta.get("checked"):
+                kwargs["choices"] = meta["choices"]
+        target.add_argument(_flag(f), **kwargs)
+
+
+def from_args(args: argparse.Namespace) -> Settings:
+    """The settings a parsed command line holds (options that are no setting are left out)."""
+    return Settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Settings) if hasattr(args, f.name)})
+
+
+def api_keys_from_env_and_file(key_file: str | None, env: dict[str, str] | None = None) -> list[str]:
+    """``$GYRFALCON_API_KEY`` and the keys of ``key_file`` (``--api-key-file``); a file that was given
+    but holds no key is an error, never a server without authentication."""
+    env = os.environ if env is None else env
+    keys = [env[API_KEY_ENV]] if API_KEY_ENV in env else []
+    if key_file:
+        from_file = read_api_keys(key_file)
+        if not from_file:
+            raise ValueError(f"--api-key-file {key_file!r} holds no key")
+        keys.extend(from_file)
+    return keys
+
+
+def write_private_keys_file(keys: list[str]) -> str:
+    """Write ``keys`` to a new file only this user can read (read back by
+    :func:`read_private_keys_file`); its path. It lives as long as the server: workers that gunicorn
+    restarts read it again."""
+    fd, path = tempfile.mkstemp(prefix=PRIVATE_KEYS_PREFIX, text=True)  # mode 0600
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(keys, f)
+    return path

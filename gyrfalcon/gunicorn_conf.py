@@ -24,7 +24,9 @@ control_socket_disable = True
 
 def child_exit(server, worker) -> None:  # noqa: ARG001 - gunicorn's hook signature
     """A worker is gone: prometheus-client drops its live gauges (its counts stay summed)."""
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    from gyrfalcon.compose import METRICS_DIR_ENV
+
+    if os.environ.get(METRICS_DIR_ENV):
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(worker.pid)
@@ -33,15 +35,15 @@ def child_exit(server, worker) -> None:  # noqa: ARG001 - gunicorn's hook signat
 def on_exit(server) -> None:  # noqa: ARG001 - gunicorn's hook signature
     """The master is leaving: remove the private API-keys file and the metrics directory that
     `gyrfalcon serve` made for it (never a directory the user named)."""
-    from gyrfalcon.cli import METRICS_DIR_PREFIX
-    from gyrfalcon.config import API_KEYS_FILE_ENV
+    from gyrfalcon.compose import METRICS_DIR_ENV, METRICS_DIR_PREFIX
+    from gyrfalcon.config import API_KEYS_FILE_ENV, PRIVATE_KEYS_PREFIX
 
     path = os.environ.get(API_KEYS_FILE_ENV)
-    if path and os.path.basename(path).startswith("gyrfalcon-keys-"):
+    if path and os.path.basename(path).startswith(PRIVATE_KEYS_PREFIX):
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
-    metrics = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    metrics = os.environ.get(METRICS_DIR_ENV)
     if metrics and os.path.basename(os.path.normpath(metrics)).startswith(METRICS_DIR_PREFIX):
         shutil.rmtree(metrics, ignore_errors=True)

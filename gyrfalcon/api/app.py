@@ -1,16 +1,13 @@
 """The Falcon ASGI app factory.
 
 ``create_app(engine, settings, pm)`` wires the routes around an engine it is given (tests pass the
-real engine on a tiny model); ``asgi_app()`` is the entry point of gunicorn's worker
-(:mod:`gyrfalcon.api.worker`) that builds the engine from the settings in the environment, in the
-worker process.
+real engine on a tiny model); what a served process builds it from — settings, plugins, the engine —
+is put together in :mod:`gyrfalcon.compose` (gunicorn's worker runs ``gyrfalcon.compose:asgi_app()``).
 """
 
 from __future__ import annotations
 
 import hmac
-import logging
-import os
 
 import falcon
 import falcon.asgi
@@ -32,8 +29,6 @@ from gyrfalcon.api.resources import (
 )
 from gyrfalcon.config import Settings
 from gyrfalcon.engine_api.interface import Engine
-from gyrfalcon.plugins import plugin_manager
-from gyrfalcon.plugins.engines import build_engine
 
 #: routes that answer without an API key
 PUBLIC_ROUTES = frozenset({"/health", "/version", "/openapi.json", "/metrics"})
@@ -110,27 +105,3 @@ def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager, *, 
     app.add_route("/detokenize", DetokenizeResource(ctx))
     pm.hook.gyrfalcon_add_routes(app=app, engine=engine, settings=settings)
     return WatchedApp(app, drain=lambda: engine.drain(settings.drain_timeout))
-
-
-def worker_engine(settings: Settings, pm: pluggy.PluginManager) -> Engine:
-    """The engine of an API worker: the engine process's core (when ``gyrfalcon serve`` started one,
-    :data:`~gyrfalcon.engine_process.ENGINE_ADDRESS_ENV`) behind this worker's text work, else an
-    engine built in this worker."""
-    from gyrfalcon.engine_process import ENGINE_ADDRESS_ENV
-
-    address = os.environ.get(ENGINE_ADDRESS_ENV)
-    if not address:
-        return build_engine(settings, pm)
-    from gyrfalcon.client import EngineClient
-    from gyrfalcon.engine_process.remote import RemoteEngineCore
-
-    core = RemoteEngineCore(address)
-    return EngineClient(core, model_name=settings.served_names()[0])
-
-
-def asgi_app() -> WatchedApp:
-    """The worker's entry point: settings from the environment, the engine from :func:`worker_engine`."""
-    settings = Settings.from_env()
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s")
-    pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
-    return create_app(worker_engine(settings, pm), settings, pm, lifespan=True)

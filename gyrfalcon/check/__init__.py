@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from gyrfalcon.check.registry import CHECKS, ENDPOINTS, Check, Outcome, Result, selected
+from gyrfalcon.check.registry import CHECKS, ENDPOINTS, Check, Outcome, Result
 from gyrfalcon.check.runner import run_check, run_checks
+from gyrfalcon.check.semantics import selected
 from gyrfalcon.check.target import Target
 
 __all__ = ["CHECKS", "ENDPOINTS", "Check", "Outcome", "Result", "Target", "check_server", "run_check", "selected"]

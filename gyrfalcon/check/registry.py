@@ -95,14 +95,3 @@ def _add(one: Check) -> None:
     if any(c.name == one.name for c in CHECKS):
         raise ValueError(f"two checks named {one.name}")
     CHECKS.append(one)
-
-
-def selected(only: Iterable[str] | None = None) -> list[Check]:
-    """Every semantic check, or those of the endpoint groups in ``only``."""
-    from gyrfalcon.check import semantics  # noqa: F401  (registers the checks)
-
-    wanted = set(ENDPOINTS if only is None else only)
-    unknown = wanted - set(ENDPOINTS)
-    if unknown:
-        raise ValueError(f"unknown endpoint group(s) {sorted(unknown)}; choose from {', '.join(ENDPOINTS)}")
-    return [c for c in CHECKS if c.endpoint in wanted]

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind
 from gyrfalcon.errors import RequestError
-from gyrfalcon.openapi.limits import first_outside_vocabulary, outside_vocabulary
+from gyrfalcon.engine_api.vocabulary import first_outside_vocabulary, outside_vocabulary
 from gyrfalcon.policies import LogitsProcessor, LogprobGatherer
 
 #: ``SamplingParams`` fields (and ``cache_salt``) the engine honours itself; processors and

@@ -19,10 +19,9 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m gyrfalcon.engine_process ADDRESS", file=sys.stderr)
         return 2
+    from gyrfalcon.compose import engine_core
     from gyrfalcon.config import Settings
     from gyrfalcon.engine_process.server import EngineServer
-    from gyrfalcon.plugins import plugin_manager
-    from gyrfalcon.plugins.engines import build_engine, engine_core
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(process)d] [%(levelname)s] engine: %(message)s")
     settings = Settings.from_env()
@@ -31,8 +30,7 @@ def main(argv: list[str]) -> int:
     early: list[int] = []
     signal.signal(signal.SIGUSR1, lambda signum, frame: early.append(signum))
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-    pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
-    core = engine_core(build_engine(settings, pm))
+    core = engine_core(settings)
     server = EngineServer(core, argv[0], parent_pid=os.getppid())
     signal.signal(signal.SIGUSR1, lambda signum, frame: server.drain(settings.drain_timeout))
     signal.signal(signal.SIGTERM, lambda signum, frame: server.stop())

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from gyrfalcon.engine_api.vocabulary import outside_vocabulary
+
 
 @dataclass
 class ServedLimits:
@@ -148,17 +150,6 @@ def longest_array(limits: ServedLimits, spec_max_items: int) -> int:
     """The most items any array of any request may hold on this deployment: a longer one is refused
     before the body is walked (``spec_max_items``: the largest fixed ``maxItems`` of the documents)."""
     return max(limits.max_model_len, limits.max_prompts or 0, spec_max_items)
-
-
-def first_outside_vocabulary(ids: Iterable[Any], vocab_size: int) -> Any | None:
-    """The first of ``ids`` that is not a token id of a vocabulary of ``vocab_size`` (an integer in
-    ``[0, vocab_size)``), or None: the one vocabulary rule, for the engine's own checks too."""
-    return next((t for t in ids if not _is_int(t) or not 0 <= t < vocab_size), None)
-
-
-def outside_vocabulary(token_id: Any, param: str, vocab_size: int) -> str:
-    """The message of a token id outside the vocabulary."""
-    return f"Token id {token_id!r} in '{param}' is outside the vocabulary (size {vocab_size})"
 
 
 # ---------------------------------------------------------------------- helpers

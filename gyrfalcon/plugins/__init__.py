@@ -56,3 +56,13 @@ def merged_dict(results: list[dict[str, Any] | None], what: str) -> dict[str, An
                 raise RuntimeError(f"{what} {key!r} is offered by two plugins")
             merged[key] = value
     return merged
+
+
+def installed(results: list[dict[str, Any] | None], what: str, name: str) -> Any:
+    """The offer named ``name`` among a hook's merged offers (:func:`merged_dict`); ValueError,
+    naming the option and what is installed, when no plugin offers it."""
+    offers = merged_dict(results, what)
+    if name not in offers:
+        flag = "--" + what.replace(" ", "-")
+        raise ValueError(f"{flag} {name!r} is not installed; available: {', '.join(sorted(offers))}")
+    return offers[name]

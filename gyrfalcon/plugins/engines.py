@@ -40,12 +40,13 @@ def create_transformers_engine(
 
 def build_engine(settings: Settings, pm: Any) -> Any:
     """The engine backend named by ``settings.engine``, from the plugins' offers (an ``Engine``)."""
-    from gyrfalcon.plugins import merged_dict
+    from gyrfalcon.plugins import installed
 
-    engines = merged_dict(pm.hook.gyrfalcon_engines(), "engine")
-    if settings.engine not in engines:
-        raise SystemExit(f"--engine {settings.engine!r} is not installed; available: {', '.join(sorted(engines))}")
-    return engines[settings.engine](settings, pm)
+    try:
+        factory = installed(pm.hook.gyrfalcon_engines(), "engine", settings.engine)
+    except ValueError as exc:  # the process cannot serve: it stops with that one line
+        raise SystemExit(str(exc)) from None
+    return factory(settings, pm)
 
 
 def engine_core(engine: Any) -> Any:

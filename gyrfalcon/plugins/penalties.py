@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
-from gyrfalcon.openapi.limits import first_outside_vocabulary, outside_vocabulary
+from gyrfalcon.engine_api.vocabulary import first_outside_vocabulary, outside_vocabulary
 from gyrfalcon.hookspecs import hookimpl
 from gyrfalcon.policies import (
     BatchRows,

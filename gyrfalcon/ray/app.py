@@ -22,7 +22,7 @@ import signal
 import threading
 from typing import Any
 
-from gyrfalcon.config import Settings, read_private_keys_file
+from gyrfalcon.config import Settings, read_private_keys_file, write_private_keys_file
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +43,13 @@ class Ingress:
             self._settings.api_keys = read_private_keys_file(api_keys_file)
 
     def __serve_build_asgi_app__(self) -> Any:
-        from gyrfalcon.api.app import create_app
+        from gyrfalcon import compose
         from gyrfalcon.client import EngineClient
-        from gyrfalcon.plugins import plugin_manager
         from gyrfalcon.ray.core import RayEngineCore
 
         settings = self._settings
-        pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
         engine = EngineClient(RayEngineCore(self._engine_handle), model_name=settings.served_names()[0])
-        return create_app(engine, settings, pm, lifespan=True)
+        return compose.app(settings, engine, compose.plugins(settings))
 
 
 def replica_gpus(settings: Settings) -> float:
@@ -126,18 +124,17 @@ def settings_from_options(options: dict[str, str]) -> tuple[Settings, str | None
     or ``_``); the keys of ``$GYRFALCON_API_KEY`` and ``api_key_file`` go to a private file."""
     import argparse
 
-    from gyrfalcon import cli
+    from gyrfalcon import compose
     from gyrfalcon.models.default import resolve_model
 
     parser = argparse.ArgumentParser(prog="serve run gyrfalcon.ray:app")
-    commands = parser.add_subparsers(dest="command")
-    cli._serve_parser(commands)
-    actions = {a.dest: a for a in commands.choices["serve"]._actions}
-    argv = ["serve"]
+    compose.add_serve_arguments(parser)
+    actions = {a.dest: a for a in parser._actions}
+    argv = []
     for key, value in options.items():
         name = key.replace("-", "_")
-        flag = "--" + name.replace("_", "-")
         action = actions.get(name)
+        flag = action.option_strings[0] if action else "--" + name.replace("_", "-")
         if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
             yes = str(value).lower() in ("1", "true", "yes")
             if isinstance(action, argparse.BooleanOptionalAction):
@@ -147,13 +144,10 @@ def settings_from_options(options: dict[str, str]) -> tuple[Settings, str | None
         else:
             argv += [flag, *str(value).split()]
     args = parser.parse_args(argv)
-    settings = cli.settings_from_args(args)
-    settings.ray = True
-    settings.api_keys = [*settings.api_keys, *cli._keys_from_env_and_file(args)]
-    settings.validate()
-    settings.served_model_name = settings.served_names()
+    args.ray = True
+    settings = compose.serve_settings(args)
     settings.model = resolve_model(settings.model, settings.cache_dir)
-    keys_file = cli.private_keys_file(settings.api_keys) if settings.api_keys else None
+    keys_file = write_private_keys_file(settings.api_keys) if settings.api_keys else None
     return settings, keys_file
 
 
@@ -164,9 +158,7 @@ def serve_forever(settings: Settings, host: str, port: int) -> int:
     import ray
     from ray import serve
 
-    from gyrfalcon.cli import private_keys_file
-
-    keys_file = private_keys_file(settings.api_keys) if settings.api_keys else None
+    keys_file = write_private_keys_file(settings.api_keys) if settings.api_keys else None
     stop = threading.Event()
     ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": REPLICA_ENV})  # fmt: skip

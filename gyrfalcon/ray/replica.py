@@ -30,13 +30,10 @@ class EngineReplica:
     """Holds one engine core, built from ``settings_json`` (:meth:`gyrfalcon.config.Settings.to_env`)."""
 
     def __init__(self, settings_json: str) -> None:
+        from gyrfalcon.compose import engine_core
         from gyrfalcon.config import Settings
-        from gyrfalcon.plugins import plugin_manager
-        from gyrfalcon.plugins.engines import build_engine, engine_core
 
-        settings = Settings(**json.loads(settings_json))
-        pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
-        self.core = engine_core(build_engine(settings, pm))
+        self.core = engine_core(Settings(**json.loads(settings_json)))
 
     async def generate(self, request: list[Any]) -> AsyncIterator[bytes]:
         """Run one encoded request (see the module docstring for the items)."""

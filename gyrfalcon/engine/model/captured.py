@@ -33,9 +33,10 @@ import torch
 
 from gyrfalcon.engine.model import staging
 from gyrfalcon.engine.model.attention import StepMetadata
+from gyrfalcon.engine.model.work import Work, block_tables
 
 if TYPE_CHECKING:  # pragma: no cover
-    from gyrfalcon.engine.model.runner import ModelRunner, Work
+    from gyrfalcon.engine.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -276,8 +277,6 @@ class DecodeSteps:
 
     def run(self, works: list[Work]) -> torch.Tensor | None:
         """The ``[len(works), V]`` fp32 next-token logits of a decode step (None: no bucket fits)."""
-        from gyrfalcon.engine.model.runner import block_tables
-
         key = self.bucket(len(works), max(w.start + 1 for w in works))
         if key is None:
             return None

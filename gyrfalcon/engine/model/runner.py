@@ -11,7 +11,6 @@ pads them to a fixed bucket and (on CUDA) replays a captured graph.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -19,37 +18,9 @@ from gyrfalcon.engine.kv.cache import PagedKVCache
 from gyrfalcon.engine.model import staging
 from gyrfalcon.engine.model.attention import STEP_KWARG, Segment, StepMetadata, register
 from gyrfalcon.engine.model.captured import DecodeSteps
+from gyrfalcon.engine.model.work import Work, block_tables, slots_of
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Work:
-    """Feed ``tokens`` at positions ``start ..`` of a sequence whose block table is ``blocks``.
-
-    ``logits``: ``"last"`` (the next-token logits after the last one), ``"all"`` (one row per fed
-    token: prompt logprobs) or ``"none"`` (a prefill chunk that does not reach the end).
-    """
-
-    tokens: list[int]
-    start: int
-    blocks: list[int]
-    logits: str = "last"
-
-
-def _slots(blocks: list[int], start: int, stop: int, block_size: int) -> list[int]:
-    return [blocks[p // block_size] * block_size + p % block_size for p in range(start, stop)]
-
-
-def block_tables(tables: list[list[int]], blocks: int) -> list[int]:
-    """Each table's first ``blocks`` blocks, padded with the scratch block (0), whose columns lie
-    past every row's position and are masked: ``len(tables) * blocks`` ids, row after row."""
-    flat: list[int] = []
-    for table in tables:
-        head = table[:blocks]
-        flat.extend(head)
-        flat.extend([0] * (blocks - len(head)))
-    return flat
 
 
 class ModelRunner:
@@ -111,7 +82,7 @@ class ModelRunner:
             offset, count = len(ids), len(work.tokens)
             ids.extend(work.tokens)
             positions.extend(range(work.start, work.start + count))
-            slots.extend(_slots(work.blocks, work.start, work.start + count, bs))
+            slots.extend(slots_of(work.blocks, work.start, work.start + count, bs))
             (decode if count == 1 else prefill).append((offset, work))
             rows = {"last": [offset + count - 1], "all": list(range(offset, offset + count))}.get(work.logits, [])
             spans.append((len(keep), len(rows)))

@@ -1,0 +1,136 @@
+"""The inference endpoints, one object each: what the rest of the code asks of an endpoint, so none
+of it tests an endpoint's name.
+
+An :class:`Endpoint` holds its route, its generated wire model and documented defaults, how its
+prompts are given (:class:`Prompts`), how its logprobs are asked for, the prefix of its response ids
+and where its fields live on the wire (generate nests the sampling fields under
+``sampling_params``). The translator, the rules and the serving layer read these; the formatter of
+each endpoint is chosen by the serving layer (:data:`gyrfalcon.serving.formats.FORMATTERS`).
+Adding an endpoint is adding an object here, its formatter, and its route.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import pydantic
+import pydantic_core
+
+from gyrfalcon import generated
+
+
+class Prompts(enum.Enum):
+    """How an endpoint's request gives its prompt(s)."""
+
+    #: ``token_ids``: one prompt of token ids
+    TOKEN_IDS = "token_ids"
+    #: ``prompt``: a text, a list of token ids, or a list of either (several prompts)
+    TEXT_OR_IDS = "text_or_ids"
+    #: ``messages``: one conversation, rendered with the chat template
+    CONVERSATION = "conversation"
+    #: ``messages``: a list of conversations, one choice each
+    CONVERSATIONS = "conversations"
+
+
+def wire_defaults(model: type[pydantic.BaseModel]) -> dict[str, Any]:
+    """Documented defaults of a generated model's fields, by wire name."""
+    defaults = {}
+    for name, info in model.model_fields.items():
+        default = info.default
+        if default is pydantic_core.PydanticUndefined or default is getattr(pydantic, "MISSING", object()):
+            continue
+        if default is None and not info.is_required() and info.annotation is not None and "None" not in str(info.annotation):
+            continue
+        defaults[info.alias or name] = default
+    return defaults
+
+
+@dataclass(frozen=True, eq=False)
+class Endpoint:
+    """One inference endpoint (see the module docstring)."""
+
+    #: the name hooks and the access log know it by (``gyrfalcon_validate_request``'s ``endpoint``)
+    name: str
+    route: str
+    wire_model: type[pydantic.BaseModel]
+    #: ``{id_prefix}-{id}``: the response's id
+    id_prefix: str
+    prompts: Prompts
+    #: the field that holds the prompt (what an engine error on ``prompt`` names)
+    prompt_param: str
+    #: chat's logprobs: ``logprobs`` a bool and ``top_logprobs`` the count (else ``logprobs`` is the count)
+    chat_logprobs: bool = False
+    #: ``max_tokens`` when the client sets none (None: what the context leaves after the prompt)
+    default_max_tokens: int | None = None
+    #: ``echo`` with ``max_tokens`` 0 is answered from the prompt alone
+    echoes_prompt_alone: bool = False
+    #: the object the sampling fields are nested in on the wire, with its generated model
+    nested: str | None = None
+    nested_model: type[pydantic.BaseModel] | None = None
+    #: fields that stay at the top level of the body when fields are nested
+    top_level: frozenset[str] = frozenset()
+
+    @property
+    def chat(self) -> bool:
+        """Conversations rendered with the chat template (so tools may be offered)."""
+        return self.prompts in (Prompts.CONVERSATION, Prompts.CONVERSATIONS)
+
+    @property
+    def batch(self) -> bool:
+        """Several conversations, one choice each (never streamed)."""
+        return self.prompts is Prompts.CONVERSATIONS
+
+    @cached_property
+    def defaults(self) -> dict[str, Any]:
+        """The documented defaults of every field, by (flattened) wire name."""
+        values = wire_defaults(self.wire_model)
+        if self.nested_model is not None:
+            values.update(wire_defaults(self.nested_model))
+        return values
+
+    def flatten(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The sent fields with the nested object's merged in (one namespace for the rules)."""
+        values = dict(body)
+        if self.nested is not None:
+            values.update(values.pop(self.nested, None) or {})
+        return values
+
+    def nested_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The object of ``body`` that holds the sampling fields (the body itself unless nested)."""
+        return body.get(self.nested, body) if self.nested is not None else body
+
+    def param(self, name: str) -> str:
+        """A flattened field's name as the client wrote it (``sampling_params.top_k`` on generate)."""
+        if self.nested is not None and name not in self.top_level:
+            return f"{self.nested}.{name}"
+        return name
+
+    def __repr__(self) -> str:
+        return f"Endpoint({self.name!r})"
+
+
+GENERATE = Endpoint(
+    "generate", "/inference/v1/generate", generated.GenerateRequest, "generate-tokens", Prompts.TOKEN_IDS, "token_ids",
+    nested="sampling_params", nested_model=generated.GenerateSamplingParams,
+    top_level=frozenset({"token_ids", "sampling_params", "model", "stream", "stream_options", "request_id", "cache_salt",
+                         "priority", "extensions"}),
+)  # fmt: skip
+COMPLETIONS = Endpoint(
+    "completions", "/v1/completions", generated.CompletionRequest, "cmpl", Prompts.TEXT_OR_IDS, "prompt",
+    default_max_tokens=16, echoes_prompt_alone=True,
+)  # fmt: skip
+CHAT = Endpoint("chat", "/v1/chat/completions", generated.ChatCompletionRequest, "chatcmpl", Prompts.CONVERSATION,
+                "messages", chat_logprobs=True)  # fmt: skip
+CHAT_BATCH = Endpoint("chat_batch", "/v1/chat/completions/batch", generated.BatchChatCompletionRequest, "chatcmpl",
+                      Prompts.CONVERSATIONS, "messages", chat_logprobs=True)  # fmt: skip
+
+#: every inference endpoint, by name
+ENDPOINTS: dict[str, Endpoint] = {e.name: e for e in (GENERATE, COMPLETIONS, CHAT, CHAT_BATCH)}
+
+
+def endpoint_of(endpoint: Endpoint | str) -> Endpoint:
+    """The endpoint object (given one, or its name)."""
+    return endpoint if isinstance(endpoint, Endpoint) else ENDPOINTS[endpoint]

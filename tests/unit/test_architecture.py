@@ -1,0 +1,151 @@
+"""The house plan of ``docs/architecture.md``, held against the code's imports.
+
+Rooms are the top-level modules and packages of ``gyrfalcon``; the weight kernels of
+``engine/model/quant`` are a leaf room of their own, and the runtime's ``python -m`` entry points
+(``__main__`` modules) sit at the top with the command line. An import runs from a room to one listed
+before it in :data:`LAYERS`, never to a later one; the engine's side never reaches the wire's rooms;
+the server's rooms never import the tooling; and no module imports itself back through others.
+Imports under ``if TYPE_CHECKING:`` are annotations only and are not counted; imports inside
+functions are.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import gyrfalcon
+
+PACKAGE = Path(gyrfalcon.__file__).parent
+
+#: the rooms, lowest first: each may import only rooms before it (and the package's face)
+LAYERS = [
+    "errors", "generated", "kernels", "engine_api", "openapi", "models", "policies", "engine", "structured",
+    "client", "tools", "protocol", "hookspecs", "serving", "config", "plugins", "engine_process", "api",
+    "compose", "ray", "gunicorn_conf", "entrypoints", "cli",
+    # tooling: beside the runtime, above it
+    "codegen", "contract", "check", "bench", "campaigns",
+]  # fmt: skip
+TOOLING = {"codegen", "contract", "check", "bench", "campaigns"}
+#: the engine's side knows token ids, never the wire
+ENGINE_SIDE = {"engine", "engine_api", "policies", "kernels"}
+WIRE = {"api", "protocol", "openapi", "serving"}
+#: the command line dispatches to the tooling's commands (lazily); no other runtime room may
+COMMANDS = {"cli"}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return None  # the package's face
+    if parts[1:4] == ["engine", "model", "quant"]:
+        return "kernels"
+    if parts[-1] == "__main__" and parts[1] not in TOOLING:  # ``python -m`` entry points: at the top
+        return "entrypoints"
+    return parts[1]
+
+
+def _imports(path: Path) -> set[str]:
+    """The gyrfalcon modules ``path`` imports (outside ``if TYPE_CHECKING:`` blocks)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for n in ast.walk(node))
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("gyrfalcon"):
+            found.add(node.module)
+            # ``from gyrfalcon.x import y`` may name the submodule y
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("gyrfalcon"))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    sources = {_module(p): p for p in PACKAGE.rglob("*.py") if "generated" not in p.relative_to(PACKAGE).parts}
+    return {m: {t for t in _imports(p) if t in sources and t != m} for m, p in sources.items()}
+
+
+def test_every_room_has_a_layer():
+    rooms = {_room(m) for m in _graph()} - {None}
+    assert rooms - set(LAYERS) == set(), "a new room: give it a place in LAYERS and in docs/architecture.md"
+
+
+def test_imports_run_down_the_layers_only():
+    upward = []
+    for module, targets in _graph().items():
+        here = _room(module)
+        for target in targets:
+            there = _room(target)
+            if here is None or there is None or there == here:
+                continue
+            if there in TOOLING and here not in TOOLING and here not in COMMANDS:
+                upward.append(f"{module} -> {target} (the runtime imports the tooling)")
+            elif here in ENGINE_SIDE and there in WIRE:
+                upward.append(f"{module} -> {target} (the engine's side imports the wire's)")
+            elif LAYERS.index(there) > LAYERS.index(here) and there not in TOOLING:
+                upward.append(f"{module} -> {target} ({here} is below {there})")
+    assert upward == []
+
+
+def test_no_module_imports_itself_back():
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    assert cycles == [], cycles
+
+
+def test_the_server_never_loads_the_tooling():
+    """What ``gyrfalcon serve``'s processes import — the command line parsing ``serve``, gunicorn's
+    configuration and worker, the app with its plugins, the engine process — holds no tooling."""
+    script = """
+import sys
+from gyrfalcon import cli
+cli.main_parser(["serve"]).parse_args(["serve"])
+import gyrfalcon.gunicorn_conf, gyrfalcon.api.app, gyrfalcon.api.worker
+import gyrfalcon.engine_process.__main__, gyrfalcon.engine_process.launch
+from gyrfalcon.plugins import merged_dict, plugin_manager
+pm = plugin_manager()
+merged_dict(pm.hook.gyrfalcon_engines(), "engine")
+tooling = set(sys.argv[1:])
+print(" ".join(sorted(m for m in sys.modules if m.startswith("gyrfalcon.") and m.split(".")[1] in tooling)))
+"""
+    done = subprocess.run([sys.executable, "-c", script, *TOOLING], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == []
