@@ -29,6 +29,7 @@ from gyrfalcon.api.resources import (
 )
 from gyrfalcon.config import Settings
 from gyrfalcon.engine_api.interface import Engine
+from gyrfalcon.protocol.endpoints import ENDPOINTS
 
 #: routes that answer without an API key
 PUBLIC_ROUTES = frozenset({"/health", "/version", "/openapi.json", "/metrics"})
@@ -97,10 +98,8 @@ def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager, *, 
     app.add_route("/metrics", MetricsResource(ctx))
     app.add_route("/openapi.json", OpenAPIResource(ctx))
     app.add_route("/v1/models", ModelsResource(ctx))
-    app.add_route("/inference/v1/generate", InferenceResource(ctx, "generate"))
-    app.add_route("/v1/completions", InferenceResource(ctx, "completions"))
-    app.add_route("/v1/chat/completions", InferenceResource(ctx, "chat"))
-    app.add_route("/v1/chat/completions/batch", InferenceResource(ctx, "chat_batch"))
+    for endpoint in ENDPOINTS.values():
+        app.add_route(endpoint.route, InferenceResource(ctx, endpoint))
     app.add_route("/tokenize", TokenizeResource(ctx))
     app.add_route("/detokenize", DetokenizeResource(ctx))
     pm.hook.gyrfalcon_add_routes(app=app, engine=engine, settings=settings)

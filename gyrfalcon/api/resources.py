@@ -19,6 +19,7 @@ from gyrfalcon.api.errors import APIError
 from gyrfalcon.api.metrics import MetricsExposition
 from gyrfalcon.api.sse import start_stream
 from gyrfalcon.engine_api.interface import OutputStream
+from gyrfalcon.protocol.endpoints import Endpoint
 from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.serving.runner import complete, stream_chunks, submit_all
 
@@ -87,7 +88,7 @@ class OpenAPIResource:
 class InferenceResource:
     """POST an inference request: translate, submit, then answer JSON or stream SSE."""
 
-    def __init__(self, ctx: ServerContext, endpoint: str) -> None:
+    def __init__(self, ctx: ServerContext, endpoint: Endpoint) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
 
@@ -115,7 +116,7 @@ class InferenceResource:
     def _accept(self, raw: bytes, request_id: str | None) -> tuple[ServingRequest, list[OutputStream]]:
         """Parse, translate and submit (in a worker thread)."""
         serving = self.ctx.translator().translate(self.endpoint, self.ctx.parse_body(raw), request_id)
-        access_log.info("%s %s user=%r prompts=%d n=%d stream=%s%s", self.endpoint, serving.response_id, serving.user,
+        access_log.info("%s %s user=%r prompts=%d n=%d stream=%s%s", self.endpoint.name, serving.response_id, serving.user,
                         len(serving.requests), serving.n, serving.stream,
                         "".join(f" {k}={v!r}" for k, v in serving.recorded.items()))  # fmt: skip
         return serving, [] if serving.prompt_only else submit_all(self.ctx.engine, serving)

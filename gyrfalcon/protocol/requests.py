@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gyrfalcon.engine_api.types import EngineRequest
+from gyrfalcon.protocol.endpoints import Endpoint, endpoint_of
 
 
 @dataclass
@@ -29,7 +30,7 @@ class ServingRequest:
     (batch chat: ``n`` is 1, so index = conversation).
     """
 
-    endpoint: str
+    endpoint: Endpoint
     model: str
     response_id: str
     requests: list[EngineRequest]
@@ -60,6 +61,9 @@ class ServingRequest:
     constraint_param: str | None = None
     #: chat with tools (and tool_choice other than none): calls in the answer become ``tool_calls``
     tools: ToolUse | None = None
+
+    def __post_init__(self) -> None:
+        self.endpoint = endpoint_of(self.endpoint)
 
     def wire_param(self, param: str | None) -> str | None:
         """An engine-side ``param`` (an in-band error's, a refused submit's) as this client wrote it."""

@@ -15,29 +15,24 @@ from typing import Any
 
 from gyrfalcon.engine_api.types import GREEDY_TEMPERATURE
 from gyrfalcon.errors import RequestError
-
-#: endpoints that accept a request body
-ENDPOINTS = ("generate", "completions", "chat", "chat_batch")
-
-#: fields that live under ``sampling_params`` in a generate request
-TOP_LEVEL_GENERATE_FIELDS = frozenset(
-    {"token_ids", "sampling_params", "model", "stream", "stream_options", "request_id", "cache_salt", "priority", "extensions"}
-)
+from gyrfalcon.protocol.endpoints import Endpoint, endpoint_of
 
 
 @dataclass(frozen=True)
 class RequestFields:
-    """The fields a client actually sent, flattened (generate's ``sampling_params`` merged in)."""
+    """The fields a client actually sent to ``endpoint``, flattened (generate's ``sampling_params``
+    merged in)."""
 
-    endpoint: str
+    endpoint: Endpoint
     values: dict[str, Any]
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "endpoint", endpoint_of(self.endpoint))
+
     @classmethod
-    def from_body(cls, endpoint: str, body: dict[str, Any]) -> RequestFields:
-        values = dict(body)
-        if endpoint == "generate":
-            values.update(values.pop("sampling_params", None) or {})
-        return cls(endpoint, values)
+    def from_body(cls, endpoint: Endpoint | str, body: dict[str, Any]) -> RequestFields:
+        endpoint = endpoint_of(endpoint)
+        return cls(endpoint, endpoint.flatten(body))
 
     def has(self, name: str) -> bool:
         return name in self.values
@@ -47,9 +42,7 @@ class RequestFields:
 
     def param(self, name: str) -> str:
         """The field's name as the client wrote it (``sampling_params.top_k`` on generate)."""
-        if self.endpoint == "generate" and name not in TOP_LEVEL_GENERATE_FIELDS:
-            return f"sampling_params.{name}"
-        return name
+        return self.endpoint.param(name)
 
     def error(self, name: str, message: str) -> RequestError:
         return RequestError(message, self.param(name))
@@ -57,18 +50,14 @@ class RequestFields:
 
 Rule = Callable[[RequestFields], None]
 
-#: the field holding each endpoint's prompt, for errors the engine reports on "prompt"
-PROMPT_PARAM = {"generate": "token_ids", "completions": "prompt", "chat": "messages", "chat_batch": "messages"}
-
-
-def wire_param(endpoint: str, param: str | None) -> str | None:
+def wire_param(endpoint: Endpoint | str, param: str | None) -> str | None:
     """An engine-side ``param`` (``SamplingParams`` names, ``prompt``) as the client wrote it."""
     if param is None:
         return None
-    root, _, rest = param.partition(".")
-    if root == "prompt":
-        return PROMPT_PARAM[endpoint]
-    return RequestFields(endpoint, {}).param(param)
+    endpoint = endpoint_of(endpoint)
+    if param.partition(".")[0] == "prompt":
+        return endpoint.prompt_param
+    return endpoint.param(param)
 
 
 def stream_options_requires_stream(f: RequestFields) -> None:
@@ -87,27 +76,27 @@ def n_greedy(f: RequestFields) -> None:
 
 
 def top_logprobs_requires_logprobs(f: RequestFields) -> None:
-    if f.endpoint in ("chat", "chat_batch") and (f.get("top_logprobs") or 0) > 0 and f.get("logprobs") is not True:
+    if f.endpoint.chat_logprobs and (f.get("top_logprobs") or 0) > 0 and f.get("logprobs") is not True:
         raise f.error("top_logprobs", "'top_logprobs' above 0 requires 'logprobs': true")
 
 
 def logprob_token_ids_requires_logprobs(f: RequestFields) -> None:
     if not f.has("logprob_token_ids"):
         return
-    if f.endpoint in ("chat", "chat_batch"):
-        ok = f.get("logprobs") is True
-    else:
-        ok = f.get("logprobs") is not None
-    if not ok:
-        wanted = "'logprobs': true" if f.endpoint in ("chat", "chat_batch") else "'logprobs' to be set"
+    if not _asks_logprobs(f):
+        wanted = "'logprobs': true" if f.endpoint.chat_logprobs else "'logprobs' to be set"
         raise f.error("logprob_token_ids", f"'logprob_token_ids' requires {wanted}")
 
 
+def _asks_logprobs(f: RequestFields) -> bool:
+    """Chat asks with ``logprobs: true``, the others with a count."""
+    return f.get("logprobs") is True if f.endpoint.chat_logprobs else f.get("logprobs") is not None
+
+
 def return_tokens_as_token_ids_requires_logprobs(f: RequestFields) -> None:
-    if f.endpoint == "generate" or f.get("return_tokens_as_token_ids") is not True:
+    if f.get("return_tokens_as_token_ids") is not True:  # (generate has no such field)
         return
-    ok = f.get("logprobs") is True if f.endpoint in ("chat", "chat_batch") else f.get("logprobs") is not None
-    if not ok:
+    if not _asks_logprobs(f):
         raise f.error("return_tokens_as_token_ids", "'return_tokens_as_token_ids' only changes logprobs: it requires 'logprobs'")
 
 
@@ -117,12 +106,21 @@ def logprob_token_ids_not_beam_search(f: RequestFields) -> None:
 
 
 def logprob_token_ids_not_echo_without_tokens(f: RequestFields) -> None:
-    if f.endpoint == "completions" and f.has("logprob_token_ids") and f.get("echo") is True and f.get("max_tokens", 16) == 0:
+    if f.has("logprob_token_ids") and _prompt_alone(f):
         raise f.error("logprob_token_ids", "'logprob_token_ids' needs generated positions: not with 'echo' and 'max_tokens': 0")
 
 
+def _prompt_alone(f: RequestFields) -> bool:
+    """``echo`` with ``max_tokens`` 0: the answer is the prompt alone (completions)."""
+    return f.endpoint.echoes_prompt_alone and f.get("echo") is True and _zero_max_tokens(f)
+
+
+def _zero_max_tokens(f: RequestFields) -> bool:
+    return f.endpoint.echoes_prompt_alone and f.get("max_tokens", f.endpoint.default_max_tokens) == 0
+
+
 def max_tokens_zero_requires_echo(f: RequestFields) -> None:
-    if f.endpoint == "completions" and f.get("max_tokens", 16) == 0 and f.get("echo") is not True:
+    if _zero_max_tokens(f) and f.get("echo") is not True:
         raise f.error("max_tokens", "'max_tokens': 0 is only allowed with 'echo': true")
 
 
@@ -132,7 +130,7 @@ def stop_requires_detokenize(f: RequestFields) -> None:
 
 
 def batch_chat_not_streaming(f: RequestFields) -> None:
-    if f.endpoint == "chat_batch" and f.get("stream") is True:
+    if f.endpoint.batch and f.get("stream") is True:
         raise f.error("stream", "Batch chat does not stream: 'stream' must be false")
 
 

@@ -1,6 +1,7 @@
 """The one boundary where generated wire models become internal requests.
 
-``Translator.translate(endpoint, body, header_request_id)`` runs, in order: extension validation,
+``Translator.translate(endpoint, body, header_request_id)`` (an :class:`Endpoint` of
+:mod:`gyrfalcon.protocol.endpoints`, or its name) runs, in order: extension validation,
 strict schema validation (generated model), cross-field rules, the "not supported" check, model
 lookup, prompt building and limits, then the plugins' ``gyrfalcon_validate_request``. Every refusal
 is a :class:`RequestError` naming its ``param``.
@@ -14,31 +15,20 @@ from collections.abc import Callable
 from typing import Any
 
 import jsonschema
-import orjson
-import pydantic
-import pydantic_core
 
 from gyrfalcon import generated
 from gyrfalcon.engine_api.interface import Engine
 from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.capabilities import check_supported
+from gyrfalcon.protocol.chat import ChatRenderer, ChatRendering
+from gyrfalcon.protocol.endpoints import Endpoint, Prompts, endpoint_of
 from gyrfalcon.protocol.requests import ServingRequest, ToolUse
 from gyrfalcon.protocol.rules import RequestFields, check_rules
-from gyrfalcon.protocol.tools import tool_constraint, tool_use, with_instructions
+from gyrfalcon.protocol.tools import tool_constraint, tool_use
 from gyrfalcon.openapi.limits import ServedLimits, limits_of, longest_array, walk_schemas
 from gyrfalcon.openapi.served import bundle, request_schema_names
 from gyrfalcon.protocol.wire import sent_fields, validate
-
-#: the generated model of each endpoint's request body
-WIRE_MODELS: dict[str, type[pydantic.BaseModel]] = {
-    "generate": generated.GenerateRequest,
-    "completions": generated.CompletionRequest,
-    "chat": generated.ChatCompletionRequest,
-    "chat_batch": generated.BatchChatCompletionRequest,
-}
-
-RESPONSE_ID_PREFIX = {"generate": "generate-tokens", "completions": "cmpl", "chat": "chatcmpl", "chat_batch": "chatcmpl"}
 
 #: wire fields copied as they are into SamplingParams
 _COPIED = (
@@ -48,7 +38,6 @@ _COPIED = (
     "prompt_logprobs", "logprob_token_ids", "detokenize",
 )
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 def _max_properties() -> dict[str, int]:
     """``maxProperties`` of the request fields that state one in the spec (the generated models
@@ -81,19 +70,6 @@ SPEC_MAX_ITEMS = _spec_max_items()
 RECORDED_FIELDS = ("metadata", "service_tier", "safety_identifier", "prompt_cache_key")
 
 
-def wire_defaults(model: type[pydantic.BaseModel]) -> dict[str, Any]:
-    """Documented defaults of a generated model's fields, by wire name."""
-    defaults = {}
-    for name, info in model.model_fields.items():
-        default = info.default
-        if default is pydantic_core.PydanticUndefined or default is getattr(pydantic, "MISSING", object()):
-            continue
-        if default is None and not info.is_required() and info.annotation is not None and "None" not in str(info.annotation):
-            continue
-        defaults[info.alias or name] = default
-    return defaults
-
-
 class Translator:
     """Turns request bodies into :class:`ServingRequest` objects for one engine."""
 
@@ -110,7 +86,7 @@ class Translator:
         self.engine = engine
         #: the convention tool calls are written in (gyrfalcon.tools.parsers), None: no tools
         self.tool_parser = tool_parser
-        self._renders_tools: bool | None = None
+        self.chat = ChatRenderer(engine)
         #: most sequences (prompts × n) in one request
         self.max_seqs = max_seqs
         self.info: EngineInfo = engine.info()
@@ -127,29 +103,20 @@ class Translator:
         )  # fmt: skip
         #: the longest array any request may hold here: longer ones are refused before the body is walked
         self.max_array_items = longest_array(self.limits, SPEC_MAX_ITEMS)
-        self._defaults = {endpoint: wire_defaults(model) for endpoint, model in WIRE_MODELS.items()}
-        self._defaults["generate"].update(wire_defaults(generated.GenerateSamplingParams))
 
     # ------------------------------------------------------------------ steps
-    def translate(self, endpoint: str, body: Any, header_request_id: str | None = None) -> ServingRequest:
+    def translate(self, endpoint: Endpoint | str, body: Any, header_request_id: str | None = None) -> ServingRequest:
+        """The :class:`ServingRequest` of a request ``body`` sent to ``endpoint`` (or its name)."""
+        endpoint = endpoint_of(endpoint)
         if not isinstance(body, dict):
             raise RequestError("The request body must be a JSON object", None)
         body = dict(body)
-        raw_extensions = body.pop("extensions", None)
-        wire = validate(WIRE_MODELS[endpoint], body)  # schema errors first, extensions' included
-        extensions = self._check_extensions(raw_extensions) if raw_extensions is not None else None
-        sent = sent_fields(wire)
-        if extensions is not None:
-            sent["extensions"] = extensions
-        fields = RequestFields.from_body(endpoint, sent)
-        check_rules(fields)
-        check_supported(fields, self._defaults[endpoint], self.info.capabilities)
+        fields = self._fields(endpoint, body)
         model = self._model_name(fields.get("model"))
         self._check_limits(fields)
-
         external_id = header_request_id or fields.get("request_id")
-        response_id = f"{RESPONSE_ID_PREFIX[endpoint]}-{external_id or uuid.uuid4().hex}"
-        tools = tool_use(fields, body, self.tool_parser) if endpoint in ("chat", "chat_batch") else None
+        response_id = f"{endpoint.id_prefix}-{external_id or uuid.uuid4().hex}"
+        tools = tool_use(fields, body, self.tool_parser) if endpoint.chat else None
         prompts, prompt_texts, prompt_param = self._prompts(fields, tools)
         sampling = self._sampling(fields)
         sampling.structured_outputs = tool_constraint(tools, fields, structured_constraint(fields, body))
@@ -157,43 +124,65 @@ class Translator:
             raise fields.error(
                 "n", f"{len(prompts)} prompts x n={sampling.n} asks for more than the {self.max_seqs} sequences one request may have"
             )
-        stream = bool(fields.get("stream", False))
-        kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
-        requests = []
-        for i, prompt in enumerate(prompts):
-            params = self._with_max_tokens(fields, sampling, len(prompt), prompt_param)
-            requests.append(
-                EngineRequest(
-                    request_id=f"{response_id}-{i}-{uuid.uuid4().hex[:8]}",
-                    prompt_token_ids=prompt,
-                    sampling=params,
-                    output_kind=kind,
-                    extensions=dict(extensions or {}),
-                    cache_salt=fields.get("cache_salt"),
-                    priority=fields.get("priority", 0),
-                )
+        requests = self._engine_requests(fields, response_id, prompts, prompt_param, sampling)
+        return self._serving_request(fields, model, response_id, requests, prompt_texts, tools)
+
+    def _fields(self, endpoint: Endpoint, body: dict[str, Any]) -> RequestFields:
+        """The sent fields, validated strictly (extensions too), then the cross-field rules and the
+        fields this deployment cannot honour."""
+        raw_extensions = body.pop("extensions", None)
+        wire = validate(endpoint.wire_model, body)  # schema errors first, extensions' included
+        sent = sent_fields(wire)
+        if raw_extensions is not None:
+            sent["extensions"] = self._check_extensions(raw_extensions)
+        fields = RequestFields.from_body(endpoint, sent)
+        check_rules(fields)
+        check_supported(fields, endpoint.defaults, self.info.capabilities)
+        return fields
+
+    def _engine_requests(self, fields: RequestFields, response_id: str, prompts: list[list[int]], prompt_param: str,
+                         sampling: SamplingParams) -> list[EngineRequest]:  # fmt: skip
+        """One engine request per prompt, each with its own ``max_tokens``, checked by the plugins."""
+        kind = OutputKind.DELTA if fields.get("stream", False) else OutputKind.FINAL_ONLY
+        requests = [
+            EngineRequest(
+                request_id=f"{response_id}-{i}-{uuid.uuid4().hex[:8]}",
+                prompt_token_ids=prompt,
+                sampling=self._with_max_tokens(fields, sampling, len(prompt), prompt_param),
+                output_kind=kind,
+                extensions=dict(fields.get("extensions") or {}),
+                cache_salt=fields.get("cache_salt"),
+                priority=fields.get("priority", 0),
             )
+            for i, prompt in enumerate(prompts)
+        ]
         if self._validate_hook is not None:
             try:
                 for request in requests:
-                    self._validate_hook(endpoint=endpoint, request=request, info=self.info)
+                    self._validate_hook(endpoint=fields.endpoint.name, request=request, info=self.info)
             except RequestError as exc:
                 exc.param = hook_param(fields, exc.param)
                 raise
+        return requests
+
+    def _serving_request(self, fields: RequestFields, model: str, response_id: str, requests: list[EngineRequest],
+                         prompt_texts: list[str], tools: ToolUse | None) -> ServingRequest:  # fmt: skip
+        """How the engine requests' outputs are presented."""
+        sampling = requests[0].sampling
         stream_options = fields.get("stream_options") or {}
         # kept only where it differs from structured_outputs' own wire name (whose sub-fields it would hide)
         constraint_param = hook_param(fields, "structured_outputs") if sampling.structured_outputs is not None else None
         if constraint_param == fields.param("structured_outputs"):
             constraint_param = None
         echo = bool(fields.get("echo", False))
-        prompt_only = endpoint == "completions" and echo and requests[0].sampling.max_tokens == 0
+        prompt_only = fields.endpoint.echoes_prompt_alone and echo and sampling.max_tokens == 0
         return ServingRequest(
-            endpoint=endpoint,
+            endpoint=fields.endpoint,
             model=model,
             response_id=response_id,
             requests=requests,
             n=sampling.n,
-            stream=stream,
+            stream=bool(fields.get("stream", False)),
             include_usage=bool(stream_options.get("include_usage", False)),
             # vLLM: usage on every chunk only when the usage chunk is asked for too
             continuous_usage=bool(stream_options.get("include_usage")) and bool(stream_options.get("continuous_usage_stats")),
@@ -205,7 +194,7 @@ class Translator:
             logprobs=fields.get("logprobs"),
             user=fields.get("user"),
             recorded={name: fields.get(name) for name in RECORDED_FIELDS if fields.has(name)},
-            prompt_only=prompt_only and requests[0].sampling.prompt_logprobs is None,
+            prompt_only=prompt_only and sampling.prompt_logprobs is None,
             prompt_logprobs=fields.get("prompt_logprobs"),
             tools=tools,
         )
@@ -246,65 +235,18 @@ class Translator:
     # ------------------------------------------------------------------ prompts
     def _prompts(self, f: RequestFields, tools: ToolUse | None = None) -> tuple[list[list[int]], list[str], str]:
         """Token ids of every prompt, their texts (for echo), and the prompt's param name."""
-        if f.endpoint == "generate":
-            return [f.get("token_ids")], [], "token_ids"
-        if f.endpoint == "completions":
-            return self._completion_prompts(f.get("prompt"))
-        conversations = [f.get("messages")] if f.endpoint == "chat" else f.get("messages")
+        given, name = f.endpoint.prompts, f.endpoint.prompt_param
+        if given is Prompts.TOKEN_IDS:
+            return [f.get(name)], [], name
+        if given is Prompts.TEXT_OR_IDS:
+            return self._completion_prompts(f.get(name))
+        batch = given is Prompts.CONVERSATIONS
+        conversations = f.get(name) if batch else [f.get(name)]
         options = ChatRendering.of(f)
-        prompts = [
-            self._render_chat(messages, options, "messages" if f.endpoint == "chat" else f"messages.{i}", tools)
-            for i, messages in enumerate(conversations)
-        ]
+        prompts = [self.chat.render(messages, options, f"{name}.{i}" if batch else name, tools)
+                   for i, messages in enumerate(conversations)]  # fmt: skip
         echoed = [options.echoed(messages) for messages in conversations] if f.get("echo") is True else []
-        return prompts, echoed, "messages"
-
-    def renders_tools(self) -> bool:
-        """Whether the model's chat template renders ``tools`` (probed once)."""
-        if self._renders_tools is None:
-            probe = [{"role": "user", "content": "x"}]
-            tool = {"type": "function", "function": {"name": "probe_tool", "parameters": {"type": "object"}}}
-            try:
-                self._renders_tools = (self.engine.apply_chat_template(probe, True, template_kwargs={"tools": [tool]})
-                                       != self.engine.apply_chat_template(probe, True))  # fmt: skip
-            except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
-                self._renders_tools = False
-        return self._renders_tools
-
-    def _render_chat(self, messages: list[dict[str, Any]], options: ChatRendering, param: str,
-                     tools: ToolUse | None = None) -> list[int]:  # fmt: skip
-        """Token ids of wire chat messages rendered with the model's template (its special tokens once,
-        unless ``add_special_tokens`` asks for the tokenizer's too), with the request's tools."""
-        plain = [template_message(m, f"{param}.{i}") for i, m in enumerate(messages)]
-        kwargs = options.template_kwargs
-        if tools is not None:
-            if self.renders_tools():
-                kwargs = {**kwargs, "tools": tools.tools}
-            else:  # the template knows nothing of tools: the parser's convention, in plain turns
-                plain = with_instructions(plain, tools)
-
-        def render(msgs: list[dict[str, str]]) -> str:
-            return self.engine.apply_chat_template(msgs, options.add_generation_prompt,
-                                                   continue_final_message=options.continue_final_message,
-                                                   template_kwargs=kwargs)  # fmt: skip
-
-        try:
-            text = render(plain)
-            for key, what in (("name", "message names"), ("tool_calls", "tool calls")):
-                holders = [i for i, m in enumerate(plain) if key in m]
-                if holders and render([{k: v for k, v in m.items() if k != key} for m in plain]) == text:
-                    raise RequestError(f"This model's chat template does not render {what}; '{key}' would be ignored",
-                                       f"{param}.{holders[0]}.{key}")  # fmt: skip
-            tools = [i for i, m in enumerate(plain) if m["role"] == "tool"]
-            others = [m for m in plain if m["role"] != "tool"]
-            if tools and others and render(others) == text:
-                raise RequestError("This model's chat template does not render tool turns; they would be ignored",
-                                   f"{param}.{tools[0]}.role")  # fmt: skip
-        except RequestError:
-            raise
-        except Exception as exc:  # a template raising on these messages is the client's 400
-            raise RequestError(f"The chat template cannot render these messages: {exc}", param) from None
-        return self.engine.tokenize(text, add_special_tokens=options.add_special_tokens)
+        return prompts, echoed, name
 
     # ------------------------------------------------------------------ tokenize / detokenize
     def tokenize(self, body: Any) -> tuple[list[int], list[str] | None]:
@@ -315,7 +257,7 @@ class Translator:
         sent = sent_fields(validate(model, body))
         self._model_name(sent.get("model"))
         if chat:
-            ids = self._render_chat(sent["messages"], ChatRendering(sent.get("add_generation_prompt", True)), "messages")
+            ids = self.chat.render(sent["messages"], ChatRendering(sent.get("add_generation_prompt", True)), "messages")
         else:
             ids = self.engine.tokenize(sent["prompt"], add_special_tokens=sent.get("add_special_tokens", True))
         return ids, self.engine.token_pieces(ids) if sent.get("return_token_strs") else None
@@ -361,7 +303,7 @@ class Translator:
         if f.has("logit_bias"):
             params.logit_bias = {int(k): float(v) for k, v in f.get("logit_bias").items()}
         logprobs = f.get("logprobs")
-        if f.endpoint in ("chat", "chat_batch"):
+        if f.endpoint.chat_logprobs:
             if logprobs is True:
                 params.logprobs = f.get("top_logprobs", 0)
         elif logprobs is not None:
@@ -379,8 +321,8 @@ class Translator:
             name, max_tokens = "max_completion_tokens", f.get("max_completion_tokens")
         elif f.get("max_tokens") is not None:
             name, max_tokens = "max_tokens", f.get("max_tokens")
-        elif f.endpoint == "completions":
-            name, max_tokens = None, COMPLETIONS_DEFAULT_MAX_TOKENS
+        elif f.endpoint.default_max_tokens is not None:
+            name, max_tokens = None, f.endpoint.default_max_tokens
         else:
             name, max_tokens = None, context - prompt_len
         if name is None and "max_tokens" in self.info.default_sampling:  # the model's max_new_tokens caps it
@@ -400,84 +342,6 @@ class Translator:
         return dataclasses.replace(sampling, max_tokens=max_tokens)
 
 
-#: chat template arguments a request's chat_template_kwargs may not override
-RESERVED_TEMPLATE_ARGS = frozenset({"messages", "conversation", "tools", "documents", "chat_template", "tokenize",
-                                    "add_generation_prompt", "continue_final_message", "return_dict",
-                                    "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs"})  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class ChatRendering:
-    """How a request's conversations are rendered (the chat endpoints' template options)."""
-
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
-    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def echoed(self, messages: list[dict[str, Any]]) -> str:
-        """What ``echo`` puts before each choice's content: the last turn's content when it has the
-        reply's role (assistant; without a generation prompt, the reply continues the last turn)."""
-        last = messages[-1]
-        if self.add_generation_prompt and last["role"] != "assistant":
-            return ""
-        content = last.get("content") or ""
-        return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
-
-    @classmethod
-    def of(cls, f: RequestFields) -> ChatRendering:
-        if f.get("continue_final_message") is True and f.get("add_generation_prompt") is not False:
-            # runtime-only (continue_final_message_alone): one more if/then made the chat schema too
-            # complex for Schemathesis' generator
-            raise f.error("continue_final_message",
-                          "'continue_final_message' continues the last message: it needs 'add_generation_prompt': false")  # fmt: skip
-        kwargs = dict(f.get("chat_template_kwargs") or {})
-        for key in kwargs:
-            if key in RESERVED_TEMPLATE_ARGS:
-                raise f.error("chat_template_kwargs", f"'chat_template_kwargs' may not set the template's own argument '{key}'")
-        return cls(f.get("add_generation_prompt", True), f.get("continue_final_message", False),
-                   f.get("add_special_tokens", False), kwargs)  # fmt: skip
-
-
-#: message fields only one role may carry
-ROLE_ONLY_FIELDS = {"tool_calls": "assistant", "reasoning_content": "assistant", "tool_call_id": "tool"}
-
-
-def template_message(message: dict[str, Any], param: str) -> dict[str, Any]:
-    """A wire chat message as chat templates expect it (the runtime rule message_fields_match_role).
-
-    ``developer`` becomes ``system``; text parts are joined by newlines; an assistant turn without
-    content gets ``""`` (templates concatenate it); tool-call arguments are parsed from their JSON
-    text, as vLLM hands them to Hugging Face templates.
-    """
-    role = message["role"]
-    content = message.get("content")
-    for key, owner in ROLE_ONLY_FIELDS.items():
-        if message.get(key) is not None and role != owner:
-            raise RequestError(f"'{key}' belongs to {owner} messages, not to a {role} message", f"{param}.{key}")
-    if role == "tool" and message.get("tool_call_id") is None:
-        raise RequestError("A tool message needs the 'tool_call_id' of the call it answers", f"{param}.tool_call_id")
-    if content is None and role != "assistant":
-        raise RequestError(f"A {role} message needs 'content'", f"{param}.content")
-    if isinstance(content, list):
-        content = "\n".join(part["text"] for part in content)
-    plain: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content or ""}
-    for key in ("name", "tool_call_id", "reasoning_content"):
-        if message.get(key) is not None:
-            plain[key] = message[key]
-    if message.get("tool_calls"):
-        plain["tool_calls"] = [_template_tool_call(call, f"{param}.tool_calls.{j}") for j, call in enumerate(message["tool_calls"])]
-    return plain
-
-
-def _template_tool_call(call: dict[str, Any], param: str) -> dict[str, Any]:
-    try:  # orjson: a decode error past 1024 levels, never a RecursionError
-        arguments = orjson.loads(call["function"]["arguments"])
-    except orjson.JSONDecodeError as exc:
-        raise RequestError(f"Tool call arguments must be a JSON text: {exc}", f"{param}.function.arguments") from None
-    return {"id": call["id"], "type": call["type"], "function": {"name": call["function"]["name"], "arguments": arguments}}
-
-
 def structured_constraint(f: RequestFields, body: dict[str, Any]) -> dict[str, Any] | None:
     """``SamplingParams.structured_outputs`` from ``structured_outputs`` or ``response_format`` (not
     both). JSON schemas are taken from the body as sent: a ``null`` inside a schema means something."""
@@ -485,7 +349,7 @@ def structured_constraint(f: RequestFields, body: dict[str, Any]) -> dict[str, A
     if f.has("structured_outputs"):
         if response_format["type"] != "text":
             raise f.error("structured_outputs", "'structured_outputs' and 'response_format' cannot be used together")
-        sent = body.get("sampling_params", body) if f.endpoint == "generate" else body
+        sent = f.endpoint.nested_body(body)
         return {k: v for k, v in sent["structured_outputs"].items() if v is not None}
     if response_format["type"] == "json_object":
         return {"json_object": True}

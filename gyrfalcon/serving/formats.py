@@ -14,6 +14,7 @@ from typing import Any
 
 from gyrfalcon.engine_api.interface import Engine
 from gyrfalcon.engine_api.types import CompletionOutput, RequestOutput, TokenLogprobs
+from gyrfalcon.protocol.endpoints import CHAT, CHAT_BATCH, COMPLETIONS, GENERATE, Endpoint
 from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.protocol.tools import arguments_text
 from gyrfalcon.serving.logprob_formats import (
@@ -228,7 +229,7 @@ class ChatFormatter(Formatter):
 
     def final(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         body = super().final(outputs)
-        one = self.request.endpoint == "chat"  # one conversation: vLLM's place for its prompt's fields
+        one = not self.request.endpoint.batch  # one conversation: vLLM's place for its prompt's fields
         body["prompt_logprobs"] = self._prompt_logprobs(outputs[0]) if one else None
         body["prompt_token_ids"] = list(outputs[0].prompt_token_ids) if one and self.request.return_token_ids else None
         return body
@@ -258,7 +259,7 @@ class ChatFormatter(Formatter):
             "stop_reason": choice.stop_reason,
             "token_ids": list(choice.token_ids) if self.request.return_token_ids else None,
         }
-        if self.request.endpoint == "chat_batch":  # per conversation
+        if self.request.endpoint.batch:  # per conversation
             if self.request.prompt_logprobs is not None:
                 body["prompt_logprobs"] = self._prompt_logprobs(output)
             if self.request.return_token_ids:
@@ -351,9 +352,10 @@ class GenerateFormatter(Formatter):
         return self._choice(prompt_index, choice)
 
 
-FORMATTERS: dict[str, type[Formatter]] = {
-    "generate": GenerateFormatter,
-    "completions": CompletionFormatter,
-    "chat": ChatFormatter,
-    "chat_batch": ChatFormatter,
+#: each endpoint's response shapes
+FORMATTERS: dict[Endpoint, type[Formatter]] = {
+    GENERATE: GenerateFormatter,
+    COMPLETIONS: CompletionFormatter,
+    CHAT: ChatFormatter,
+    CHAT_BATCH: ChatFormatter,
 }
