@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import json
 import queue
-import statistics
 import threading
 import time
 import urllib.parse

@@ -22,13 +22,12 @@ import torch
 
 from gyrfalcon.engine.batcher import Batcher
 from gyrfalcon.engine_api.interface import EngineCore, OutputStream
-from gyrfalcon.engine.kv.blocks import BlockPool
-from gyrfalcon.engine.kv.cache import KVShape, PagedKVCache, plan_cache
 from gyrfalcon.engine.model.captured import DecodePath
-from gyrfalcon.engine.model.runner import ModelRunner, Work
+from gyrfalcon.engine.model.runner import ModelRunner
 from gyrfalcon.engine.request_state import RequestState
 from gyrfalcon.engine.sample.sampler import Sampler
 from gyrfalcon.engine.scheduler import Scheduler
+from gyrfalcon.engine.setup import capture_mode, load_runner, read_model
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine.stopping import StopChecker
 from gyrfalcon.engine_api.streams import CoalescingOutputStream
@@ -37,7 +36,7 @@ from gyrfalcon.engine.validation import NATIVE_CAPABILITIES, validate_request
 from gyrfalcon.engine_api.config import EngineConfig
 from gyrfalcon.engine_api.errors import SHUTTING_DOWN, ShuttingDown
 from gyrfalcon.errors import RequestError
-from gyrfalcon.models.loading import load_tokenizer, load_weights, resolve_device, resolve_dtype, resolve_quantization
+from gyrfalcon.models.loading import resolve_device, resolve_dtype, resolve_quantization
 
 log = logging.getLogger(__name__)
 
@@ -60,45 +59,25 @@ class TransformersEngine(EngineCore):
     """
 
     def __init__(self, config: EngineConfig, pm: Any, *, start: bool = True):
-        from transformers import AutoConfig, GenerationConfig
-
         self.engine_config = cfg = config
         self.model_path = str(config.model)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.quantization = resolve_quantization(cfg.quantization, self.model_path, self.dtype, self.device)
-        #: the decode steps' fast path: CUDA graphs unless --enforce-eager; on the CPU the compiled
-        #: step with --compile-decode (see gyrfalcon.engine.model.captured)
-        self.capture = "off"
-        kind = torch.device(self.device).type
-        if not cfg.enforce_eager:
-            self.capture = "cuda-graphs" if kind == "cuda" else "compiled" if kind == "cpu" and cfg.compile_decode else "off"
-        if cfg.compile_decode and (kind != "cpu" or cfg.enforce_eager):  # said, not silently dropped
-            log.warning("--compile-decode has no effect %s", "with --enforce-eager" if cfg.enforce_eager else
-                        f"on {kind}: {'CUDA graphs are captured instead' if kind == 'cuda' else 'it compiles CPU steps only'}")  # fmt: skip
-        if self.capture == "compiled":  # inductor's code cached beside the models (read at its first use)
-            from gyrfalcon.models.default import cache_root
-
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root(cfg.cache_dir) / "inductor"))
-        self.config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.eos_token_ids = self._eos_ids(GenerationConfig)
-
-        model_max = int(getattr(self.config, "max_position_embeddings", 0) or cfg.max_model_len or 2048)
-        max_model_len = min(cfg.max_model_len or model_max, model_max)
-        if cfg.max_model_len and cfg.max_model_len > model_max:
-            log.warning("max_model_len %d exceeds the model's %d positions; using %d",
-                        cfg.max_model_len, model_max, model_max)  # fmt: skip
+        #: the decode steps' fast path (see gyrfalcon.engine.model.captured)
+        self.capture = capture_mode(cfg, self.device)
+        facts = read_model(self.model_path, cfg)
+        self.config, self.tokenizer, self.eos_token_ids = facts.config, facts.tokenizer, facts.eos_token_ids
         base = EngineInfo(
             model_path=self.model_path,
             vocab_size=int(self.config.vocab_size),
-            max_model_len=max_model_len,
+            max_model_len=facts.max_model_len,
             eos_token_ids=self.eos_token_ids,
             max_logprobs=cfg.max_logprobs,
             max_num_seqs=cfg.max_num_seqs,
             capabilities=NATIVE_CAPABILITIES,
             max_request_seqs=cfg.max_request_seqs,
-            default_sampling=self._sampling_defaults(GenerationConfig) if cfg.generation_config == "auto" else {},
+            default_sampling=facts.sampling_defaults,
             dtype=str(self.dtype).removeprefix("torch."),
             device=self.device,
             quantization=self.quantization,
@@ -138,30 +117,6 @@ class TransformersEngine(EngineCore):
         self._thread = threading.Thread(target=self._main, name="gyrfalcon-engine", daemon=True)
         if start:
             self.start()
-
-    def _sampling_defaults(self, generation_config_cls) -> dict[str, Any]:
-        """The sampling fields the model's generation_config.json sets (vLLM's list), by API name."""
-        try:
-            given = generation_config_cls.from_pretrained(self.model_path, local_files_only=True).to_diff_dict()
-        except OSError:
-            return {}
-        names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # fmt: skip
-        defaults = {api: given[name] for name, api in names.items() if given.get(name) is not None}
-        if defaults:
-            log.warning("sampling defaults from the model's generation config (--generation-config auto): %s", defaults)
-        return defaults
-
-    def _eos_ids(self, generation_config_cls) -> list[int]:
-        ids: list[int] = []
-        try:
-            eos = generation_config_cls.from_pretrained(self.model_path, local_files_only=True).eos_token_id
-        except OSError:
-            eos = None
-        for value in [*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id]:
-            if value is not None and int(value) not in ids:
-                ids.append(int(value))
-        return ids
 
     # ------------------------------------------------------------------ Engine API
 
@@ -393,37 +348,11 @@ class TransformersEngine(EngineCore):
         self._forget(state, "requests_failed")
 
     def _load(self) -> None:
-        cfg = self.engine_config
-        if self.device == "cpu":
-            torch.set_num_threads(cfg.num_threads)
-        model, weights = load_weights(self.model_path, cfg.dtype, self.device, self.quantization)
-        log.warning("%s", weights.describe())
-        kv_dtype = next(model.parameters()).dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, self.device)
-        shape = KVShape.of(model.config, kv_dtype)
-        plan = plan_cache(shape, self.device, cfg.block_size, cfg.max_num_seqs, self._info.max_model_len,
-                          cfg.kv_cache_memory, cfg.gpu_memory_utilization)  # fmt: skip
-        log.warning("%s; %s", plan.describe(self._info.max_model_len), str(shape.dtype).removeprefix("torch."))
-        self.cache_plan = plan
-        cache = PagedKVCache(shape, plan.num_blocks, plan.block_size, self.device)
-        pool = BlockPool(plan.num_blocks, plan.block_size, cfg.enable_prefix_caching)
-        runner = ModelRunner(model, cache, capture=self.capture, max_batch=cfg.max_num_seqs,
-                             max_model_len=self._info.max_model_len)  # fmt: skip
-        # Warm-up through the same kernels as requests, on the scratch block only (no request's KV).
-        with torch.inference_mode():
-            scratch = [pool.SCRATCH]
-            runner.forward([Work([5, 6], 0, scratch, "all"), Work([7], 0, scratch)])
-            runner.forward([Work([5], 1, scratch), Work([6], 1, scratch)])
-            started = time.perf_counter()
-            if runner.decode_steps is not None:  # capture or compile, and check against the eager step
-                self.decode_path = runner.decode_steps.prepare()
-            else:
-                why = "--enforce-eager" if cfg.enforce_eager else "no --compile-decode" if self.device == "cpu" else "no fast path on this device"
-                self.decode_path = DecodePath("eager", why)
-            log.warning("decode path: %s (prepared in %.1f s)", self.decode_path.describe(), time.perf_counter() - started)
-            self._info.decode_path = self.decode_path.describe()
-        runner.forwards = 0
-        self.scheduler.pool = pool
-        self.runner = runner
+        loaded = load_runner(self.engine_config, self._info.max_model_len, self.device, self.quantization, self.capture)
+        self.cache_plan, self.decode_path = loaded.plan, loaded.decode_path
+        self._info.decode_path = self.decode_path.describe()
+        self.scheduler.pool = loaded.pool
+        self.runner = loaded.runner
 
 
 __all__ = ["OutputKind", "OutputStream", "TransformersEngine"]

@@ -14,7 +14,7 @@ Pure Python: importable by the HTTP frontend without torch.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -1,0 +1,133 @@
+"""What a :class:`~gyrfalcon.engine.transformers_engine.TransformersEngine` is built from: the
+model folder's facts (read at construction, quickly) and the loaded, warmed-up runner (on the
+engine's thread): weights in their kernels, the KV cache sized and allocated, the decode path
+prepared and checked."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gyrfalcon.engine.kv.blocks import BlockPool
+from gyrfalcon.engine.kv.cache import CachePlan, KVShape, PagedKVCache, plan_cache
+from gyrfalcon.engine.model.captured import DecodePath
+from gyrfalcon.engine.model.runner import ModelRunner
+from gyrfalcon.engine.model.work import Work
+from gyrfalcon.engine_api.config import EngineConfig
+from gyrfalcon.models.loading import load_tokenizer, load_weights, resolve_dtype
+
+log = logging.getLogger("gyrfalcon.engine.transformers_engine")
+
+#: the sampling fields of a generation_config.json the API's defaults come from (vLLM's list)
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # fmt: skip
+
+
+def capture_mode(cfg: EngineConfig, device: str) -> str:
+    """The decode steps' fast path: CUDA graphs unless ``--enforce-eager``; on the CPU the compiled
+    step with ``--compile-decode`` (a flag that cannot apply is said, never silently dropped)."""
+    kind = torch.device(device).type
+    mode = "off"
+    if not cfg.enforce_eager:
+        mode = "cuda-graphs" if kind == "cuda" else "compiled" if kind == "cpu" and cfg.compile_decode else "off"
+    if cfg.compile_decode and (kind != "cpu" or cfg.enforce_eager):
+        log.warning("--compile-decode has no effect %s", "with --enforce-eager" if cfg.enforce_eager else
+                    f"on {kind}: {'CUDA graphs are captured instead' if kind == 'cuda' else 'it compiles CPU steps only'}")  # fmt: skip
+    if mode == "compiled":  # inductor's code cached beside the models (read at its first use)
+        from gyrfalcon.models.default import cache_root
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root(cfg.cache_dir) / "inductor"))
+    return mode
+
+
+@dataclass
+class ModelFacts:
+    """A model folder's config, tokenizer, end-of-text ids, context length and sampling defaults."""
+
+    config: Any
+    tokenizer: Any
+    eos_token_ids: list[int]
+    max_model_len: int
+    sampling_defaults: dict[str, Any]
+
+
+def read_model(path: str, cfg: EngineConfig) -> ModelFacts:
+    """The facts of the model folder at ``path`` (config and tokenizer only: no weights)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    tokenizer = load_tokenizer(path)
+    try:
+        generation = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:
+        generation = None
+    model_max = int(getattr(config, "max_position_embeddings", 0) or cfg.max_model_len or 2048)
+    if cfg.max_model_len and cfg.max_model_len > model_max:
+        log.warning("max_model_len %d exceeds the model's %d positions; using %d", cfg.max_model_len, model_max, model_max)
+    defaults = _sampling_defaults(generation) if cfg.generation_config == "auto" else {}
+    return ModelFacts(config, tokenizer, _eos_ids(generation, tokenizer), min(cfg.max_model_len or model_max, model_max),
+                      defaults)  # fmt: skip
+
+
+def _sampling_defaults(generation: Any) -> dict[str, Any]:
+    """The sampling fields the model's generation_config.json sets, by API name."""
+    given = generation.to_diff_dict() if generation is not None else {}
+    defaults = {api: given[name] for name, api in GENERATION_CONFIG_FIELDS.items() if given.get(name) is not None}
+    if defaults:
+        log.warning("sampling defaults from the model's generation config (--generation-config auto): %s", defaults)
+    return defaults
+
+
+def _eos_ids(generation: Any, tokenizer: Any) -> list[int]:
+    eos = generation.eos_token_id if generation is not None else None
+    ids: list[int] = []
+    for value in [*(eos if isinstance(eos, list) else [eos]), tokenizer.eos_token_id]:
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return ids
+
+
+@dataclass
+class LoadedModel:
+    """A runner ready to step, with its block pool, the cache plan and the decode path taken."""
+
+    runner: ModelRunner
+    pool: BlockPool
+    plan: CachePlan
+    decode_path: DecodePath
+
+
+def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization: str, capture: str) -> LoadedModel:
+    """Load the weights in their kernels, size and allocate the KV cache, warm up and prepare the
+    decode path (capture or compile, checked against the eager step)."""
+    if device == "cpu":
+        torch.set_num_threads(cfg.num_threads)
+    model, weights = load_weights(str(cfg.model), cfg.dtype, device, quantization)
+    log.warning("%s", weights.describe())
+    kv_dtype = next(model.parameters()).dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, device)
+    shape = KVShape.of(model.config, kv_dtype)
+    plan = plan_cache(shape, device, cfg.block_size, cfg.max_num_seqs, max_model_len, cfg.kv_cache_memory,
+                      cfg.gpu_memory_utilization)  # fmt: skip
+    log.warning("%s; %s", plan.describe(max_model_len), str(shape.dtype).removeprefix("torch."))
+    cache = PagedKVCache(shape, plan.num_blocks, plan.block_size, device)
+    pool = BlockPool(plan.num_blocks, plan.block_size, cfg.enable_prefix_caching)
+    runner = ModelRunner(model, cache, capture=capture, max_batch=cfg.max_num_seqs, max_model_len=max_model_len)
+    # Warm-up through the same kernels as requests, on the scratch block only (no request's KV).
+    with torch.inference_mode():
+        scratch = [pool.SCRATCH]
+        runner.forward([Work([5, 6], 0, scratch, "all"), Work([7], 0, scratch)])
+        runner.forward([Work([5], 1, scratch), Work([6], 1, scratch)])
+        started = time.perf_counter()
+        if runner.decode_steps is not None:
+            path = runner.decode_steps.prepare()
+        else:
+            path = DecodePath("eager", "--enforce-eager" if cfg.enforce_eager else
+                              "no --compile-decode" if device == "cpu" else "no fast path on this device")  # fmt: skip
+        log.warning("decode path: %s (prepared in %.1f s)", path.describe(), time.perf_counter() - started)
+    runner.forwards = 0
+    return LoadedModel(runner, pool, plan, path)
