@@ -7,14 +7,13 @@
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import falcon
 import falcon.asgi
 import orjson
 
-from gyrfalcon.engine_api.errors import EngineUnavailable
+from gyrfalcon.engine_api.errors import EngineUnavailable, retry_after_s
 from gyrfalcon.errors import RequestError
 
 log = logging.getLogger("gyrfalcon.api")
@@ -49,8 +48,17 @@ class APIError(falcon.HTTPError):
 
     @classmethod
     def from_request_error(cls, error: RequestError) -> APIError:
-        type_ = error.type if error.type != "invalid_request_error" else None
-        return cls(error.status, error.message, type_, error.param, error.headers)
+        return cls(error.status, error.message, envelope_type(error), error.param, error.headers)
+
+
+def envelope_type(error: RequestError) -> str | None:
+    """The envelope's ``type`` of a refusal: its own, or (None) the status's name for a plain 400."""
+    return error.type if error.type != "invalid_request_error" else None
+
+
+def request_error_body(error: RequestError) -> dict[str, Any]:
+    """The envelope of a refusal, at submit time (the response's body) or inside a stream (an event)."""
+    return error_body(error.status, error.message, envelope_type(error), error.param)
 
 
 def serialize_error(req: falcon.Request, resp: falcon.Response, exception: falcon.HTTPError) -> None:
@@ -70,8 +78,7 @@ async def handle_request_error(req: falcon.Request, resp: falcon.Response, ex: R
 
 
 async def handle_engine_unavailable(req: falcon.Request, resp: falcon.Response, ex: EngineUnavailable, params: dict) -> None:
-    retry = str(max(1, math.ceil(ex.retry_after)))
-    raise APIError(503, ex.message, ex.type, None, {"Retry-After": retry})
+    raise APIError(503, ex.message, ex.type, None, {"Retry-After": str(retry_after_s(ex.retry_after))})
 
 
 async def handle_unexpected(req: falcon.Request, resp: falcon.Response, ex: Exception, params: dict) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import falcon
 import orjson
 
-from gyrfalcon.api.errors import error_body, log
+from gyrfalcon.api.errors import error_body, log, request_error_body
 from gyrfalcon.errors import RequestError
 
 DONE = b"data: [DONE]\n\n"
@@ -50,8 +50,7 @@ class EventStream:
             async for chunk in self._chunks:
                 yield frame(chunk)
         except RequestError as exc:
-            type_ = exc.type if exc.type != "invalid_request_error" else None
-            yield frame(error_body(exc.status, exc.message, type_, exc.param))
+            yield frame(request_error_body(exc))
         except Exception as exc:  # noqa: BLE001 - the stream is committed; report in-band
             log.exception("error in a stream")
             yield frame(error_body(500, f"Internal error: {type(exc).__name__}"))

@@ -7,11 +7,19 @@ same type plugin validators raise). An engine that cannot take a valid request n
 
 from __future__ import annotations
 
+import math
+
 from gyrfalcon.engine_api.types import EngineError
 from gyrfalcon.errors import RequestError
 
 #: an invalid request, naming its ``param``
 InvalidRequest = RequestError
+
+
+def retry_after_s(seconds: float) -> int:
+    """The whole seconds a client is told to wait before a retry (at least 1): what ``Retry-After``
+    says of an :class:`EngineUnavailable` or an in-band error's ``retry_after``."""
+    return max(1, math.ceil(seconds))
 
 
 class EngineUnavailable(Exception):

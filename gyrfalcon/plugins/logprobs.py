@@ -26,13 +26,16 @@ from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.engine_api.vocabulary import first_outside_vocabulary, outside_vocabulary
 from gyrfalcon.hookspecs import hookimpl
+from gyrfalcon.openapi.bounds import field_keywords
 from gyrfalcon.policies import BatchRows, Gathered, LogprobGatherer, NewRow, SlotTensor, to_device, row_index, take_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-#: most explicit ids per request (DESIGN §3 rule 2)
-MAX_LOGPROB_TOKEN_IDS = 128
+#: most explicit ids per request (DESIGN §3 rule 2), as the documents bound the field
+MAX_LOGPROB_TOKEN_IDS: int = field_keywords("logprob_token_ids")["maxItems"]
+#: whether the documents want the ids distinct
+UNIQUE_IDS: bool = bool(field_keywords("logprob_token_ids").get("uniqueItems"))
 
 
 def check_count(value: int, param: str, info: EngineInfo) -> None:
@@ -96,7 +99,7 @@ class TokenIdsLogprobGatherer(LogprobGatherer):
             raise RequestError("logprob_token_ids requires logprobs", param)
         if len(ids) > MAX_LOGPROB_TOKEN_IDS:
             raise RequestError(f"logprob_token_ids holds at most {MAX_LOGPROB_TOKEN_IDS} ids", param)
-        if len(set(ids)) != len(ids):
+        if UNIQUE_IDS and len(set(ids)) != len(ids):
             raise RequestError("logprob_token_ids must not repeat a token id", param)
         bad = first_outside_vocabulary(ids, info.vocab_size)
         if bad is not None:

@@ -29,6 +29,7 @@ from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.engine_api.vocabulary import first_outside_vocabulary, outside_vocabulary
 from gyrfalcon.hookspecs import hookimpl
+from gyrfalcon.openapi.bounds import field_range
 from gyrfalcon.policies import (
     BatchRows,
     LogitsProcessor,
@@ -45,16 +46,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 MAX_LOGIT_BIAS = 100.0
 
-#: the smallest repetition_penalty accepted (the API spec's minimum): a smaller one would divide
-#: positive logits towards overflow (1e-300 is 0.0 in fp32: inf and NaN logits)
-MIN_REPETITION_PENALTY = 0.01
-
 
 class _Penalty(LogitsProcessor):
     field_name = ""
     neutral = 0.0
-    low, high = -2.0, 2.0
-    low_open = False
     uses_output_counts = True
 
     def __init__(self) -> None:
@@ -69,11 +64,9 @@ class _Penalty(LogitsProcessor):
         return value
 
     def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
-        value = getattr(params, self.field_name)
-        low_ok = value > self.low if self.low_open else value >= self.low
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and low_ok and value <= self.high):
-            bracket = "(" if self.low_open else "["
-            raise RequestError(f"{self.field_name} must be in {bracket}{self.low:g}, {self.high:g}]", self.field_name)
+        refusal = field_range(self.field_name).refusal(getattr(params, self.field_name))
+        if refusal is not None:
+            raise RequestError(refusal, self.field_name)
 
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return getattr(params, self.field_name) != self.neutral
@@ -90,7 +83,6 @@ class RepetitionPenaltyProcessor(_Penalty):
     name = "repetition_penalty"
     field_name = "repetition_penalty"
     neutral = 1.0
-    low, high = MIN_REPETITION_PENALTY, 2.0
     order = 40
 
     def __init__(self) -> None:
@@ -98,7 +90,8 @@ class RepetitionPenaltyProcessor(_Penalty):
         self.in_prompt = SlotTensor(None, "bool", False)
 
     def clamp(self, value: float) -> float:
-        return min(max(value, MIN_REPETITION_PENALTY), self.high)
+        bounds = field_range(self.field_name)
+        return min(max(value, bounds.low), bounds.high)
 
     def add_row(self, slot: int, row: NewRow) -> None:
         super().add_row(slot, row)

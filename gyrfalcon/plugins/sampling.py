@@ -16,11 +16,19 @@ from typing import TYPE_CHECKING, Any
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.hookspecs import hookimpl
+from gyrfalcon.openapi.bounds import field_range
 from gyrfalcon.policies import BatchRows, LogitsProcessor, NewRow, SlotTensor, put_rows, row_index, take_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+
+
+def _check_range(name: str, value: float) -> None:
+    """Refuse ``value`` outside the range the documents give the field (one home for it)."""
+    refusal = field_range(name).refusal(value)
+    if refusal is not None:
+        raise RequestError(refusal, name)
 
 class _PerSlotValue(LogitsProcessor):
     """A processor driven by one number per row, kept per slot on the device (``field_name``)."""
@@ -55,8 +63,7 @@ class TemperatureProcessor(_PerSlotValue):
         self.values.put(slot, min(float(row.params.temperature), MAX_APPLIED_TEMPERATURE), row.device)
 
     def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
-        if not (math.isfinite(params.temperature) and params.temperature >= 0):
-            raise RequestError("temperature must be a finite number >= 0", "temperature")
+        _check_range("temperature", params.temperature)
 
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return not params.greedy and params.temperature != 1.0
@@ -75,8 +82,7 @@ class MinPProcessor(_PerSlotValue):
     order = 200
 
     def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
-        if not 0.0 <= params.min_p <= 1.0:
-            raise RequestError("min_p must be in [0, 1]", "min_p")
+        _check_range("min_p", params.min_p)
 
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return not params.greedy and params.min_p > 0.0
@@ -135,8 +141,7 @@ class TopPProcessor(_PerSlotValue):
     order = 220
 
     def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
-        if not 0.0 < params.top_p <= 1.0:
-            raise RequestError("top_p must be in (0, 1]", "top_p")
+        _check_range("top_p", params.top_p)
 
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return not params.greedy and params.top_p < 1.0

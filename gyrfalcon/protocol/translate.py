@@ -39,21 +39,19 @@ _COPIED = (
 )
 
 
-def _max_properties() -> dict[str, int]:
-    """``maxProperties`` of the request fields that state one in the spec (the generated models
-    do not enforce it): the spec is the one home of these bounds."""
+def _stated(keyword: str) -> dict[str, Any]:
+    """The request fields whose schema states ``keyword`` (one the generated models do not
+    enforce), with its value: the spec is the one home of these bounds."""
     spec = bundle()
     schemas = spec["components"]["schemas"]
-    bounds: dict[str, int] = {}
-    for name in request_schema_names(spec):
-        for prop, schema in schemas[name].get("properties", {}).items():
-            if "maxProperties" in schema:
-                bounds[prop] = schema["maxProperties"]
-    return bounds
+    return {prop: schema[keyword] for name in request_schema_names(spec)
+            for prop, schema in schemas[name].get("properties", {}).items() if keyword in schema}  # fmt: skip
 
 
 #: request fields (objects) and the most entries each may hold
-MAX_PROPERTIES = _max_properties()
+MAX_PROPERTIES: dict[str, int] = _stated("maxProperties")
+#: request fields (arrays) whose items must be distinct
+UNIQUE_ITEMS = frozenset(name for name, unique in _stated("uniqueItems").items() if unique)
 
 
 def _spec_max_items() -> int:
@@ -222,9 +220,10 @@ class Translator:
         for name, most in MAX_PROPERTIES.items():
             if len(f.get(name) or ()) > most:
                 raise f.error(name, f"'{name}' holds at most {most} entries")
-        ids = f.get("logprob_token_ids") or []
-        if len(set(ids)) != len(ids):
-            raise f.error("logprob_token_ids", "'logprob_token_ids' must not repeat a token id")
+        for name in UNIQUE_ITEMS:
+            items = f.get(name) or []
+            if len(set(map(repr, items))) != len(items):
+                raise f.error(name, f"'{name}' must not repeat an item")
 
     def _check_field(self, name: str, value: Any, param: str) -> None:
         for limit in limits_of(name):

@@ -9,11 +9,11 @@ too: a client that went away ends the work, and closing a stream aborts its requ
 from __future__ import annotations
 
 import asyncio
-import math
 import queue
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
+from gyrfalcon.engine_api.errors import retry_after_s
 from gyrfalcon.engine_api.interface import Engine, OutputStream
 from gyrfalcon.engine_api.types import EngineError, RequestOutput
 from gyrfalcon.errors import RequestError
@@ -115,7 +115,7 @@ class OutputReader:
         return output
 
     def _request_error(self, error: EngineError) -> RequestError:
-        headers = None if error.retry_after is None else {"Retry-After": str(max(1, math.ceil(error.retry_after)))}
+        headers = None if error.retry_after is None else {"Retry-After": str(retry_after_s(error.retry_after))}
         return RequestError(error.message, self.serving.wire_param(error.param), status=error.status,
                             type=error.type, headers=headers)  # fmt: skip
 
