@@ -1,4 +1,6 @@
-"""One resource class per route; responders stay thin and delegate to protocol and serving."""
+"""The app's resources, one instance per route (``InferenceResource`` serves each inference
+endpoint object of :mod:`gyrfalcon.protocol.endpoints`); responders stay thin and delegate to
+protocol (translation) and serving (submit, collect or stream, shape)."""
 
 from __future__ import annotations
 

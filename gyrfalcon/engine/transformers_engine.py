@@ -1,13 +1,14 @@
-"""``TransformersEngine``: the in-process engine running a transformers causal LM with continuous batching.
+"""``TransformersEngine``: the engine core running a transformers causal LM with continuous batching
+(token ids only: the API side's :class:`gyrfalcon.client.EngineClient` does the text work, in
+this process or across the engine process's socket).
 
-Construction is quick (config and tokenizer only); a background thread loads the model (its layers
-in the kernels of ``--quantization``), sizes and allocates the paged KV cache, warms up (on CUDA
-captures the decode steps, on the CPU with ``--compile-decode`` compiles one, and checks the fast
-step against the eager one: ``decode_path``), then runs the step
-loop (:class:`gyrfalcon.engine.batcher.Batcher`): newcomers wait in a bounded FIFO and are
-prefilled in chunks that share forwards with the running sequences' decode tokens; finished
-sequences leave at once. ``health()`` answers ``ready=False`` with ``"loading model"`` until the
-loop runs.
+Construction is quick (the model folder's config and tokenizer, :func:`gyrfalcon.engine.setup.read_model`);
+a background thread then loads and warms up the model (:func:`gyrfalcon.engine.setup.load_runner`:
+weights in the kernels of ``--quantization``, the paged KV cache sized and allocated, the decode
+path prepared and checked against the eager step: ``decode_path``) and runs the step loop
+(:class:`gyrfalcon.engine.batcher.Batcher`): newcomers wait in a bounded queue and are prefilled in
+chunks that share forwards with the running sequences' decode tokens; finished sequences leave at
+once. ``health()`` answers ``ready=False`` with ``"loading model"`` until the loop runs.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """The engine interface: what the HTTP frontend may ask of an engine, and nothing more.
 
 The frontend only ever talks to an :class:`Engine` through these methods with the plain data of
-:mod:`gyrfalcon.engine_api.types`, so the engine may live in the same process (the transformers runner)
-or behind a proxy in another (a Ray deployment, a vLLM adapter).
+:mod:`gyrfalcon.engine_api.types`. An :class:`EngineCore` deals in token ids only; the API side's
+:class:`gyrfalcon.client.EngineClient` makes an ``Engine`` of one, wherever it runs: in the same
+process (the transformers engine), in the engine process (:mod:`gyrfalcon.engine_process`) or in
+Ray replicas (:mod:`gyrfalcon.ray`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """The one boundary where generated wire models become internal requests.
 
 ``Translator.translate(endpoint, body, header_request_id)`` (an :class:`Endpoint` of
-:mod:`gyrfalcon.protocol.endpoints`, or its name) runs, in order: extension validation,
-strict schema validation (generated model), cross-field rules, the "not supported" check, model
-lookup, prompt building and limits, then the plugins' ``gyrfalcon_validate_request``. Every refusal
-is a :class:`RequestError` naming its ``param``.
+:mod:`gyrfalcon.protocol.endpoints`, or its name) runs, in order: strict schema validation (the
+generated model; the plugins' extensions by their schemas), the cross-field rules, the "not
+supported" check, the model name, the deployment's limits, the tools, the prompts (rendered by
+:mod:`gyrfalcon.protocol.chat` on the chat endpoints), the sampling parameters and constraint, one
+engine request per prompt with its ``max_tokens``, then the plugins' ``gyrfalcon_validate_request``.
+Every refusal is a :class:`RequestError` naming its ``param`` as the client wrote it.
 """
 
 from __future__ import annotations
