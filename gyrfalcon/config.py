@@ -143,6 +143,8 @@ class Settings:
                                         type=float, group=RAY)  # fmt: skip
     routing: str = option("prefix", "prefix: a prompt's prefix goes back to the replica that holds it, load allowing; "
                           "pow2: Ray Serve's power of two choices", choices=("prefix", "pow2"), group=RAY)  # fmt: skip
+    responses_store_size: int = option(10000, "most responses the Responses API keeps (store: true); the oldest go first")
+    responses_ttl: float = option(30 * 24 * 3600.0, "seconds a stored response is kept (default 30 days, as OpenAI)")
     plugins_allow: list[str] | None = option(None, "load only these plugins (default: every installed one)", type=str, nargs="*")
     plugins_block: list[str] = option(help="never load these plugins", factory=list, nargs="*")
     cache_dir: str | None = option(None, "where converted models and compiled code are kept (default: ~/.cache/gyrfalcon)", type=str)
@@ -151,7 +153,7 @@ class Settings:
         """Raise ValueError with one clear line for a bad setting."""
         positive = (
             "max_num_seqs", "max_num_batched_tokens", "max_queue_len", "max_request_seqs", "num_threads", "max_body_bytes",
-            "block_size", "api_workers",
+            "block_size", "api_workers", "responses_store_size",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -159,7 +161,7 @@ class Settings:
         for key in self.api_keys:
             if not key.strip() or any(c in key for c in "\r\n") or key != key.strip():
                 raise ValueError("an API key must be non-empty, without surrounding spaces or line breaks")
-        for name in ("client_header_timeout", "client_body_timeout", "send_timeout", "drain_timeout"):
+        for name in ("client_header_timeout", "client_body_timeout", "send_timeout", "drain_timeout", "responses_ttl"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(self, name)}")
         if self.replicas < 1 or (self.max_replicas is not None and self.max_replicas < self.replicas):

@@ -200,10 +200,30 @@ def _tools_bound(body: dict[str, Any]) -> int:
     return 2 * _text_tokens_bound(json.dumps(tools)) + described + 64 * len(body.get("messages") or [])
 
 
+def _responses_break_rule(body: dict[str, Any], limits: dict[str, Any]) -> bool:
+    """A Responses request breaks a rule as the chat request it becomes does, or asks for what this
+    server refuses by name (background, reasoning, hosted tools, …), or continues a response that
+    is not stored (a 404)."""
+    from gyrfalcon.errors import RequestError
+    from gyrfalcon.protocol.responses import as_chat, refuse_unsupported
+
+    values = without_nulls(body)
+    if "input" not in values or values.get("previous_response_id") is not None:
+        return True
+    try:
+        refuse_unsupported(values)
+    except RequestError:
+        return True
+    chat, _ = as_chat(values, [])
+    return breaks_runtime_rule("/v1/chat/completions", chat, limits)
+
+
 def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
     """True when a schema-valid body may still break a runtime-only rule (context, min_tokens, sequences)."""
     if not isinstance(body, dict):
         return False
+    if path.endswith("/responses"):
+        return _responses_break_rule(body, limits)
     context = limits["max_model_len"]
     params = (body.get("sampling_params") or {}) if path.endswith("/generate") else body
     if not isinstance(params, dict):
@@ -269,14 +289,14 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def cap_tokens(params: dict[str, Any], cap: int, absent_means_context: bool) -> None:
+def cap_tokens(params: dict[str, Any], cap: int, absent_means_context: bool, fields: tuple[str, ...] = _FIELDS) -> None:
     """At most ``cap`` new tokens (never below ``min_tokens``; set where leaving it out means up to
-    the context: chat, batch chat, generate) and :data:`MAX_CHOICES` choices."""
+    the context: chat, batch chat, generate, responses) and :data:`MAX_CHOICES` choices."""
     least = params.get("min_tokens")
     limit = max(cap, int(least) if _number(least) else 0)
-    present = [name for name in _FIELDS if params.get(name) is not None]
+    present = [name for name in fields if params.get(name) is not None]
     if not present and absent_means_context:
-        params["max_tokens"] = limit
+        params[fields[0]] = limit
     for name in present:
         if _number(params[name]) and params[name] > limit:
             params[name] = limit
@@ -300,3 +320,5 @@ def before_call(context: Any, case: Any, **kwargs: Any) -> None:
         cap_tokens(body["sampling_params"], cap, absent_means_context=True)
     elif path.endswith(("/completions", "/batch")):
         cap_tokens(body, cap, absent_means_context="/chat/" in path)
+    elif path.endswith("/responses"):
+        cap_tokens(body, cap, absent_means_context=True, fields=("max_output_tokens",))

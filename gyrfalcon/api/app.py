@@ -24,6 +24,10 @@ from gyrfalcon.api.resources import (
     MetricsResource,
     ModelsResource,
     OpenAPIResource,
+    CancelResponseResource,
+    ResponseInputItemsResource,
+    ResponsesResource,
+    StoredResponseResource,
     TokenizeResource,
     VersionResource,
 )
@@ -99,7 +103,10 @@ def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager, *, 
     app.add_route("/openapi.json", OpenAPIResource(ctx))
     app.add_route("/v1/models", ModelsResource(ctx))
     for endpoint in ENDPOINTS.values():
-        app.add_route(endpoint.route, InferenceResource(ctx, endpoint))
+        app.add_route(endpoint.route, (ResponsesResource if endpoint.stored else InferenceResource)(ctx, endpoint))
+    app.add_route("/v1/responses/{response_id}", StoredResponseResource(ctx))
+    app.add_route("/v1/responses/{response_id}/input_items", ResponseInputItemsResource(ctx))
+    app.add_route("/v1/responses/{response_id}/cancel", CancelResponseResource(ctx))
     app.add_route("/tokenize", TokenizeResource(ctx))
     app.add_route("/detokenize", DetokenizeResource(ctx))
     pm.hook.gyrfalcon_add_routes(app=app, engine=engine, settings=settings)

@@ -22,10 +22,15 @@ from gyrfalcon.api.spec import (
 )
 from gyrfalcon.config import Settings
 from gyrfalcon.engine_api.interface import Engine
+from gyrfalcon.api.response_store import ResponseStore
 from gyrfalcon.engine_api.types import EngineInfo
 from gyrfalcon.plugins import merged_dict
 from gyrfalcon.protocol.translate import Translator
 from gyrfalcon.protocol.wire import parse_json
+
+
+#: the stored responses' file in the cache folder
+RESPONSES_FILE = "responses.sqlite3"
 
 
 class ServerContext:
@@ -43,6 +48,18 @@ class ServerContext:
         self._lock = threading.Lock()
         self._translator: Translator | None = None
         self._spec: bytes | None = None
+        self._store: ResponseStore | None = None
+
+    def response_store(self) -> ResponseStore:
+        """The stored responses (one SQLite file in the cache folder, shared by every API worker)."""
+        if self._store is None:
+            with self._lock:
+                if self._store is None:
+                    from gyrfalcon.models.default import cache_root
+
+                    path = cache_root(self.settings.cache_dir) / RESPONSES_FILE
+                    self._store = ResponseStore(path, self.settings.responses_store_size, self.settings.responses_ttl)
+        return self._store
 
     def ready_info(self) -> EngineInfo:
         """The engine's info, or a 503 while the model is still loading."""

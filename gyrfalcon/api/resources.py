@@ -23,7 +23,8 @@ from gyrfalcon.api.sse import start_stream
 from gyrfalcon.engine_api.interface import OutputStream
 from gyrfalcon.protocol.endpoints import Endpoint
 from gyrfalcon.protocol.requests import ServingRequest
-from gyrfalcon.serving.runner import complete, stream_chunks, submit_all
+from gyrfalcon.serving.responses import conversation_after
+from gyrfalcon.serving.runner import StreamedResponse, complete, stream_chunks, submit_all
 
 
 access_log = logging.getLogger("gyrfalcon.access")
@@ -109,15 +110,28 @@ class InferenceResource:
         if serving.stream:
             chunks = stream_chunks(engine, serving, streams, connection)
             await chunks.started()  # the status waits for the first output: an error before it is a status
-            start_stream(resp, chunks)
+            start_stream(resp, self.streamed(serving, chunks), named=self.endpoint.stored)
         else:
-            _json(resp, await complete(engine, serving, streams, connection))
+            _json(resp, await self.answered(serving, await complete(engine, serving, streams, connection)))
         # ids come from clients: percent-encode whatever a header cannot carry
         resp.set_header("X-Request-Id", quote(serving.response_id, safe="-_.~:/+="))
 
+    async def answered(self, serving: ServingRequest, body: dict[str, Any]) -> dict[str, Any]:
+        """A whole answer, before it goes out (stored, on an endpoint that stores)."""
+        return body
+
+    def streamed(self, serving: ServingRequest, chunks: StreamedResponse) -> Any:
+        """A streamed answer's chunks as they go out."""
+        return chunks
+
+    def _history(self, body: Any) -> list[dict[str, Any]] | None:
+        """The stored turns a request continues (none here)."""
+        return None
+
     def _accept(self, raw: bytes, request_id: str | None) -> tuple[ServingRequest, list[OutputStream]]:
         """Parse, translate and submit (in a worker thread)."""
-        serving = self.ctx.translator().translate(self.endpoint, self.ctx.parse_body(raw), request_id)
+        body = self.ctx.parse_body(raw)
+        serving = self.ctx.translator().translate(self.endpoint, body, request_id, history=self._history(body))
         access_log.info("%s %s user=%r prompts=%d n=%d stream=%s%s", self.endpoint.name, serving.response_id, serving.user,
                         len(serving.requests), serving.n, serving.stream,
                         "".join(f" {k}={v!r}" for k, v in serving.recorded.items()))  # fmt: skip
@@ -128,6 +142,99 @@ def _close_accepted(accepting: asyncio.Future[tuple[ServingRequest, list[OutputS
     if not accepting.cancelled() and accepting.exception() is None:
         for stream in accepting.result()[1]:
             stream.close()
+
+
+class ResponsesResource(InferenceResource):
+    """``POST /v1/responses``: as chat, continuing a stored response and storing its answer."""
+
+    def _history(self, body: Any) -> list[dict[str, Any]] | None:
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        if not isinstance(previous, str):
+            return None  # (a wrong type is the translator's 400)
+        return self.ctx.response_store().conversation(previous, "previous_response_id")
+
+    def _keep(self, serving: ServingRequest, response: dict[str, Any]) -> None:
+        if response.get("store", True):
+            self.ctx.response_store().put(response, serving.input_items, conversation_after(serving, response))
+
+    async def answered(self, serving: ServingRequest, body: dict[str, Any]) -> dict[str, Any]:
+        await offload(self._keep, serving, body)
+        return body
+
+    def streamed(self, serving: ServingRequest, chunks: StreamedResponse) -> Any:
+        return _Storing(chunks, lambda response: offload(self._keep, serving, response))
+
+
+class _Storing:
+    """A Responses stream's events as they go out; the last one's response is stored first.
+    ``close()`` closes the events' source (aborting the engine work), started or not."""
+
+    def __init__(self, chunks: StreamedResponse, keep: Callable[[dict[str, Any]], Any]) -> None:
+        self._chunks, self._keep = chunks, keep
+
+    def __aiter__(self) -> _Storing:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        chunk = await self._chunks.__anext__()
+        if chunk["type"] in ("response.completed", "response.incomplete"):
+            await self._keep(chunk["response"])
+        return chunk
+
+    async def close(self) -> None:
+        await self._chunks.close()
+
+
+class StoredResponseResource:
+    """``GET``/``DELETE /v1/responses/{response_id}``."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    async def on_get(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
+        _json(resp, await offload(self.ctx.response_store().response, response_id))
+
+    async def on_delete(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
+        await offload(self.ctx.response_store().delete, response_id)
+        _json(resp, {"id": response_id, "object": "response", "deleted": True})
+
+
+class ResponseInputItemsResource:
+    """``GET /v1/responses/{response_id}/input_items``: a page of the stored input items."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    async def on_get(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
+        items = await offload(self.ctx.response_store().input_items, response_id)
+        limit = req.get_param_as_int("limit", min_value=1, max_value=100, default=20)
+        order = req.get_param("order", default="desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "'order' must be asc or desc", param="order")
+        if order == "desc":
+            items = items[::-1]
+        after = req.get_param("after")
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(400, f"No input item of this response has the id '{after}'", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        _json(resp, {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                     "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})  # fmt: skip
+
+
+class CancelResponseResource:
+    """``POST /v1/responses/{response_id}/cancel``: only a background response can be cancelled,
+    and this server runs none (``background: true`` is refused)."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    async def on_post(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
+        await offload(self.ctx.response_store().response, response_id)
+        raise APIError(400, "Only a background response can be cancelled; this server answers every response in the "
+                            "foreground", param="response_id")  # fmt: skip
 
 
 class TokenizeResource:

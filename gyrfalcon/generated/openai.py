@@ -1098,6 +1098,383 @@ class ChatCompletionStreamResponse(BaseModel):
     ] = MISSING
 
 
+class ResponseInputText(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: Annotated[
+        list[Any] | None | MISSING,
+        Field(
+            description="Accepted empty (as the SDK sends back output).", max_length=0
+        ),
+    ] = MISSING
+    logprobs: Annotated[
+        list[Any] | None | MISSING,
+        Field(description="Ignored (output sent back as input)."),
+    ] = MISSING
+
+
+Content1 = TypeAliasType(
+    "Content1", Annotated[list[ResponseInputText], Field(max_length=1024, min_length=1)]
+)
+
+
+class ResponseInputMessage(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    type: Literal["message"] | None | MISSING = MISSING
+    id: Annotated[str | None | MISSING, Field(max_length=256)] = MISSING
+    status: Literal["in_progress", "completed", "incomplete"] | None | MISSING = MISSING
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | Content1
+
+
+class ResponseFunctionCall(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    type: Literal["function_call"]
+    id: Annotated[str | None | MISSING, Field(max_length=256)] = MISSING
+    status: Literal["in_progress", "completed", "incomplete"] | None | MISSING = MISSING
+    call_id: Annotated[str, Field(max_length=256, min_length=1)]
+    name: Annotated[str, Field(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+    arguments: Annotated[str, Field(description="The arguments as a JSON text.")]
+
+
+class ResponseFunctionCallOutput(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    type: Literal["function_call_output"]
+    id: Annotated[str | None | MISSING, Field(max_length=256)] = MISSING
+    status: Literal["in_progress", "completed", "incomplete"] | None | MISSING = MISSING
+    call_id: Annotated[str, Field(max_length=256, min_length=1)]
+    output: str
+
+
+class ResponseFunctionTool(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+    description: Annotated[str | None | MISSING, Field(max_length=4096)] = MISSING
+    parameters: Annotated[
+        dict[str, Any] | None | MISSING,
+        Field(
+            description="A JSON Schema of the arguments (absent or null - an object); an invalid one is a 400 naming tools.<i>.parameters."
+        ),
+    ] = MISSING
+    strict: Annotated[
+        bool | None | MISSING,
+        Field(description="Accepted; constrained calls always follow the schema."),
+    ] = MISSING
+
+
+class ResponseHostedTool(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    type: Literal["web_search", "web_search_preview", "file_search", "computer_use_preview", "code_interpreter", "image_generation", "mcp", "local_shell"]
+
+
+class ResponseTextFormat1(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    type: Literal["text", "json_object"]
+
+
+class ResponseTextFormat2(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    type: Literal["json_schema"]
+    name: Annotated[str, Field(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None | MISSING = MISSING
+    schema_: Annotated[dict[str, Any] | None | MISSING, Field(alias="schema")] = MISSING
+    strict: bool | None | MISSING = MISSING
+
+
+Input = TypeAliasType(
+    "Input",
+    Annotated[
+        list[ResponseInputMessage | ResponseFunctionCall | ResponseFunctionCallOutput],
+        Field(max_length=256, min_length=1),
+    ],
+)
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class Text(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    format: ResponseTextFormat1 | ResponseTextFormat2 | None | MISSING = MISSING
+    verbosity: Annotated[
+        Literal["medium"] | None | MISSING,
+        Field(description="Only medium is honoured."),
+    ] = MISSING
+
+
+class Reasoning(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    effort: Literal["minimal", "low", "medium", "high"] | None | MISSING = MISSING
+    summary: Literal["auto", "concise", "detailed"] | None | MISSING = MISSING
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    input: str | Input
+    model: Annotated[
+        str | None | MISSING,
+        Field(
+            description="A served model name (GET /v1/models); default the first one."
+        ),
+    ] = MISSING
+    instructions: Annotated[
+        str | None | MISSING,
+        Field(
+            description="A system turn first (not carried over by previous_response_id)."
+        ),
+    ] = MISSING
+    max_output_tokens: Annotated[
+        int | None | MISSING,
+        Field(description="Omitted means up to the model's context length.", ge=1),
+    ] = MISSING
+    temperature: Annotated[
+        float | None,
+        Field(
+            description="Below 1e-5 is greedy decoding; no upper bound (vLLM's rule).",
+            ge=0.0,
+        ),
+    ] = 1.0
+    top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = 1.0
+    seed: Annotated[
+        int | None | MISSING,
+        Field(
+            description="Choice i uses seed + i (modulo 2^64).",
+            ge=-9223372036854775808,
+            le=9223372036854775807,
+        ),
+    ] = MISSING
+    top_k: Annotated[int | None, Field(description="-1 or 0 disable top-k.", ge=-1)] = (
+        -1
+    )
+    min_p: Annotated[float | None, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float | None, Field(ge=0.01, le=2.0)] = 1.0
+    ignore_eos: bool | None = False
+    stream: bool | None = False
+    tools: Annotated[
+        list[ResponseFunctionTool | ResponseHostedTool] | None | MISSING,
+        Field(max_length=64, min_length=1),
+    ] = MISSING
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None | MISSING = (
+        MISSING
+    )
+    parallel_tool_calls: bool | None = True
+    text: Text | None | MISSING = MISSING
+    top_logprobs: Annotated[
+        int | None | MISSING,
+        Field(
+            description="Top log-probabilities per position (at most the server's max_logprobs), returned with include message.output_text.logprobs.",
+            ge=0,
+        ),
+    ] = MISSING
+    include: Annotated[
+        list[Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results", "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs"]] | None | MISSING,
+        Field(
+            description="Only message.output_text.logprobs is honoured; the others are a 400 naming include.<i>.",
+            max_length=8,
+        ),
+    ] = MISSING
+    logprob_token_ids: Annotated[
+        list[LogprobTokenId] | None | MISSING,
+        Field(
+            description="Supersedes the top-k count (logprobs / top_logprobs): at each generated position the response's top_logprobs list exactly the sampled token plus these ids, none displaced, none repeated. Requires logprobs; not with beam search; completions: not with echo and max_tokens 0. At most 128 distinct ids, each below the vocabulary size.",
+            max_length=128,
+            min_length=1,
+        ),
+    ] = MISSING
+    store: Annotated[
+        bool | None,
+        Field(
+            description="Keep the response for GET, input_items and previous_response_id."
+        ),
+    ] = True
+    previous_response_id: Annotated[
+        str | None | MISSING,
+        Field(description="A stored response whose turns come first.", max_length=256),
+    ] = MISSING
+    background: Annotated[
+        bool | None,
+        Field(description="This server answers in the foreground; true is refused."),
+    ] = False
+    reasoning: Annotated[
+        Reasoning | None | MISSING,
+        Field(
+            description="Refused when set (the served model has no reasoning template)."
+        ),
+    ] = MISSING
+    truncation: Annotated[
+        Literal["disabled", "auto"] | None, Field(description="auto is refused.")
+    ] = "disabled"
+    metadata: Annotated[
+        dict[str, Any] | None | MISSING,
+        Field(description="Recorded in the access log; changes nothing in the output."),
+    ] = MISSING
+    user: Annotated[
+        str | None | MISSING,
+        Field(description="An end-user id; recorded, never used for sampling."),
+    ] = MISSING
+    service_tier: Annotated[
+        Literal["auto", "default", "flex", "scale", "priority"] | None | MISSING,
+        Field(description="Recorded; every request is served alike."),
+    ] = MISSING
+    prompt_cache_key: Annotated[
+        str | None | MISSING,
+        Field(
+            description="Recorded; the prefix cache needs no key (cache_salt isolates).",
+            max_length=256,
+        ),
+    ] = MISSING
+    safety_identifier: Annotated[
+        str | None | MISSING,
+        Field(description="Recorded in the access log, as user.", max_length=256),
+    ] = MISSING
+    request_id: Annotated[
+        str | None | MISSING,
+        Field(
+            description="Used when there is no X-Request-Id header.",
+            max_length=256,
+            min_length=1,
+        ),
+    ] = MISSING
+    cache_salt: Annotated[
+        str | None | MISSING,
+        Field(
+            description="Isolates this request in the prefix cache: only requests with the same salt reuse each other's cached prompt blocks (vLLM's cache_salt).",
+            max_length=256,
+            min_length=1,
+        ),
+    ] = MISSING
+    priority: Annotated[
+        int | None,
+        Field(
+            description="Lower runs earlier (vLLM's rule). Honoured when the server runs with `--scheduling-policy priority`; any other value than 0 is a 400 otherwise.",
+            ge=-2147483648,
+            le=2147483647,
+        ),
+    ] = 0
+    extensions: common.Extensions | None | MISSING = MISSING
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class Logprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ResponseOutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: Annotated[list[Any], Field(max_length=0)]
+    logprobs: list[Logprob] | MISSING = MISSING
+
+
+class ResponseOutputItem(BaseModel):
+    type: Literal["message", "function_call"]
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] | MISSING = MISSING
+    content: list[ResponseOutputText] | MISSING = MISSING
+    call_id: str | MISSING = MISSING
+    name: str | MISSING = MISSING
+    arguments: str | MISSING = MISSING
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: Annotated[int, Field(ge=0)]
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: Annotated[int, Field(ge=0)]
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: Annotated[int, Field(ge=0)]
+    output_tokens: Annotated[int, Field(ge=0)]
+    total_tokens: Annotated[int, Field(ge=0)]
+    input_tokens_details: InputTokensDetails
+    output_tokens_details: OutputTokensDetails
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens", "content_filter"] | MISSING = MISSING
+
+
+class Response(BaseModel):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "failed", "in_progress", "cancelled", "queued"]
+    error: dict[str, Any] | None | MISSING = MISSING
+    incomplete_details: IncompleteDetails | None | MISSING = MISSING
+    instructions: str | None | MISSING = MISSING
+    max_output_tokens: int | None | MISSING = MISSING
+    model: str
+    output: list[ResponseOutputItem]
+    parallel_tool_calls: bool | MISSING = MISSING
+    previous_response_id: str | None | MISSING = MISSING
+    temperature: float | None | MISSING = MISSING
+    top_p: float | None | MISSING = MISSING
+    top_logprobs: int | None | MISSING = MISSING
+    tool_choice: Any | MISSING = MISSING
+    tools: list[Any] | MISSING = MISSING
+    text: dict[str, Any] | MISSING = MISSING
+    truncation: str | MISSING = MISSING
+    store: bool | MISSING = MISSING
+    background: bool | MISSING = MISSING
+    metadata: dict[str, Any] | None | MISSING = MISSING
+    user: str | None | MISSING = MISSING
+    usage: ResponseUsage
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
+class ResponseItemList(BaseModel):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class ModelPermission(BaseModel):
     id: str
     object: Literal["model_permission"]

@@ -123,7 +123,7 @@ class FieldLimit:
 #: Integer request fields counting log-probabilities.
 LOGPROB_COUNT_FIELDS = frozenset({"logprobs", "top_logprobs", "prompt_logprobs"})
 #: Request fields bounded by the context less one (min_tokens <= max_tokens <= max_model_len - 1).
-MAX_TOKENS_FIELDS = frozenset({"max_tokens", "max_completion_tokens"})
+MAX_TOKENS_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "max_output_tokens"})
 
 #: The table: every deployment bound of a request field, in one place.
 FIELD_LIMITS: tuple[FieldLimit, ...] = (

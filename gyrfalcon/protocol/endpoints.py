@@ -5,7 +5,7 @@ An :class:`Endpoint` holds its route, its generated wire model and documented de
 prompts are given (:class:`Prompts`), how its logprobs are asked for, the prefix of its response ids
 and where its fields live on the wire (generate nests the sampling fields under
 ``sampling_params``). The translator, the rules and the serving layer read these; the formatter of
-each endpoint is chosen by the serving layer (:data:`gyrfalcon.serving.formats.FORMATTERS`).
+each endpoint is chosen by the serving layer (:data:`gyrfalcon.serving.runner.FORMATTERS`).
 Adding an endpoint is adding an object here, its formatter, and its route.
 """
 
@@ -72,6 +72,13 @@ class Endpoint:
     nested_model: type[pydantic.BaseModel] | None = None
     #: fields that stay at the top level of the body when fields are nested
     top_level: frozenset[str] = frozenset()
+    #: the request is turned into a chat request (:mod:`gyrfalcon.protocol.responses`) before the
+    #: rules: its fields then have chat's names and defaults
+    as_chat: bool = False
+    #: its answers are kept in the response store (``store``, ``previous_response_id``)
+    stored: bool = False
+    #: between the id prefix and the id (``chatcmpl-…``, ``resp_…``)
+    id_separator: str = "-"
 
     @property
     def chat(self) -> bool:
@@ -83,10 +90,15 @@ class Endpoint:
         """Several conversations, one choice each (never streamed)."""
         return self.prompts is Prompts.CONVERSATIONS
 
+    def response_id(self, given: str) -> str:
+        """The response's id around ``given`` (the client's request id, or a fresh one)."""
+        return f"{self.id_prefix}{self.id_separator}{given}"
+
     @cached_property
     def defaults(self) -> dict[str, Any]:
-        """The documented defaults of every field, by (flattened) wire name."""
-        values = wire_defaults(self.wire_model)
+        """The documented defaults of every field, by (flattened) wire name (chat's, for a request
+        turned into a chat request)."""
+        values = wire_defaults(generated.ChatCompletionRequest if self.as_chat else self.wire_model)
         if self.nested_model is not None:
             values.update(wire_defaults(self.nested_model))
         return values
@@ -127,8 +139,11 @@ CHAT = Endpoint("chat", "/v1/chat/completions", generated.ChatCompletionRequest,
 CHAT_BATCH = Endpoint("chat_batch", "/v1/chat/completions/batch", generated.BatchChatCompletionRequest, "chatcmpl",
                       Prompts.CONVERSATIONS, "messages", chat_logprobs=True)  # fmt: skip
 
+RESPONSES = Endpoint("responses", "/v1/responses", generated.ResponsesRequest, "resp", Prompts.CONVERSATION, "messages",
+                     chat_logprobs=True, as_chat=True, stored=True, id_separator="_")  # fmt: skip
+
 #: every inference endpoint, by name
-ENDPOINTS: dict[str, Endpoint] = {e.name: e for e in (GENERATE, COMPLETIONS, CHAT, CHAT_BATCH)}
+ENDPOINTS: dict[str, Endpoint] = {e.name: e for e in (GENERATE, COMPLETIONS, CHAT, CHAT_BATCH, RESPONSES)}
 
 
 def endpoint_of(endpoint: Endpoint | str) -> Endpoint:

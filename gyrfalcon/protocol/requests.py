@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,16 @@ class ServingRequest:
     constraint_param: str | None = None
     #: chat with tools (and tool_choice other than none): calls in the answer become ``tool_calls``
     tools: ToolUse | None = None
+    #: a request turned into a chat request: chat's field names → the client's (None: the same)
+    names: Callable[[str | None], str | None] | None = None
+    #: the Responses request's own fields, echoed in the response object
+    response_fields: dict[str, Any] = field(default_factory=dict)
+    #: the conversation before this request's input (``previous_response_id``'s), as chat turns
+    history: list[dict[str, Any]] = field(default_factory=list)
+    #: this request's input as chat turns (what a later previous_response_id continues)
+    input_turns: list[dict[str, Any]] = field(default_factory=list)
+    #: this request's input as items with ids (``GET /v1/responses/{id}/input_items``)
+    input_items: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.endpoint = endpoint_of(self.endpoint)
@@ -70,5 +81,7 @@ class ServingRequest:
         from gyrfalcon.protocol.rules import wire_param
 
         if param is not None and self.constraint_param is not None and param.partition(".")[0] == "structured_outputs":
-            return self.constraint_param
-        return wire_param(self.endpoint, param)
+            param = self.constraint_param
+        else:
+            param = wire_param(self.endpoint, param)
+        return self.names(param) if self.names is not None else param

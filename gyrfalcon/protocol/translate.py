@@ -26,6 +26,7 @@ from gyrfalcon.protocol.capabilities import check_supported
 from gyrfalcon.protocol.chat import ChatRenderer, ChatRendering
 from gyrfalcon.protocol.endpoints import Endpoint, Prompts, endpoint_of
 from gyrfalcon.protocol.requests import ServingRequest, ToolUse
+from gyrfalcon.protocol.responses import as_chat, input_items, refuse_unsupported
 from gyrfalcon.protocol.rules import RequestFields, check_rules
 from gyrfalcon.protocol.tools import tool_constraint, tool_use
 from gyrfalcon.openapi.limits import ServedLimits, limits_of, longest_array, walk_schemas
@@ -105,17 +106,44 @@ class Translator:
         self.max_array_items = longest_array(self.limits, SPEC_MAX_ITEMS)
 
     # ------------------------------------------------------------------ steps
-    def translate(self, endpoint: Endpoint | str, body: Any, header_request_id: str | None = None) -> ServingRequest:
-        """The :class:`ServingRequest` of a request ``body`` sent to ``endpoint`` (or its name)."""
+    def translate(self, endpoint: Endpoint | str, body: Any, header_request_id: str | None = None,
+                  history: list[dict[str, Any]] | None = None) -> ServingRequest:  # fmt: skip
+        """The :class:`ServingRequest` of a request ``body`` sent to ``endpoint`` (or its name);
+        ``history``: the stored turns a Responses request continues (``previous_response_id``)."""
         endpoint = endpoint_of(endpoint)
         if not isinstance(body, dict):
             raise RequestError("The request body must be a JSON object", None)
         body = dict(body)
-        fields = self._fields(endpoint, body)
+        raw_extensions = body.pop("extensions", None)
+        wire = validate(endpoint.wire_model, body)  # schema errors first, extensions' included
+        sent = sent_fields(wire)
+        if raw_extensions is not None:
+            sent["extensions"] = self._check_extensions(raw_extensions)
+        if not endpoint.as_chat:
+            return self._translate(endpoint, sent, body, header_request_id)
+        refuse_unsupported(sent)
+        chat, names = as_chat(sent, history or [])
+        raw, _ = as_chat(body, history or [])
+        try:
+            serving = self._translate(endpoint, chat, raw, header_request_id)
+        except RequestError as exc:
+            exc.param = names(exc.param)
+            raise
+        serving.names, serving.history = names, list(history or [])
+        serving.input_turns = [m for m, (origin, _) in zip(chat["messages"], names.messages) if origin == "input"]
+        serving.response_fields = {k: v for k, v in sent.items() if k != "input"}
+        serving.input_items = input_items(sent, lambda prefix: f"{prefix}_{uuid.uuid4().hex}")
+        return serving
+
+    def _translate(self, endpoint: Endpoint, sent: dict[str, Any], body: dict[str, Any],
+                   header_request_id: str | None) -> ServingRequest:  # fmt: skip
+        fields = RequestFields.from_body(endpoint, sent)
+        check_rules(fields)
+        check_supported(fields, endpoint.defaults, self.info.capabilities)
         model = self._model_name(fields.get("model"))
         self._check_limits(fields)
         external_id = header_request_id or fields.get("request_id")
-        response_id = f"{endpoint.id_prefix}-{external_id or uuid.uuid4().hex}"
+        response_id = endpoint.response_id(external_id or uuid.uuid4().hex)
         tools = tool_use(fields, body, self.tool_parser) if endpoint.chat else None
         prompts, prompt_texts, prompt_param = self._prompts(fields, tools)
         sampling = self._sampling(fields)
@@ -126,19 +154,6 @@ class Translator:
             )
         requests = self._engine_requests(fields, response_id, prompts, prompt_param, sampling)
         return self._serving_request(fields, model, response_id, requests, prompt_texts, tools)
-
-    def _fields(self, endpoint: Endpoint, body: dict[str, Any]) -> RequestFields:
-        """The sent fields, validated strictly (extensions too), then the cross-field rules and the
-        fields this deployment cannot honour."""
-        raw_extensions = body.pop("extensions", None)
-        wire = validate(endpoint.wire_model, body)  # schema errors first, extensions' included
-        sent = sent_fields(wire)
-        if raw_extensions is not None:
-            sent["extensions"] = self._check_extensions(raw_extensions)
-        fields = RequestFields.from_body(endpoint, sent)
-        check_rules(fields)
-        check_supported(fields, endpoint.defaults, self.info.capabilities)
-        return fields
 
     def _engine_requests(self, fields: RequestFields, response_id: str, prompts: list[list[int]], prompt_param: str,
                          sampling: SamplingParams) -> list[EngineRequest]:  # fmt: skip

@@ -14,7 +14,6 @@ from typing import Any
 
 from gyrfalcon.engine_api.interface import Engine
 from gyrfalcon.engine_api.types import CompletionOutput, RequestOutput, TokenLogprobs
-from gyrfalcon.protocol.endpoints import CHAT, CHAT_BATCH, COMPLETIONS, GENERATE, Endpoint
 from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.protocol.tools import arguments_text
 from gyrfalcon.serving.logprob_formats import (
@@ -125,6 +124,10 @@ class Formatter:
 
     def delta_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
         raise NotImplementedError
+
+    def closing_chunks(self, prompt_tokens: int, completion_tokens: int) -> list[dict[str, Any]]:
+        """Chunks sent once every choice has ended (the Responses API's last event; none here)."""
+        return []
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         body = self.envelope([], chunk=True)
@@ -350,12 +353,3 @@ class GenerateFormatter(Formatter):
 
     def delta_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
         return self._choice(prompt_index, choice)
-
-
-#: each endpoint's response shapes
-FORMATTERS: dict[Endpoint, type[Formatter]] = {
-    GENERATE: GenerateFormatter,
-    COMPLETIONS: CompletionFormatter,
-    CHAT: ChatFormatter,
-    CHAT_BATCH: ChatFormatter,
-}

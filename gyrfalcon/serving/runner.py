@@ -18,7 +18,18 @@ from gyrfalcon.engine_api.interface import Engine, OutputStream
 from gyrfalcon.engine_api.types import EngineError, RequestOutput
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.requests import ServingRequest
-from gyrfalcon.serving.formats import FORMATTERS, CompletionFormatter
+from gyrfalcon.protocol.endpoints import CHAT, CHAT_BATCH, COMPLETIONS, GENERATE, RESPONSES, Endpoint
+from gyrfalcon.serving.formats import ChatFormatter, CompletionFormatter, Formatter, GenerateFormatter
+from gyrfalcon.serving.responses import ResponsesFormatter
+
+#: each endpoint's response shapes
+FORMATTERS: dict[Endpoint, type[Formatter]] = {
+    GENERATE: GenerateFormatter,
+    COMPLETIONS: CompletionFormatter,
+    CHAT: ChatFormatter,
+    CHAT_BATCH: ChatFormatter,
+    RESPONSES: ResponsesFormatter,
+}
 
 #: status logged for a request whose client went away before its answer (nginx's convention)
 CLIENT_CLOSED = 499
@@ -270,6 +281,8 @@ async def _chunks(engine: Engine, serving: ServingRequest, reader: OutputReader 
                     completion_tokens += output.num_generated_tokens
             if not finished:
                 raise RequestError("The engine ended the request without a final output", None, status=500, type="engine_error")
+        for chunk in formatter.closing_chunks(prompt_tokens, completion_tokens):
+            yield each(chunk)
         if serving.include_usage:
             yield formatter.usage_chunk(prompt_tokens, completion_tokens)
     except ClientGone:

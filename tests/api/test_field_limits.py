@@ -127,7 +127,7 @@ def test_token_ids_logit_bias_keys_and_prompt_count(small):
 
 def test_the_table_covers_every_deployment_bound_the_spec_states():
     bounded = {name for limit in FIELD_LIMITS for name in limit.fields}
-    assert {"n", "max_tokens", "max_completion_tokens", "min_tokens", "logprobs", "top_logprobs", "prompt_logprobs",
+    assert {"n", "max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens", "logprobs", "top_logprobs", "prompt_logprobs",
             "token_ids", "prompt", "stop_token_ids", "allowed_token_ids", "logprob_token_ids", "logit_bias",
             "messages", "tokens"} == bounded  # fmt: skip
 

@@ -14,8 +14,9 @@ FUZZ_LIMITS = {"max_model_len": 64, "max_num_seqs": 8, "served_model_name": ["ti
 
 
 @pytest.fixture(scope="session")
-def fuzz_app(tiny_model_dir):
-    settings = tiny_settings(tiny_model_dir, **FUZZ_LIMITS)
+def fuzz_app(tiny_model_dir, tmp_path_factory):
+    # the Responses API's store in a folder of its own
+    settings = tiny_settings(tiny_model_dir, **FUZZ_LIMITS, cache_dir=str(tmp_path_factory.mktemp("fuzz-cache")))
     pm = plugin_manager()
     engine = create_transformers_engine(settings, pm)
     assert engine.wait_ready(timeout=120).ready

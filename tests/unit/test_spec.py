@@ -31,6 +31,7 @@ LIMITS = ServedLimits(model_names=["tiny", "tiny-alias"], vocab_size=512, max_mo
 PLUGIN = {"type": "object", "additionalProperties": False, "properties": {"level": {"type": "integer", "minimum": 0}}}
 
 EXPECTED_RULES = {
+    "ResponsesRequest": {"logprob_token_ids_requires_logprobs"},
     "GenerateRequest": {"stream_options_requires_stream", "prompt_logprobs_not_streaming"},
     "GenerateSamplingParams": {"n_greedy", "logprob_token_ids_requires_logprobs", "stop_requires_detokenize"},
     "CompletionRequest": {
@@ -85,14 +86,16 @@ def test_documents_and_bundle_are_valid_openapi_31(spec: dict[str, Any], served:
 def test_operations_and_statuses(spec: dict[str, Any]) -> None:
     ops = {op["operationId"]: (path, method, op) for path, item in spec["paths"].items() for method, op in item.items()}
     assert set(ops) == {"generate", "createCompletion", "createChatCompletion", "createBatchChatCompletion",
-                        "listModels", "health", "version", "openapi", "tokenize", "detokenize", "metrics"}  # fmt: skip
+                        "listModels", "health", "version", "openapi", "tokenize", "detokenize", "metrics",
+                        "createResponse", "getResponse", "deleteResponse", "listResponseInputItems",
+                        "cancelResponse"}  # fmt: skip
     error_ref = "#/components/schemas/ErrorResponse"
     for op_id, (path, method, op) in ops.items():
         if method != "post":
             continue
         assert {"200", "400", "401", "404", "413", "415", "503"} <= set(op["responses"]), op_id
         media = set(op["responses"]["200"]["content"])
-        non_streaming = ("createBatchChatCompletion", "tokenize", "detokenize")
+        non_streaming = ("createBatchChatCompletion", "tokenize", "detokenize", "cancelResponse")
         assert media == ({"application/json"} if op_id in non_streaming else {"application/json", "text/event-stream"})
         if "text/event-stream" in media:
             assert op["responses"]["200"]["content"]["text/event-stream"]["schema"]["$ref"].endswith("/ServerSentEvent")
@@ -436,7 +439,7 @@ def test_schemathesis_loads_the_served_spec(served: dict[str, Any]) -> None:
         operation = result.ok()
         operation.as_strategy()
         labels.append(operation.label)
-    assert len(labels) == 11 and "POST /v1/chat/completions/batch" in labels
+    assert len(labels) == 16 and "POST /v1/chat/completions/batch" in labels and "POST /v1/responses" in labels
 
 
 # --- codegen ------------------------------------------------------------------------------------

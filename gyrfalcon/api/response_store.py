@@ -1,0 +1,112 @@
+"""Stored responses (the Responses API's ``store``): an SQLite file in the cache folder.
+
+Every API worker of a server opens the same file (WAL mode: readers never wait for the writer),
+so a response stored by one worker is found by the others and survives a worker's restart. The
+store is bounded: at most ``--responses-store-size`` responses, each kept ``--responses-ttl``
+seconds; the oldest go first. An id that went is remembered (a bounded list of tombstones), so
+asking for it says it was evicted rather than that it never existed. Under Ray, ingress replicas
+on one machine share the file; replicas on other machines do not see it (see the README).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from gyrfalcon.errors import RequestError
+
+#: tombstones kept per stored response allowed (evicted ids remembered)
+TOMBSTONES_PER_SLOT = 4
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    created REAL NOT NULL,
+    response BLOB NOT NULL,
+    input_items BLOB NOT NULL,
+    conversation BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
+CREATE TABLE IF NOT EXISTS evicted (id TEXT PRIMARY KEY, at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS evicted_at ON evicted (at);
+"""
+
+
+class ResponseStore:
+    """The stored responses of ``path`` (created if missing), at most ``size``, for ``ttl`` seconds."""
+
+    def __init__(self, path: str | Path, size: int, ttl: float) -> None:
+        self.path, self.size, self.ttl = str(path), size, ttl
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, timeout=30.0, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+
+    def put(self, response: dict[str, Any], input_items: list[dict[str, Any]], conversation: list[dict[str, Any]]) -> None:
+        """Keep ``response`` (by its id) with its input items and the turns a continuation starts from."""
+        now = time.time()
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
+                                 (response["id"], now, orjson.dumps(response), orjson.dumps(input_items),
+                                  orjson.dumps(conversation)))  # fmt: skip
+                self._evict(now)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def _evict(self, now: float) -> None:
+        gone = [row[0] for row in self._db.execute(
+            "SELECT id FROM responses WHERE created < ? UNION SELECT id FROM responses WHERE id NOT IN "
+            "(SELECT id FROM responses ORDER BY created DESC LIMIT ?)", (now - self.ttl, self.size))]  # fmt: skip
+        if not gone:
+            return
+        self._db.executemany("DELETE FROM responses WHERE id = ?", [(i,) for i in gone])
+        self._db.executemany("INSERT OR REPLACE INTO evicted VALUES (?, ?)", [(i, now) for i in gone])
+        self._db.execute("DELETE FROM evicted WHERE id NOT IN (SELECT id FROM evicted ORDER BY at DESC LIMIT ?)",
+                         (self.size * TOMBSTONES_PER_SLOT,))  # fmt: skip
+
+    def _row(self, response_id: str, column: str, param: str | None) -> Any:
+        with self._lock:
+            row = self._db.execute(f"SELECT {column}, created FROM responses WHERE id = ?", (response_id,)).fetchone()  # noqa: S608 - a fixed column name
+            if row is not None and row[1] >= time.time() - self.ttl:
+                return orjson.loads(row[0])
+            evicted = row is not None or self._db.execute("SELECT 1 FROM evicted WHERE id = ?", (response_id,)).fetchone()
+        if evicted:
+            raise RequestError(f"The response '{response_id}' is no longer stored: it was evicted (the store keeps "
+                               f"{self.size} responses for {self.ttl:g} s)", param, status=404, type="NotFoundError")  # fmt: skip
+        raise RequestError(f"No stored response has the id '{response_id}'", param, status=404, type="NotFoundError")
+
+    def response(self, response_id: str, param: str | None = None) -> dict[str, Any]:
+        """The stored response (a 404 naming ``param`` when it is not stored)."""
+        return self._row(response_id, "response", param)
+
+    def conversation(self, response_id: str, param: str | None = None) -> list[dict[str, Any]]:
+        """The chat turns up to and including the stored response's answer."""
+        return self._row(response_id, "conversation", param)
+
+    def input_items(self, response_id: str) -> list[dict[str, Any]]:
+        return self._row(response_id, "input_items", None)
+
+    def delete(self, response_id: str) -> None:
+        """Forget a stored response (a 404 when it is not stored)."""
+        self.response(response_id)
+        with self._lock:
+            self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
