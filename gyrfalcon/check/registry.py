@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Endpoint groups, the values ``--only`` takes (``schema`` is the Schemathesis phase).
-ENDPOINTS = ("models", "completions", "chat", "batch", "generate", "errors", "schema")
+ENDPOINTS = ("models", "completions", "chat", "batch", "generate", "responses", "errors", "schema")
 
 
 class Outcome(enum.Enum):

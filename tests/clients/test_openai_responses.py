@@ -116,3 +116,17 @@ def test_refusals_name_their_field(client):
         with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as refused:
             client.responses.create(model="tiny", input="x", **extra)
         assert refused.value.body["param"] == param, (extra, refused.value.body)
+
+
+def test_a_streamed_function_call_is_its_item_and_arguments_events(client):
+    stream = client.responses.create(model="tiny", input="Weather in Oslo?", tools=[WEATHER], tool_choice="required",
+                                     parallel_tool_calls=False, max_output_tokens=300, temperature=0, stream=True)  # fmt: skip
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert "response.output_text.delta" not in kinds  # the answer is only the call
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert added.item.type == "function_call" and added.item.arguments == ""
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert isinstance(json.loads(done.arguments)["city"], str)
+    assert kinds[-1] == "response.completed" and events[-1].response.output[0].arguments == done.arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))

@@ -126,10 +126,13 @@ def test_request_id_header_wins(live_server):
 def test_schemathesis_cli_against_the_live_spec(live_server, tmp_path):
     """Fuzz the running server from outside, with its own served spec, all checks, both modes."""
     env = dict(os.environ, SCHEMATHESIS_HOOKS="gyrfalcon.contract")
+    # one worker: with two, Schemathesis' threads parse hypothesis' filter lambdas at once and
+    # CPython 3.11.7's ast.parse fails them ("AST constructor recursion depth mismatch"), an error of
+    # the fuzzer, not of the server (2 of 4 runs once the operations with path parameters came)
     cmd = [
         sys.executable, "-m", "schemathesis.cli", "run", live_server.url + "/openapi.json",
         "--checks", "all", "--mode", "all", "--max-examples", "15", "--seed", "1",
-        "--generation-database", "none", "--output-sanitize", "false", "--workers", "2",
+        "--generation-database", "none", "--output-sanitize", "false", "--workers", "1",
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gyrfalcon.check.registry import CHECKS, ENDPOINTS, Check
-from gyrfalcon.check.semantics import models, texts, completions, chat, generate, batch, errors  # noqa: F401
+from gyrfalcon.check.semantics import models, texts, completions, chat, generate, batch, responses, errors  # noqa: F401
 
 
 def selected(only: Iterable[str] | None = None) -> list[Check]:

@@ -1,0 +1,110 @@
+"""The Responses API in-process on the tiny model: the store's bounds and time to live, input item
+pages, cancel, chaining, and refusals named as the Responses API writes them."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from gyrfalcon.api.app import create_app
+from gyrfalcon.config import Settings
+from gyrfalcon.plugins import plugin_manager
+from tests.helpers import api_client
+
+PATH = "/v1/responses"
+TOOL = {"type": "function", "name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
+    "additionalProperties": False}}  # fmt: skip
+
+
+def _client(engine, model_dir, tmp_path, **settings):
+    values = dict(model=str(model_dir), served_model_name=["tiny"], cache_dir=str(tmp_path))
+    values.update(settings)
+    return api_client(create_app(engine, Settings(**values), plugin_manager()))
+
+
+@pytest.fixture
+def client(tiny_engine, tiny_model_dir, tmp_path):
+    return _client(tiny_engine, tiny_model_dir, tmp_path)
+
+
+def _events(text: str) -> list[dict]:
+    events = []
+    for block in text.strip().split("\n\n"):
+        name, data = block.split("\n", 1)
+        assert name.startswith("event: ") and data.startswith("data: "), block
+        event = json.loads(data[len("data: "):])
+        assert event["type"] == name[len("event: "):]
+        events.append(event)
+    return events
+
+
+def test_the_oldest_go_first_and_say_they_were_evicted(tiny_engine, tiny_model_dir, tmp_path):
+    client = _client(tiny_engine, tiny_model_dir, tmp_path, responses_store_size=2)
+    ids = [client.simulate_post(PATH, json={"input": f"hi {i}", "max_output_tokens": 2}).json["id"] for i in range(3)]
+    first = client.simulate_get(f"{PATH}/{ids[0]}")
+    assert first.status_code == 404 and "evicted" in first.json["error"]["message"]
+    assert [client.simulate_get(f"{PATH}/{i}").status_code for i in ids[1:]] == [200, 200]
+    never = client.simulate_get(f"{PATH}/resp_never")
+    assert never.status_code == 404 and "evicted" not in never.json["error"]["message"]
+
+
+def test_a_response_lives_its_time_to_live(tiny_engine, tiny_model_dir, tmp_path):
+    client = _client(tiny_engine, tiny_model_dir, tmp_path, responses_ttl=0.3)
+    rid = client.simulate_post(PATH, json={"input": "hi", "max_output_tokens": 2}).json["id"]
+    assert client.simulate_get(f"{PATH}/{rid}").status_code == 200
+    time.sleep(0.4)
+    later = client.simulate_post(PATH, json={"input": "x", "max_output_tokens": 2, "previous_response_id": rid})
+    assert later.status_code == 404 and later.json["error"]["param"] == "previous_response_id"
+
+
+def test_store_false_keeps_nothing_and_cancel_is_only_for_background(client):
+    kept = client.simulate_post(PATH, json={"input": "hi", "max_output_tokens": 2}).json["id"]
+    unkept = client.simulate_post(PATH, json={"input": "hi", "max_output_tokens": 2, "store": False}).json["id"]
+    assert client.simulate_get(f"{PATH}/{unkept}").status_code == 404
+    refused = client.simulate_post(f"{PATH}/{kept}/cancel")
+    assert refused.status_code == 400 and "background" in refused.json["error"]["message"]
+    assert client.simulate_post(f"{PATH}/resp_never/cancel").status_code == 404
+
+
+def test_input_items_come_in_pages(client):
+    items = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "c"}]}]  # fmt: skip
+    rid = client.simulate_post(PATH, json={"input": items, "max_output_tokens": 2}).json["id"]
+    page = client.simulate_get(f"{PATH}/{rid}/input_items", params={"limit": 2, "order": "asc"}).json
+    assert [i["content"][0]["text"] for i in page["data"]] == ["a", "b"] and page["has_more"] is True
+    rest = client.simulate_get(f"{PATH}/{rid}/input_items", params={"order": "asc", "after": page["last_id"]}).json
+    assert [i["content"][0]["text"] for i in rest["data"]] == ["c"] and rest["has_more"] is False
+    newest = client.simulate_get(f"{PATH}/{rid}/input_items").json  # desc by default, as OpenAI
+    assert [i["content"][0]["text"] for i in newest["data"]] == ["c", "b", "a"]
+    assert [i["content"][0]["type"] for i in newest["data"]] == ["input_text", "output_text", "input_text"]
+
+
+def test_a_continuation_sees_the_turns_but_not_the_instructions(client):
+    first = client.simulate_post(PATH, json={"input": "hi", "instructions": "be brief " * 10, "max_output_tokens": 2,
+                                             "ignore_eos": True}).json  # fmt: skip
+    plain = client.simulate_post(PATH, json={"input": "hi", "max_output_tokens": 2, "ignore_eos": True}).json
+    chained = client.simulate_post(PATH, json={"input": "more", "max_output_tokens": 2,
+                                               "previous_response_id": first["id"]}).json  # fmt: skip
+    assert chained["previous_response_id"] == first["id"] and chained["instructions"] is None
+    # the earlier turn and answer come first; the earlier instructions do not
+    assert plain["usage"]["input_tokens"] < chained["usage"]["input_tokens"] < first["usage"]["input_tokens"] + 20
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{bad"}]}, "input.0.arguments"),
+    ({"input": [{"role": "user", "content": "a"}, {"role": "tool", "content": "x"}]}, "input.1.role"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format.schema"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice.name"),
+    ({"tools": [{**TOOL, "parameters": {"type": "nonsense"}}]}, "tools.0.parameters"),
+    ({"logprob_token_ids": [1]}, "logprob_token_ids"),
+    ({"top_logprobs": 50, "include": ["message.output_text.logprobs"]}, "top_logprobs"),
+    ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"conversation": "c"}, "conversation"),
+])  # fmt: skip
+def test_refusals_name_the_responses_field(client, extra, param):
+    r = client.simulate_post(PATH, json={"input": "hi", "max_output_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json["error"]["param"] == param, r.json
