@@ -24,10 +24,12 @@ from gyrfalcon.engine_api.interface import OutputStream
 from gyrfalcon.protocol.endpoints import Endpoint
 from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.serving.responses import conversation_after
-from gyrfalcon.serving.runner import StreamedResponse, complete, stream_chunks, submit_all
+from gyrfalcon.errors import RequestError
+from gyrfalcon.serving.runner import FORMATTERS, StreamedResponse, complete, stream_chunks, submit_all
 
 
 access_log = logging.getLogger("gyrfalcon.access")
+log = logging.getLogger("gyrfalcon.api")
 
 
 T = TypeVar("T")
@@ -112,13 +114,13 @@ class InferenceResource:
             await chunks.started()  # the status waits for the first output: an error before it is a status
             start_stream(resp, self.streamed(serving, chunks), named=self.endpoint.stored)
         else:
-            _json(resp, await self.answered(serving, await complete(engine, serving, streams, connection)))
+            _json(resp, await self.respond(serving, streams, connection))
         # ids come from clients: percent-encode whatever a header cannot carry
         resp.set_header("X-Request-Id", quote(serving.response_id, safe="-_.~:/+="))
 
-    async def answered(self, serving: ServingRequest, body: dict[str, Any]) -> dict[str, Any]:
-        """A whole answer, before it goes out (stored, on an endpoint that stores)."""
-        return body
+    async def respond(self, serving: ServingRequest, streams: list[OutputStream], connection: Any) -> dict[str, Any]:
+        """The whole answer of a request that does not stream."""
+        return await complete(self.ctx.engine, serving, streams, connection)
 
     def streamed(self, serving: ServingRequest, chunks: StreamedResponse) -> Any:
         """A streamed answer's chunks as they go out."""
@@ -157,12 +159,53 @@ class ResponsesResource(InferenceResource):
         if response.get("store", True):
             self.ctx.response_store().put(response, serving.input_items, conversation_after(serving, response))
 
-    async def answered(self, serving: ServingRequest, body: dict[str, Any]) -> dict[str, Any]:
-        await offload(self._keep, serving, body)
-        return body
+    async def respond(self, serving: ServingRequest, streams: list[OutputStream], connection: Any) -> dict[str, Any]:
+        if not serving.response_fields.get("background"):
+            body = await complete(self.ctx.engine, serving, streams, connection)
+            await offload(self._keep, serving, body)
+            return body
+        # background: answered at once, in progress; the answer is stored when it ends (the client
+        # may leave: its connection is not watched)
+        started = FORMATTERS[serving.endpoint](serving, self.ctx.engine).body("in_progress", [], None)
+        await offload(self._keep, serving, started)
+        task = asyncio.ensure_future(self._background(serving, streams))
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+        return started
+
+    async def _background(self, serving: ServingRequest, streams: list[OutputStream]) -> None:
+        store = self.ctx.response_store()
+        watch = asyncio.ensure_future(_stop_when_cancelled(store, serving.response_id, streams))
+        try:
+            body = await complete(self.ctx.engine, serving, streams, None)
+        except RequestError as exc:  # in-band failure, a drain: the response failed
+            body = FORMATTERS[serving.endpoint](serving, self.ctx.engine).body("failed", [], None)
+            body["error"] = {"code": exc.type, "message": exc.message}
+        except Exception as exc:  # noqa: BLE001 - the task has no client to answer: the store says it
+            log.exception("background response %s failed", serving.response_id)
+            body = FORMATTERS[serving.endpoint](serving, self.ctx.engine).body("failed", [], None)
+            body["error"] = {"code": "server_error", "message": f"Internal error: {type(exc).__name__}"}
+        finally:
+            watch.cancel()
+        await offload(store.put, body, serving.input_items, conversation_after(serving, body), True)
 
     def streamed(self, serving: ServingRequest, chunks: StreamedResponse) -> Any:
         return _Storing(chunks, lambda response: offload(self._keep, serving, response))
+
+
+#: background responses running in this worker (kept from the garbage collector)
+_BACKGROUND: set[asyncio.Future[None]] = set()
+#: seconds between a background response's looks at the store for a cancel (from any worker)
+CANCEL_POLL_S = 0.25
+
+
+async def _stop_when_cancelled(store: Any, response_id: str, streams: list[OutputStream]) -> None:
+    while True:
+        await asyncio.sleep(CANCEL_POLL_S)
+        if await offload(store.status, response_id) == "cancelled":
+            for stream in streams:
+                stream.close()  # aborts the engine's work
+            return
 
 
 class _Storing:
@@ -225,16 +268,18 @@ class ResponseInputItemsResource:
 
 
 class CancelResponseResource:
-    """``POST /v1/responses/{response_id}/cancel``: only a background response can be cancelled,
-    and this server runs none (``background: true`` is refused)."""
+    """``POST /v1/responses/{response_id}/cancel``: a background response still running stops (the
+    worker running it sees the store say so within :data:`CANCEL_POLL_S`); one that has ended is
+    answered as it is; a response that was not in the background cannot be cancelled (a 400)."""
 
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
 
     async def on_post(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
-        await offload(self.ctx.response_store().response, response_id)
-        raise APIError(400, "Only a background response can be cancelled; this server answers every response in the "
-                            "foreground", param="response_id")  # fmt: skip
+        store = self.ctx.response_store()
+        if not (await offload(store.response, response_id)).get("background"):
+            raise APIError(400, "Only a background response can be cancelled", param="response_id")
+        _json(resp, await offload(store.cancel, response_id))
 
 
 class TokenizeResource:

@@ -49,12 +49,19 @@ class ResponseStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
 
-    def put(self, response: dict[str, Any], input_items: list[dict[str, Any]], conversation: list[dict[str, Any]]) -> None:
-        """Keep ``response`` (by its id) with its input items and the turns a continuation starts from."""
+    def put(self, response: dict[str, Any], input_items: list[dict[str, Any]], conversation: list[dict[str, Any]],
+            unless_cancelled: bool = False) -> bool:  # fmt: skip
+        """Keep ``response`` (by its id) with its input items and the turns a continuation starts
+        from; with ``unless_cancelled``, not over a response cancelled meanwhile (False then)."""
         now = time.time()
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
+                if unless_cancelled:
+                    row = self._db.execute("SELECT response FROM responses WHERE id = ?", (response["id"],)).fetchone()
+                    if row is not None and orjson.loads(row[0]).get("status") == "cancelled":
+                        self._db.execute("COMMIT")
+                        return False
                 self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
                                  (response["id"], now, orjson.dumps(response), orjson.dumps(input_items),
                                   orjson.dumps(conversation)))  # fmt: skip
@@ -63,6 +70,7 @@ class ResponseStore:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+        return True
 
     def _evict(self, now: float) -> None:
         gone = [row[0] for row in self._db.execute("SELECT id FROM responses WHERE created < ?", (now - self.ttl,))]
@@ -98,6 +106,29 @@ class ResponseStore:
 
     def input_items(self, response_id: str) -> list[dict[str, Any]]:
         return self._row(response_id, "input_items", None)
+
+    def status(self, response_id: str) -> str | None:
+        """The stored response's status, None when it is not stored (a cheap poll)."""
+        with self._lock:
+            row = self._db.execute("SELECT response FROM responses WHERE id = ?", (response_id,)).fetchone()
+        return None if row is None else orjson.loads(row[0]).get("status")
+
+    def cancel(self, response_id: str) -> dict[str, Any]:
+        """Mark a queued or running response cancelled (its worker stops it at its next poll);
+        the response as it now is. One that has ended is left as it is."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute("SELECT response FROM responses WHERE id = ?", (response_id,)).fetchone()
+                response = None if row is None else orjson.loads(row[0])
+                if response is not None and response.get("status") in ("queued", "in_progress"):
+                    response["status"] = "cancelled"
+                    self._db.execute("UPDATE responses SET response = ? WHERE id = ?", (orjson.dumps(response), response_id))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return response if response is not None else self.response(response_id)
 
     def delete(self, response_id: str) -> None:
         """Forget a stored response (a 404 when it is not stored)."""

@@ -1322,7 +1322,9 @@ class ResponsesRequest(BaseModel):
     ] = MISSING
     background: Annotated[
         bool | None,
-        Field(description="This server answers in the foreground; true is refused."),
+        Field(
+            description="Answer at once with the response in progress and run it on (poll GET, cancel); needs store true and no stream."
+        ),
     ] = False
     reasoning: Annotated[
         Reasoning | None | MISSING,

@@ -5,8 +5,8 @@ request — ``instructions`` a system turn, the stored conversation of ``previou
 then the ``input`` items (a ``function_call`` item an assistant's tool call, a
 ``function_call_output`` item a tool turn), ``max_output_tokens`` as ``max_tokens``, ``text.format``
 as ``response_format``, the flat function tools as chat's — and refuses what this server cannot
-honour (``background``, ``reasoning``, ``truncation: auto``, hosted tools, ``include`` other than
-logprobs) by name. Every later step (rules, capabilities, limits, rendering, sampling) is chat's;
+honour (``reasoning``, ``truncation: auto``, hosted tools, ``include`` other than logprobs, a
+background response that is streamed or not stored) by name. Every later step (rules, capabilities, limits, rendering, sampling) is chat's;
 :class:`ChatNames` names a refusal's field as the Responses request wrote it.
 """
 
@@ -73,8 +73,10 @@ class ChatNames:
 
 def refuse_unsupported(values: dict[str, Any]) -> None:
     """A 400 naming each field this server cannot honour (sent with another value than its default)."""
-    if values.get("background") is True:
-        raise RequestError("Background responses are not supported by this server: send 'background': false", "background")
+    if values.get("background") is True and values.get("store") is False:
+        raise RequestError("A background response is stored: 'background' needs 'store' true", "background")
+    if values.get("background") is True and values.get("stream") is True:
+        raise RequestError("A background response is not streamed here: poll GET /v1/responses/{id}", "stream")
     if values.get("reasoning") is not None:
         raise RequestError("'reasoning' is not supported: the served model has no reasoning template", "reasoning")
     if values.get("truncation") == "auto":

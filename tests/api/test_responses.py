@@ -69,6 +69,28 @@ def test_store_false_keeps_nothing_and_cancel_is_only_for_background(client):
     assert client.simulate_post(f"{PATH}/resp_never/cancel").status_code == 404
 
 
+def _until_ended(client, rid, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        body = client.simulate_get(f"{PATH}/{rid}").json
+        if body["status"] not in ("queued", "in_progress"):
+            return body
+        time.sleep(0.05)
+    raise AssertionError(f"{rid} still {body['status']}")
+
+
+def test_a_background_response_answers_at_once_and_ends_in_the_store(client):
+    r = client.simulate_post(PATH, json={"input": "hi", "max_output_tokens": 4, "background": True, "ignore_eos": True})
+    assert r.status_code == 200 and r.json["status"] == "in_progress" and r.json["background"] is True
+    assert r.json["output"] == []
+    ended = _until_ended(client, r.json["id"])
+    assert ended["status"] == "incomplete" and ended["usage"]["output_tokens"] == 4 and ended["output"]
+    assert client.simulate_post(f"{PATH}/{r.json['id']}/cancel").json["status"] == "incomplete"  # ended: as it is
+    for extra, param in (({"stream": True}, "stream"), ({"store": False}, "background")):
+        refused = client.simulate_post(PATH, json={"input": "hi", "background": True, **extra})
+        assert refused.status_code == 400 and refused.json["error"]["param"] == param
+
+
 def test_input_items_come_in_pages(client):
     items = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "c"}]}]  # fmt: skip

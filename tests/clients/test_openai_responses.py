@@ -107,7 +107,7 @@ def test_function_call_round_trip_through_previous_response_id_and_explicit_item
 
 
 def test_refusals_name_their_field(client):
-    cases = [({"background": True}, "background"), ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    cases = [({"background": True, "store": False}, "background"), ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
              ({"truncation": "auto"}, "truncation"), ({"reasoning": {"effort": "low"}}, "reasoning"),
              ({"include": ["reasoning.encrypted_content"]}, "include.0"),
              ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
@@ -130,3 +130,28 @@ def test_a_streamed_function_call_is_its_item_and_arguments_events(client):
     assert isinstance(json.loads(done.arguments)["city"], str)
     assert kinds[-1] == "response.completed" and events[-1].response.output[0].arguments == done.arguments
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_background_response_runs_on_and_a_cancel_from_any_worker_stops_it(client):
+    import time
+
+    done = client.responses.create(model="tiny", input="Hi", max_output_tokens=4, background=True,
+                                   extra_body={"ignore_eos": True})  # fmt: skip
+    assert done.status == "in_progress" and done.background is True
+    deadline = time.monotonic() + 60
+    while client.responses.retrieve(done.id).status == "in_progress" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.responses.retrieve(done.id).usage.output_tokens == 4
+    long = client.responses.create(model="tiny", input="Hi", max_output_tokens=1500, background=True,
+                                   extra_body={"ignore_eos": True})  # fmt: skip
+    # two API workers: the cancel may reach the one not running it, which tells it through the store
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    time.sleep(3)
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    import urllib.request
+
+    url = str(client.base_url).rstrip("/").removesuffix("/v1") + "/metrics"
+    metrics = urllib.request.urlopen(url, timeout=30).read().decode()  # the engine aborted it
+    aborted = [line for line in metrics.splitlines() if line.startswith("gyrfalcon_requests_aborted_total ")]
+    assert aborted and float(aborted[0].split()[-1]) >= 1
