@@ -109,6 +109,7 @@ class ServerContext:
                 template=TemplateSupport.probe(self.engine),
                 kv_cache=kv_cache_limits(self.engine.stats()),
                 unspellable=unspellable_bytes(self.engine, info.vocab_size),
+                responses_store={"size": self.settings.responses_store_size, "ttl_s": self.settings.responses_ttl},
             )
             self._spec = orjson.dumps(spec)
         return self._spec

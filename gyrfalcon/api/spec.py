@@ -138,6 +138,7 @@ def deployment_spec(
     max_seqs: int | None = None,
     kv_cache: dict[str, int] | None = None,
     unspellable: list[int] | None = None,
+    responses_store: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The spec served at ``/openapi.json``: what is valid there is valid for this server.
 
@@ -169,4 +170,6 @@ def deployment_spec(
         "kv_cache": kv_cache,
         "unspellable_bytes": unspellable or [],
     }
+    if responses_store is not None:  # the Responses API's stored responses: how many, how long
+        spec["x-limits"]["responses_store"] = responses_store
     return spec

@@ -162,6 +162,24 @@ RUNTIME_RULES: tuple[dict[str, str], ...] = (
         "param": "extensions",
         "description": "Each extensions property is validated by the plugin that declared it.",
     },
+    {
+        "id": "previous_response_stored",
+        "param": "previous_response_id",
+        "description": "previous_response_id names a response this server stores (stored with store true, not "
+        "deleted, within x-limits responses_store: size and ttl_s); else a 404 naming it, which says when the "
+        "response was evicted.",
+    },
+    {
+        "id": "background_stored_not_streamed",
+        "param": "background",
+        "description": "background true needs store true (param background) and stream false (param stream).",
+    },
+    {
+        "id": "responses_supported",
+        "param": "<field>",
+        "description": "On /v1/responses, reasoning (no reasoning template), truncation auto, hosted tools "
+        "(param tools.<i>.type) and every include but message.output_text.logprobs (param include.<i>) are refused.",
+    },
 )
 
 
