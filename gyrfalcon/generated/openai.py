@@ -1460,7 +1460,12 @@ class Response(BaseModel):
     background: bool | MISSING = MISSING
     metadata: dict[str, Any] | None | MISSING = MISSING
     user: str | None | MISSING = MISSING
-    usage: ResponseUsage
+    usage: Annotated[
+        ResponseUsage | None,
+        Field(
+            description="Null while a (background) response is in progress, or when it failed."
+        ),
+    ]
 
 
 class ResponseDeleted(BaseModel):
