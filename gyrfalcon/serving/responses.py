@@ -61,9 +61,9 @@ class ResponsesFormatter(ChatFormatter):
             body[name] = fields.get(name, unset)
         return body
 
-    def usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        prompt = sum(len(o.prompt_token_ids) for o in outputs)
-        generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    @staticmethod
+    def usage(prompt: int, generated: int) -> dict[str, Any]:
+        """The Responses API's usage object of ``prompt`` input and ``generated`` output tokens."""
         return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": generated,
                 "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + generated}  # fmt: skip
 
@@ -95,7 +95,8 @@ class ResponsesFormatter(ChatFormatter):
         status = self._status(choice.finish_reason)
         output = [self._message(content or "", self._entries(choice), status)] if content or not calls else []
         output += [self._call(call) for call in calls]
-        self.response = self.body(status, output, self.usage(outputs))
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        self.response = self.body(status, output, self.usage(prompt, sum(len(c.token_ids) for o in outputs for c in o.outputs)))
         return self.response
 
     # the events ----------------------------------------------------------------
@@ -167,10 +168,7 @@ class ResponsesFormatter(ChatFormatter):
 
     def closing_chunks(self, prompt_tokens: int, completion_tokens: int) -> list[dict[str, Any]]:
         status = self._status(self.finish_reason)
-        usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                 "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                 "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
-        self.response = self.body(status, self.items, usage)
+        self.response = self.body(status, self.items, self.usage(prompt_tokens, completion_tokens))
         return [self.event("response.completed" if status == "completed" else "response.incomplete", response=self.response)]
 
 
