@@ -96,6 +96,11 @@ class Settings:
     #: to every start (inductor's cache spares the compile, not dynamo's tracing)
     compile_decode: bool = option(False, "CPU: compile the batch-1 decode step at start-up (about 35 s on the default "
                                   "model), checked against the eager step")  # fmt: skip
+    #: vLLM's --model-impl
+    model_impl: str = option("auto", "auto: the direct forward where the architecture has one (Llama, Mistral, Qwen2, "
+                             "Qwen3; checked against transformers' at start-up), else transformers'; direct: refuse "
+                             "a model without one; transformers: always transformers' forward",
+                             choices=("auto", "direct", "transformers"))  # fmt: skip
     #: vLLM's --generation-config
     generation_config: str = option("auto", "auto: sampling defaults from the model's generation_config.json; none: "
                                     "the API's", choices=("auto", "none"))  # fmt: skip

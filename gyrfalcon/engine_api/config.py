@@ -41,6 +41,8 @@ class EngineConfig:
     cache_dir: str | None = None
     #: the KV cache's dtype (``auto``: the model's)
     kv_cache_dtype: str = "auto"
+    #: ``auto``, ``direct`` or ``transformers``: which forward runs the model
+    model_impl: str = "auto"
 
     @classmethod
     def from_settings(cls, settings: Any, model: str) -> EngineConfig:

@@ -74,6 +74,7 @@ def _runner(model, blocks=64, block_size=4, capture="off", max_batch=8):
 def test_chunked_prefill_and_decode_match_the_eager_model(family):
     reference, model = _models(family)
     runner, pool = _runner(model)
+    assert runner.direct is not None and runner.model_impl.startswith("direct")  # the forward under test
     rng = random.Random(1)
     pool.allocate(), pool.allocate()  # so tables are not simply 1, 2, 3, …
     seqs = [Seq([rng.randrange(256) for _ in range(n)], pool) for n in (5, 19, 37)]
@@ -140,3 +141,40 @@ def test_a_step_sends_its_inputs_to_the_device_in_one_copy(monkeypatch):
         s.tokens.append(9)
     static.forward([s.work(1) for s in seqs])  # a decode batch in bucket 4
     assert len(uploads) == 3 and uploads[-1] == 4 * 4 + 4 * static.decode_steps.get(4, 64).step.decode_blocks.shape[1]
+
+
+def _warm_up_steps(pool):
+    scratch = [pool.SCRATCH]
+    return [[Work([5, 6], 0, scratch, "all"), Work([7], 0, scratch)], [Work([5], 1, scratch), Work([6], 1, scratch)]]
+
+
+def test_the_direct_forward_is_checked_against_transformers_and_dropped_where_it_differs():
+    _, model = _models("qwen3")
+    runner, pool = _runner(model)
+    assert runner.check_direct(_warm_up_steps(pool)).startswith("direct") and runner.direct is not None
+    real = runner.direct
+
+    class Perturbed:
+        def __call__(self, *args):
+            return real(*args) + 0.01
+
+    runner.direct = Perturbed()
+    with pytest.raises(ValueError, match="--model-impl direct: the direct forward differs from the transformers one"):
+        runner.check_direct(_warm_up_steps(pool), required=True)
+    said = runner.check_direct(_warm_up_steps(pool))
+    assert runner.direct is None and said.startswith("transformers (the direct forward differs from the transformers one")
+    transformers_only = ModelRunner(model, runner.cache, model_impl="transformers")
+    assert transformers_only.direct is None and transformers_only.model_impl == "transformers (--model-impl transformers)"
+    runner.direct = real
+    works = _warm_up_steps(pool)[0]
+    torch.testing.assert_close(transformers_only.forward(works)[0], runner.forward(works)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_an_architecture_without_a_direct_forward_runs_transformers_and_direct_refuses_it():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**SMALL, hidden_act="gelu")).eval()
+    runner, _ = _runner(model)
+    assert runner.direct is None and runner.model_impl == "transformers (hidden_act 'gelu' (the direct forward does silu))"
+    with pytest.raises(ValueError, match="--model-impl direct: hidden_act 'gelu'"):
+        ModelRunner(model, runner.cache, model_impl="direct")

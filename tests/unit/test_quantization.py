@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gyrfalcon.engine.model.quant.apply import quantize_model, resolve_quantization
-from gyrfalcon.engine.model.quant.layers import CastLinear, Int4Linear, Int8Linear, TiedEmbedding, UnsupportedQuantization
+from gyrfalcon.engine.model.quant.layers import (CastLinear, Int4Linear, Int8Linear, TiedEmbedding, UnsupportedQuantization,
+                                                 fuse_outputs)
 from gyrfalcon.engine.model.quant.weights import Int4Weights, Int8Weights, relative_error
 
 CPU = torch.device("cpu")
@@ -45,6 +46,45 @@ def test_a_quantised_layer_computes_its_dequantised_weight_and_each_row_alone(ki
     rows = x.reshape(35, 96)
     alone = torch.cat([layer(rows[i : i + 1]) for i in range(35)])
     assert torch.equal(alone, layer(rows))  # batch-invariant: bit for bit
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4", "int8"])
+def test_fused_projections_give_each_parts_output_and_share_its_memory(kind):
+    """q/k/v (and gate/up) fused into one matmul: the parts' outputs side by side, bit for bit, and
+    the parts' weights become views of the fused ones (fusing adds no memory)."""
+    widths = (128, 64, 64)  # the CPU int4 layout packs rows in blocks of 64
+    weights = [_weight(n, 96, seed) for seed, n in enumerate(widths)]
+    biases = [torch.randn(n) for n in widths]
+    if kind == "dense":
+        parts = [torch.nn.Linear(96, n) for n in widths]
+        for part, w, b in zip(parts, weights, biases):
+            part.weight.data, part.bias.data = w, b
+    elif kind == "int4":
+        parts = [Int4Linear(Int4Weights.quantize(w), b, torch.bfloat16, CPU) for w, b in zip(weights, biases)]
+    else:
+        parts = [Int8Linear(Int8Weights.quantize(w), b, torch.bfloat16, CPU) for w, b in zip(weights, biases)]
+    x = torch.randn(5, 96)
+    with torch.no_grad():
+        separate = torch.cat([part(x) for part in parts], -1)
+        fused = fuse_outputs(parts)
+        assert fused is not None and torch.equal(fused(x), separate)
+        assert torch.equal(torch.cat([part(x) for part in parts], -1), separate)  # the parts still work
+    name = {"dense": "weight", "int4": "packed", "int8": "q"}[kind]
+    start, end = getattr(fused, name).data_ptr(), getattr(fused, name).data_ptr() + getattr(fused, name).nbytes
+    assert all(start <= getattr(part, name).data_ptr() < end for part in parts)
+    mixed = [parts[0], torch.nn.Linear(96, 32)] if kind != "dense" else [parts[0], torch.nn.Linear(64, 32)]
+    assert fuse_outputs(mixed) is None  # different kinds or input sizes are not fused
+
+
+def test_int4_parts_whose_packing_ties_their_rows_together_are_left_unfused():
+    parts = [Int4Linear(Int4Weights.quantize(_weight(n, 96, n)), None, torch.bfloat16, CPU) for n in (64, 32, 32)]
+    before = [part.packed for part in parts]
+    x = torch.randn(3, 96)
+    with torch.no_grad():
+        expected = torch.cat([part(x) for part in parts], -1)
+        assert fuse_outputs(parts) is None
+        assert all(part.packed is old for part, old in zip(parts, before))
+        assert torch.equal(torch.cat([part(x) for part in parts], -1), expected)
 
 
 def test_shapes_and_devices_without_a_kernel_are_refused_loudly():

@@ -70,22 +70,23 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
-def check_fast_step(fast, eager, rtol: float = 0.0) -> str | None:
+def check_fast_step(fast, eager, rtol: float = 0.0, names: tuple[str, str] = ("fast step", "eager one")) -> str | None:
     """Run ``fast()`` then ``eager()`` (each returns the step's logits from the same inputs); None
     when every row has the same argmax and ``max |Δ| <= rtol * max(1, max |logit|)``, else why not
-    (the exception, or how far apart they are)."""
+    (the exception, or how far apart they are), the two named by ``names``."""
+    name, other = names
     try:
         got = fast()
     except Exception as exc:  # noqa: BLE001 - any failure of the fast path means eager
-        return f"the fast step failed: {_one_line(exc)}"
+        return f"the {name} failed: {_one_line(exc)}"
     want = eager()
     if got.shape != want.shape:
-        return f"the fast step's logits have shape {tuple(got.shape)}, the eager step's {tuple(want.shape)}"
+        return f"the {name}'s logits have shape {tuple(got.shape)}, the {other}'s {tuple(want.shape)}"
     got, want = got.float(), want.float()
     diff = float((got - want).abs().max())
     same = bool(torch.equal(got.argmax(-1), want.argmax(-1)))
     if not same or diff > rtol * max(1.0, float(want.abs().max())):
-        return f"the fast step differs from the eager one (max |Δ logit| {diff:.3g}, argmax {'same' if same else 'different'})"
+        return f"the {name} differs from the {other} (max |Δ logit| {diff:.3g}, argmax {'same' if same else 'different'})"
     return None
 
 

@@ -17,7 +17,8 @@ import torch
 from gyrfalcon.engine.kv.cache import PagedKVCache
 from gyrfalcon.engine.model import staging
 from gyrfalcon.engine.model.attention import STEP_KWARG, Segment, StepMetadata, register
-from gyrfalcon.engine.model.captured import DecodeSteps
+from gyrfalcon.engine.model.captured import FAST_STEP_RTOL, DecodeSteps, check_fast_step
+from gyrfalcon.engine.model.decoder import DirectDecoder, unsupported
 from gyrfalcon.engine.model.work import Work, block_tables, slots_of
 
 log = logging.getLogger(__name__)
@@ -32,9 +33,15 @@ class ModelRunner:
     use it on the CPU), ``"off"`` runs every step as it is. A fast path serves only once
     ``decode_steps.prepare()`` has checked it against the eager step
     (:mod:`gyrfalcon.engine.model.captured`).
+
+    ``model_impl`` (vLLM's ``--model-impl``): ``auto`` runs the model through
+    :class:`~gyrfalcon.engine.model.decoder.DirectDecoder` where its architecture has one, else
+    through transformers; ``direct`` refuses a model without one; ``transformers`` always runs
+    transformers' forward. :meth:`check_direct` proves the direct forward against transformers'.
     """
 
-    def __init__(self, model, cache: PagedKVCache, capture: str = "off", max_batch: int = 1, max_model_len: int = 2048) -> None:
+    def __init__(self, model, cache: PagedKVCache, capture: str = "off", max_batch: int = 1, max_model_len: int = 2048,
+                 model_impl: str = "auto") -> None:  # fmt: skip
         self.model = model
         self.cache = cache
         self.device = cache.device
@@ -43,6 +50,16 @@ class ModelRunner:
         for config in (model.config, getattr(model.config, "text_config", None)):
             if config is not None:
                 config._attn_implementation = name
+        self.direct: DirectDecoder | None = None
+        #: which forward runs, and why (the start-up line)
+        self.model_impl = "transformers (--model-impl transformers)"
+        if model_impl != "transformers":
+            reason = unsupported(model)
+            if reason is not None and model_impl == "direct":
+                raise ValueError(f"--model-impl direct: {reason}")
+            self.direct = DirectDecoder(model) if reason is None else None
+            fused = self.direct is not None and self.direct.fused
+            self.model_impl = ("direct (q/k/v and gate/up fused)" if fused else "direct") if reason is None else f"transformers ({reason})"
         self.decode_steps = None
         if capture != "off":
             self.decode_steps = DecodeSteps(self, max_batch, max_model_len, mode=capture)
@@ -58,9 +75,40 @@ class ModelRunner:
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata, keep) -> torch.Tensor:
         """One model call: ``[1, T]`` ids and positions; the kept positions' logits ``[K, V]``."""
+        if self.direct is not None:
+            return self.direct(input_ids, positions, step, keep)
         out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep,
                          **{STEP_KWARG: step})  # fmt: skip
         return out.logits[0]
+
+    @torch.inference_mode()
+    def check_direct(self, steps: list[list[Work]], required: bool = False) -> str:
+        """Run each step of ``steps`` (the warm-up) through the direct forward and through transformers' (same
+        inputs: the same KV slots are written twice); keep the direct forward only if every step
+        gives the same argmax and logits within the dtype's tolerance. Returns :attr:`model_impl`;
+        ``required`` (``--model-impl direct``) turns a disagreement into a ``ValueError``."""
+        direct = self.direct
+        if direct is None:
+            for works in steps:
+                self.forward(works)
+            return self.model_impl
+        rtol = FAST_STEP_RTOL.get(self.model.dtype, 1e-4)
+        for works in steps:
+            def transformers_step():
+                self.direct = None
+                try:
+                    return self.forward(works)[0]
+                finally:
+                    self.direct = direct
+
+            problem = check_fast_step(lambda: self.forward(works)[0], transformers_step, rtol,
+                                      names=("direct forward", "transformers one"))  # fmt: skip
+            if problem is not None:
+                if required:
+                    raise ValueError(f"--model-impl direct: {problem}")
+                self.direct, self.model_impl = None, f"transformers ({problem})"
+                break
+        return self.model_impl
 
     @torch.inference_mode()
     def forward(self, works: list[Work]) -> tuple[torch.Tensor, list[tuple[int, int]]]:

@@ -189,3 +189,73 @@ class TiedEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head[0].rows(ids, self.dtype)
+
+
+def _shared_rows(parts: list[torch.nn.Module], name: str, fused: torch.Tensor) -> None:
+    """Make each part's tensor ``name`` a view of its rows of ``fused`` (so fusing costs no memory)."""
+    offset = 0
+    for part in parts:
+        rows = getattr(part, name).shape[0]
+        view = fused[offset : offset + rows]
+        if isinstance(getattr(part, name), torch.nn.Parameter):
+            setattr(part, name, torch.nn.Parameter(view, requires_grad=False))
+        else:
+            part._buffers[name] = view
+        offset += rows
+
+
+def _fused_bias(parts: list[torch.nn.Module], dtype: torch.dtype) -> torch.Tensor | None:
+    biases = [part.bias for part in parts]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b.to(dtype) if b is not None else torch.zeros(part.out_features, dtype=dtype, device=_device_of(part))
+                      for b, part in zip(biases, parts)])  # fmt: skip
+
+
+@torch.no_grad()
+def fuse_outputs(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
+    """One layer whose output is ``torch.cat([part(x) for part in parts], -1)``, computed in one
+    matmul (q/k/v, gate/up); the parts' weights become views of the fused ones, so no memory is
+    added. None where the parts are not all dense ``Linear``/:class:`CastLinear`, or all
+    :class:`Int4Linear`, or all :class:`Int8Linear`, of one input size and dtype.
+
+    A kernel's packing may tie rows together (the CPU int4 layout packs blocks of 64 rows), so the
+    fused layer must give the parts' outputs bit for bit on a probe, else None and the parts stay
+    as they were."""
+    kinds = {type(part) for part in parts}
+    if len(kinds) != 1 or len({part.in_features for part in parts}) != 1:
+        return None
+    kind = kinds.pop()
+    if kind in (torch.nn.Linear, CastLinear):
+        if len({part.weight.dtype for part in parts}) != 1:
+            return None
+        dtype = parts[0].weight.dtype
+        fused = CastLinear(torch.cat([part.weight for part in parts]), _fused_bias(parts, dtype), dtype, parts[0].weight.device)
+        return _share_if_exact(parts, fused, ["weight"])
+    if kind not in (Int4Linear, Int8Linear) or len({part.dtype for part in parts}) != 1:
+        return None
+    fused = kind.__new__(kind)
+    torch.nn.Module.__init__(fused)
+    first = parts[0]
+    fused.in_features, fused.out_features, fused.dtype = first.in_features, sum(p.out_features for p in parts), first.dtype
+    fused.register_buffer("bias", _fused_bias(parts, first.dtype))
+    if kind is Int4Linear:
+        fused._op = first._op
+        fused.register_buffer("packed", torch.cat([part.packed for part in parts]))
+        fused.register_buffer("scale_and_zero", torch.cat([part.scale_and_zero for part in parts], 1).contiguous())
+        return _share_if_exact(parts, fused, ["packed"])
+    fused.register_buffer("q", torch.cat([part.q for part in parts]))
+    fused.register_buffer("scale", torch.cat([part.scale for part in parts]))
+    return _share_if_exact(parts, fused, ["q", "scale"])
+
+
+def _share_if_exact(parts: list[torch.nn.Module], fused: torch.nn.Module, names: list[str]) -> torch.nn.Module | None:
+    """``fused`` with the parts' tensors ``names`` made views of it, if a probe gives the parts'
+    outputs bit for bit; else None."""
+    device = _device_of(fused)
+    probe = torch.randn(2, fused.in_features, generator=torch.Generator().manual_seed(0)).to(device)
+    if not torch.equal(fused(probe), torch.cat([part(probe) for part in parts], -1)):
+        return None
+    for name in names:
+        _shared_rows(parts, name, getattr(fused, name))
+    return fused
