@@ -77,6 +77,11 @@ class ModelRunner:
         """One model call: ``[1, T]`` ids and positions; the kept positions' logits ``[K, V]``."""
         if self.direct is not None:
             return self.direct(input_ids, positions, step, keep)
+        return self.transformers_forward(input_ids, positions, step, keep)
+
+    def transformers_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata,
+                             keep) -> torch.Tensor:  # fmt: skip
+        """:meth:`run_model` through transformers' modelling code, whatever ``model_impl`` says."""
         out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep,
                          **{STEP_KWARG: step})  # fmt: skip
         return out.logits[0]
