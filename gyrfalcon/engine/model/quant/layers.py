@@ -215,8 +215,9 @@ def _fused_bias(parts: list[torch.nn.Module], dtype: torch.dtype) -> torch.Tenso
 @torch.no_grad()
 def fuse_outputs(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
     """One layer whose output is ``torch.cat([part(x) for part in parts], -1)``, computed in one
-    matmul (q/k/v, gate/up); the parts' weights become views of the fused ones, so no memory is
-    added. None where the parts are not all dense ``Linear``/:class:`CastLinear`, or all
+    matmul (q/k/v, gate/up); the parts' weights become views of the fused ones (int4's
+    scale-and-zero table, which the kernel takes contiguous with output rows on its second axis, is
+    copied instead). None where the parts are not all dense ``Linear``/:class:`CastLinear`, or all
     :class:`Int4Linear`, or all :class:`Int8Linear`, of one input size and dtype.
 
     A kernel's packing may tie rows together (the CPU int4 layout packs blocks of 64 rows), so the
