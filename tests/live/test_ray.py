@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,6 +176,14 @@ class Load:
         return self.results
 
 
+def _serving(server, pids: list[int]) -> list[int]:
+    """Those of ``pids`` that have answered a generate call (Ray Serve's access log, forwarded to
+    the server's log, names the replica's pid): a replica that is up and taking requests."""
+    with open(server.log_path, errors="replace") as f:
+        log = f.read()
+    return [pid for pid in pids if re.search(rf"{ENGINE_REPLICA} pid={pid}\).*CALL generate OK", log)]
+
+
 def _error(events: list) -> dict | None:
     return next((e["error"] for e in events if isinstance(e, dict) and "error" in e), None)
 
@@ -186,7 +195,8 @@ def test_autoscaling_and_a_replica_killed_under_load(ray_server):
     load = Load(ray_server.url, workers=12, max_tokens=60)
     try:
         replicas = wait_for(lambda: len(engine_replicas(ray_server)) == 2 and engine_replicas(ray_server), 150, "a second replica")
-        time.sleep(10)  # the new replica loads the model and takes requests
+        # the new replica loads the model, then takes requests: kill one only once both run streams
+        wait_for(lambda: _serving(ray_server, replicas) == replicas, 120, "both replicas answering")
         victim = replicas[0]
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
@@ -201,7 +211,9 @@ def test_autoscaling_and_a_replica_killed_under_load(ray_server):
     for _, _, status, events in results:  # a stream cut before its first event is a plain 503
         assert (status == 200 and events[-1] == "[DONE]") or (status == 503 and _error(events)), (status, events[-3:])
     cut = [(end, _error(events)) for start, end, _, events in results if _error(events) is not None]
-    assert cut, "streams running on the killed replica end with an error event"
+    around = [(round(start - killed_at, 2), round(end - killed_at, 2), status) for start, end, status, _ in results
+              if start < killed_at < end]  # fmt: skip
+    assert cut, f"streams running on the killed replica end with an error event; open at the kill: {around}"
     for end, error in cut:
         assert error["code"] == 503 and error["type"] == "server_shutting_down", error
         assert end - killed_at < 5.0, f"a cut stream ended {end - killed_at:.1f} s after the kill"
