@@ -101,6 +101,11 @@ class Settings:
                              "Qwen3; checked against transformers' at start-up), else transformers'; direct: refuse "
                              "a model without one; transformers: always transformers' forward",
                              choices=("auto", "direct", "transformers"))  # fmt: skip
+    #: vLLM's --attention-backend (its names are kernels; ours say how the KV blocks are read)
+    attention_backend: str = option("auto", "auto: flex on CUDA, gather elsewhere; flex: attention reads the KV blocks in "
+                                    "place (torch's flex attention; checked against gather at start-up); gather: "
+                                    "each sequence's blocks copied, then SDPA (the fastest on the CPU)",
+                                    choices=("auto", "flex", "gather"))  # fmt: skip
     #: vLLM's --generation-config
     generation_config: str = option("auto", "auto: sampling defaults from the model's generation_config.json; none: "
                                     "the API's", choices=("auto", "none"))  # fmt: skip

@@ -79,6 +79,16 @@ def smoke(url: str) -> list:
     return results
 
 
+def _start_up_line(log_path: str, name: str) -> str | None:
+    """What the server's start-up line ``name: …`` says (the engine logs its choices so)."""
+    with open(log_path, errors="replace") as f:
+        for line in f:  # "[time] [pid] [WARNING] engine: attention: flex (…)"
+            _, sep, said = line.strip().partition(f"] engine: {name}: ")
+            if sep:
+                return said
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from gyrfalcon.bench.client import Client
@@ -116,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             path = decode_path(Client(server.url)) or "not reported"
             _say(f"decode path: {path}")
+            attention = _start_up_line(os.path.join(workdir, "serve.log"), "attention") or "not reported"
+            _say(f"attention: {attention}")
             results = smoke(server.url)
         finally:
             server.stop()
@@ -141,8 +153,11 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"the bench exited with {ran.returncode}")
         if cuda and not path.startswith("captured"):
             problems.append(f"decode steps are not captured: {path}")
+        if cuda and not attention.startswith("flex"):
+            problems.append(f"attention does not read the KV blocks in place: {attention}")
         _say("\n## GPU acceptance" if cuda else "\n## Acceptance run (CPU, tiny shape)")
         _say(f"- decode path: {path}")
+        _say(f"- attention: {attention}")
         _say(f"- contract smoke: {passed} of {len(results)} passed")
         for t in report.get("targets", []):
             _say(f"- {t['label']}: {t['value']:.2f} (target {t['op']} {t['target']:g}: {'met' if t['met'] else 'missed'})")
@@ -151,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"FAILED: {problem}")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"decode_path": path, "smoke": {r.check.name: r.outcome.value for r in results}, "bench": report,
+                json.dump({"decode_path": path, "attention": attention, "smoke": {r.check.name: r.outcome.value for r in results}, "bench": report,
                            "problems": problems}, f, indent=2)  # fmt: skip
         return 1 if problems else 0
     except RuntimeError as exc:  # a server that did not start, a request that failed

@@ -117,13 +117,14 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
     cache = PagedKVCache(shape, plan.num_blocks, plan.block_size, device)
     pool = BlockPool(plan.num_blocks, plan.block_size, cfg.enable_prefix_caching)
     runner = ModelRunner(model, cache, capture=capture, max_batch=cfg.max_num_seqs, max_model_len=max_model_len,
-                         model_impl=cfg.model_impl)  # fmt: skip
+                         model_impl=cfg.model_impl, attention=cfg.attention_backend)  # fmt: skip
     # Warm-up through the same kernels as requests, on the scratch block only (no request's KV),
-    # each step also checking the direct forward against transformers'.
+    # each step also checking the direct forward against transformers' and flex attention against gather.
     with torch.inference_mode():
         scratch = [pool.SCRATCH]
         steps = [[Work([5, 6], 0, scratch, "all"), Work([7], 0, scratch)], [Work([5], 1, scratch), Work([6], 1, scratch)]]
         log.warning("forward: %s", runner.check_direct(steps, required=cfg.model_impl == "direct"))
+        log.warning("attention: %s", runner.check_attention(steps, required=cfg.attention_backend == "flex"))
         started = time.perf_counter()
         if runner.decode_steps is not None:
             path = runner.decode_steps.prepare()

@@ -43,6 +43,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     #: ``auto``, ``direct`` or ``transformers``: which forward runs the model
     model_impl: str = "auto"
+    #: ``auto``, ``flex`` or ``gather``: how attention reads the KV blocks
+    attention_backend: str = "auto"
 
     @classmethod
     def from_settings(cls, settings: Any, model: str) -> EngineConfig:

@@ -63,18 +63,21 @@ def _reference(model, tokens):
         return model(input_ids=torch.tensor([tokens])).logits[0].float()
 
 
-def _runner(model, blocks=64, block_size=4, capture="off", max_batch=8):
+def _runner(model, blocks=64, block_size=4, capture="off", max_batch=8, attention="gather"):
     shape = KVShape.of(model.config, torch.float32)
     cache = PagedKVCache(shape, blocks, block_size, "cpu")
     pool = BlockPool(blocks, block_size)
-    return ModelRunner(model, cache, capture=capture, max_batch=max_batch, max_model_len=256), pool
+    return ModelRunner(model, cache, capture=capture, max_batch=max_batch, max_model_len=256, attention=attention), pool
 
 
+@pytest.mark.parametrize("attention", ["gather", "flex"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
-def test_chunked_prefill_and_decode_match_the_eager_model(family):
+def test_chunked_prefill_and_decode_match_the_eager_model(family, attention):
+    """Both attention backends: blocks copied then SDPA, and flex attention reading them in place."""
     reference, model = _models(family)
-    runner, pool = _runner(model)
+    runner, pool = _runner(model, attention=attention)
     assert runner.direct is not None and runner.model_impl.startswith("direct")  # the forward under test
+    assert runner.attention == attention
     rng = random.Random(1)
     pool.allocate(), pool.allocate()  # so tables are not simply 1, 2, 3, …
     seqs = [Seq([rng.randrange(256) for _ in range(n)], pool) for n in (5, 19, 37)]
@@ -178,3 +181,104 @@ def test_an_architecture_without_a_direct_forward_runs_transformers_and_direct_r
     assert runner.direct is None and runner.model_impl == "transformers (hidden_act 'gelu' (the direct forward does silu))"
     with pytest.raises(ValueError, match="--model-impl direct: hidden_act 'gelu'"):
         ModelRunner(model, runner.cache, model_impl="direct")
+
+
+def test_flex_attention_equals_gather_on_64_mixed_length_prompts():
+    """64 prompts of 1 to 40 tokens prefilled in chunks beside each other, then decoded together:
+    flex attention (the blocks read in place) gives the gather path's logits within 1e-5, and the
+    same tokens when both decode greedily from them."""
+    _, model = _models("qwen2")  # a sliding window on one layer
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(1, 41))] for _ in range(64)]
+    logits_of = {}
+    for attention in ("gather", "flex"):
+        runner, pool = _runner(model, blocks=800, attention=attention)
+        pool.allocate()  # tables start past block 1
+        seqs = [Seq(p, pool) for p in prompts]
+        rows = []
+        for group in range(0, 64, 16):  # four prefill steps of 16 prompts, each prompt in up to two chunks
+            batch = seqs[group : group + 16]
+            firsts = [s.work(max(1, len(s.tokens) // 2), "none" if len(s.tokens) > 1 else "last") for s in batch]
+            runner.forward(firsts)
+            rest = [s for s in batch if s.computed < len(s.tokens)]
+            logits, spans = runner.forward([s.work(len(s.tokens) - s.computed) for s in rest])
+            rows.extend(logits[row] for row, _ in spans)
+        steps = []
+        for _ in range(4):  # greedy decode of all 64 together
+            for s in seqs:
+                s.tokens.append(int(s.tokens[-1] * 7 % 256))
+            logits, _ = runner.forward([s.work(1) for s in seqs])
+            steps.append(logits)
+        logits_of[attention] = (torch.stack(rows), steps)
+    gather_rows, gather_steps = logits_of["gather"]
+    flex_rows, flex_steps = logits_of["flex"]
+    torch.testing.assert_close(flex_rows, gather_rows, atol=1e-5, rtol=1e-5)
+    for got, expected in zip(flex_steps, gather_steps):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_flex_decode_buckets_have_one_width_and_equal_unpadded_decode():
+    """In place, a decode step's shapes do not depend on the context: one bucket per batch."""
+    _, model = _models("mistral")
+    plain, pool = _runner(model, attention="gather")
+    static = ModelRunner(model, plain.cache, capture="static", max_batch=8, max_model_len=256, attention="flex")
+    steps = static.decode_steps
+    assert steps.width_buckets == [256] and steps.bucket(3, 20) == (4, 256) and steps.bucket(5, 200) == (8, 256)
+    rng = random.Random(4)
+    seqs = [Seq([rng.randrange(256) for _ in range(n)], pool) for n in (3, 9, 30)]
+    plain.forward([s.work(len(s.tokens)) for s in seqs])
+    for _ in range(3):
+        for s in seqs:
+            s.tokens.append(rng.randrange(256))
+        works = [s.work(1) for s in seqs]
+        torch.testing.assert_close(static.forward(works)[0], plain.forward(works)[0], atol=1e-5, rtol=1e-5)
+    assert steps.get(4, 256).runs == 3
+
+
+def test_flex_attention_is_checked_against_gather_and_dropped_where_it_differs(monkeypatch):
+    from gyrfalcon.engine.model import flex
+
+    _, model = _models("llama")
+    runner, pool = _runner(model, attention="flex")
+    assert runner.check_attention(_warm_up_steps(pool)) == "flex (the KV blocks read in place)"
+    real = flex.attend
+    monkeypatch.setattr(flex, "attend", lambda *args: real(*args) + 0.05)
+    with pytest.raises(ValueError, match="--attention-backend flex: the flex attention differs from the gather one"):
+        runner.check_attention(_warm_up_steps(pool), required=True)
+    said = runner.check_attention(_warm_up_steps(pool))
+    assert runner.attention == "gather" and said.startswith("gather (the flex attention differs from the gather one")
+
+    def broken(*args):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(flex, "attend", broken)
+    runner, pool = _runner(model, attention="flex")
+    said = runner.check_attention(_warm_up_steps(pool))
+    assert runner.attention == "gather" and "RuntimeError: no kernel for this shape" in said, said
+    assert _runner(model, attention="auto")[0].attention == "gather"  # auto on the CPU
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_the_decode_step_traces_whole_and_its_graph_equals_eager(family):
+    """The static decode step (what is captured or compiled) traces into one graph with either
+    attention, and that graph (run by dynamo's eager backend: no inductor compile here) gives the
+    eager step's logits."""
+    import torch._dynamo
+
+    _, model = _models(family)
+    for attention in ("gather", "flex"):
+        runner, _ = _runner(model, capture="static", attention=attention)
+        steps = runner.decode_steps
+        bucket = steps.get(4, steps.width_buckets[0])
+        steps._fill_synthetic(bucket)
+        torch._dynamo.reset()
+        with torch.inference_mode():
+            explained = torch._dynamo.explain(runner.run_model)(bucket.ids, bucket.positions, bucket.step, 0)
+            assert explained.graph_break_count == 0, (attention, explained.break_reasons)
+            expected = steps._eager(bucket)
+            bucket.step._masks.clear()
+            traced = torch.compile(runner.run_model, backend="eager", fullgraph=True)
+            got = traced(bucket.ids, bucket.positions, bucket.step, 0)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()

@@ -13,6 +13,9 @@ function registered here as ``"gyrfalcon_paged"``, which
    (a prefill chunk), each with a mask built from positions — causal, and windowed on layers
    with a sliding window.
 
+With ``StepMetadata.attention == "flex"`` step 2 copies nothing: flex attention reads the blocks in
+place (:mod:`gyrfalcon.engine.model.flex`).
+
 Transformers builds no mask for an attention function it does not know (so none is built), and
 the model is given no cache object: this module owns both. The step's :class:`StepMetadata` travels
 to the attention function as the keyword argument ``gyrfalcon_step`` (models forward extra keyword
@@ -61,7 +64,27 @@ class StepMetadata:
     decode_positions: torch.Tensor | None = None
     prefills: list[Segment] = field(default_factory=list)
     decode_only: bool = False
+    #: ``gather`` (copy each sequence's blocks, then SDPA) or ``flex`` (read them in place:
+    #: :mod:`gyrfalcon.engine.model.flex`)
+    attention: str = "gather"
     _masks: dict = field(default_factory=dict)
+
+    def flex_mask(self, index: int | None, window: int | None):
+        """The flex block mask of the decode group (``index`` None) or of prefill segment ``index``."""
+        from gyrfalcon.engine.model import flex
+
+        key = ("flex", index, window)
+        mask = self._masks.get(key)
+        if mask is None:
+            if index is None:
+                assert self.decode_blocks is not None and self.decode_positions is not None
+                mask = flex.block_mask(self.cache, self.decode_blocks, self.decode_positions, 1, window)
+            else:
+                segment = self.prefills[index]
+                start = torch.tensor([segment.start], device=segment.blocks.device)
+                mask = flex.block_mask(self.cache, segment.blocks.unsqueeze(0), start, segment.count, window)
+            self._masks[key] = mask
+        return mask
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
         """``[B, 1, 1, L]``: column ``j`` is visible to its row when ``j <= position`` (and inside
@@ -126,8 +149,14 @@ def paged_attention(
     v_cache.index_copy_(0, step.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
     blocked = (cache.num_blocks, cache.block_size, *k_cache.shape[1:])
 
-    def attend(q: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    in_place = step.attention == "flex" and k_cache.dtype == query.dtype and not _needs_sdpa(kwargs)
+
+    def attend(q: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor, index: int | None = None) -> torch.Tensor:
         # q: [b, H, q, D]; blocks: [b, nb] -> keys/values [b, KVH, nb * block_size, D]
+        if in_place:
+            from gyrfalcon.engine.model import flex
+
+            return flex.attend(q, k_cache, v_cache, step.flex_mask(index, window), scaling)
         rows, width = blocks.shape[0], blocks.shape[1] * cache.block_size
         k = k_cache.view(blocked).index_select(0, blocks.reshape(-1)).view(rows, width, *blocked[2:])
         v = v_cache.view(blocked).index_select(0, blocks.reshape(-1)).view(rows, width, *blocked[2:])
@@ -138,20 +167,25 @@ def paged_attention(
 
     if step.decode_only:
         q = query[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-        out = attend(q, step.decode_blocks, step.decode_mask(window))
+        out = attend(q, step.decode_blocks, None if in_place else step.decode_mask(window))
         return out.transpose(0, 1), None  # [1, B, H, D]
 
     total = query.shape[2]
     output = query.new_empty((1, total, query.shape[1], query.shape[3]))
     if step.decode_rows is not None:
         q = query[0].index_select(1, step.decode_rows).transpose(0, 1).unsqueeze(2)
-        out = attend(q, step.decode_blocks, step.decode_mask(window))
+        out = attend(q, step.decode_blocks, None if in_place else step.decode_mask(window))
         output[0].index_copy_(0, step.decode_rows, out[:, 0])
     for index, segment in enumerate(step.prefills):
         q = query[:, :, segment.offset : segment.offset + segment.count]
-        out = attend(q, segment.blocks.unsqueeze(0), step.prefill_mask(index, window))
+        out = attend(q, segment.blocks.unsqueeze(0), None if in_place else step.prefill_mask(index, window), index)
         output[:, segment.offset : segment.offset + segment.count] = out
     return output, None
+
+
+def _needs_sdpa(kwargs: dict) -> bool:
+    """Whether the layer asks for what only the SDPA path passes on (a softcap, attention sinks)."""
+    return any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "sinks"))
 
 
 def register() -> str:

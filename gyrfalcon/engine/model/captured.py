@@ -2,7 +2,8 @@
 
 A decode step of ``B`` sequences whose longest context is ``W`` tokens runs in the bucket
 ``(B', L)``: ``B'`` the smallest batch bucket ≥ ``B``, ``L`` the smallest context bucket ≥ ``W``
-(powers of two from 64, up to the context length). Each bucket owns static input buffers — token
+(powers of two from 64, up to the context length; one, the context length, where attention reads
+the blocks in place: its shapes do not depend on the context). Each bucket owns static input buffers — token
 ids, positions, KV slots, the block table of every row's first ``L`` tokens — and its output logits.
 Padding rows write their KV to the scratch block and read only it, so they touch no sequence's
 blocks; their logits are dropped. The fast path replays them:
@@ -139,11 +140,17 @@ class DecodeSteps:
         while width < max_model_len:
             widths.append(width)
             width *= 2
-        self.width_buckets = [*widths, max_model_len]
+        self._widths = [*widths, max_model_len]
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None
         #: seconds spent capturing graphs so far (start-up report, bench)
         self.capture_s = 0.0
+
+    @property
+    def width_buckets(self) -> list[int]:
+        """The context buckets: one, the longest, where attention reads the blocks in place (its
+        step's shapes do not depend on the context)."""
+        return self._widths[-1:] if self.runner.attention == "flex" else self._widths
 
     @property
     def graphs(self) -> bool:
@@ -163,7 +170,7 @@ class DecodeSteps:
         flat = torch.zeros(4 * batch + batch * blocks, dtype=torch.long, device=self.runner.device)
         ids, positions, slots, rows_at, table = staging.split(flat, [batch] * 4 + [batch * blocks])
         step = StepMetadata(self.runner.cache, slots, decode_blocks=table.view(batch, blocks),
-                            decode_positions=rows_at, decode_only=True)  # fmt: skip
+                            decode_positions=rows_at, decode_only=True, attention=self.runner.attention)  # fmt: skip
         return _Bucket(batch, width, ids.view(1, batch), positions.view(1, batch), step, flat)
 
     def _eager(self, bucket: _Bucket) -> torch.Tensor:

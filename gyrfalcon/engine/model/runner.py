@@ -10,12 +10,13 @@ pads them to a fixed bucket and (on CUDA) replays a captured graph.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
 from gyrfalcon.engine.kv.cache import PagedKVCache
-from gyrfalcon.engine.model import staging
+from gyrfalcon.engine.model import flex, staging
 from gyrfalcon.engine.model.attention import STEP_KWARG, Segment, StepMetadata, register
 from gyrfalcon.engine.model.captured import FAST_STEP_RTOL, DecodeSteps, check_fast_step
 from gyrfalcon.engine.model.decoder import DirectDecoder, unsupported
@@ -38,10 +39,14 @@ class ModelRunner:
     :class:`~gyrfalcon.engine.model.decoder.DirectDecoder` where its architecture has one, else
     through transformers; ``direct`` refuses a model without one; ``transformers`` always runs
     transformers' forward. :meth:`check_direct` proves the direct forward against transformers'.
+
+    ``attention`` (``--attention-backend``): ``gather`` copies each sequence's blocks and runs SDPA,
+    ``flex`` reads the blocks in place (:mod:`~gyrfalcon.engine.model.flex`), ``auto`` is flex on
+    CUDA and gather elsewhere; :meth:`check_attention` proves flex against gather.
     """
 
     def __init__(self, model, cache: PagedKVCache, capture: str = "off", max_batch: int = 1, max_model_len: int = 2048,
-                 model_impl: str = "auto") -> None:  # fmt: skip
+                 model_impl: str = "auto", attention: str = "gather") -> None:  # fmt: skip
         self.model = model
         self.cache = cache
         self.device = cache.device
@@ -60,6 +65,8 @@ class ModelRunner:
             self.direct = DirectDecoder(model) if reason is None else None
             fused = self.direct is not None and self.direct.fused
             self.model_impl = ("direct (q/k/v and gate/up fused)" if fused else "direct") if reason is None else f"transformers ({reason})"
+        #: the attention backend steps use: ``gather`` or ``flex``
+        self.attention = flex.resolve(attention, self.device)
         self.decode_steps = None
         if capture != "off":
             self.decode_steps = DecodeSteps(self, max_batch, max_model_len, mode=capture)
@@ -86,33 +93,69 @@ class ModelRunner:
                          **{STEP_KWARG: step})  # fmt: skip
         return out.logits[0]
 
+    @contextlib.contextmanager
+    def _set(self, **values):
+        """Set attributes for the time of a ``with`` block."""
+        before = {name: getattr(self, name) for name in values}
+        for name, value in values.items():
+            setattr(self, name, value)
+        try:
+            yield
+        finally:
+            for name, value in before.items():
+                setattr(self, name, value)
+
+    def _agree(self, steps: list[list[Work]], other: dict, names: tuple[str, str]) -> str | None:
+        """Run each step of ``steps`` as the runner is set, then with the attributes ``other`` (the
+        same KV slots are written twice; both eagerly: a captured bucket would replay one of the
+        two): None when every step gives the same argmax and logits within the dtype's tolerance,
+        else why not."""
+        rtol = FAST_STEP_RTOL.get(self.model.dtype, 1e-4)
+        with self._set(decode_steps=None):
+            for works in steps:
+                def this_step(works=works):
+                    return self.forward(works)[0]
+
+                def other_step(works=works):
+                    with self._set(**other):
+                        return self.forward(works)[0]
+
+                problem = check_fast_step(this_step, other_step, rtol, names=names)
+                if problem is not None:
+                    return problem
+        return None
+
+    @torch.inference_mode()
+    def check_attention(self, steps: list[list[Work]], required: bool = False) -> str:
+        """With ``flex`` attention, run each step of ``steps`` (the warm-up) through flex and through
+        gather; keep flex only if they agree (as :meth:`check_direct`). Returns the backend that
+        serves, and why; ``required`` (``--attention-backend flex``) makes a disagreement a ``ValueError``."""
+        if self.attention != "flex":
+            return self.attention
+        problem = self._agree(steps, {"attention": "gather"}, names=("flex attention", "gather one"))
+        if problem is None:
+            return "flex (the KV blocks read in place)"
+        if required:
+            raise ValueError(f"--attention-backend flex: {problem}")
+        self.attention = "gather"
+        return f"gather ({problem})"
+
     @torch.inference_mode()
     def check_direct(self, steps: list[list[Work]], required: bool = False) -> str:
         """Run each step of ``steps`` (the warm-up) through the direct forward and through transformers' (same
         inputs: the same KV slots are written twice); keep the direct forward only if every step
         gives the same argmax and logits within the dtype's tolerance. Returns :attr:`model_impl`;
         ``required`` (``--model-impl direct``) turns a disagreement into a ``ValueError``."""
-        direct = self.direct
-        if direct is None:
-            for works in steps:
-                self.forward(works)
+        if self.direct is None:
+            with self._set(decode_steps=None):
+                for works in steps:
+                    self.forward(works)
             return self.model_impl
-        rtol = FAST_STEP_RTOL.get(self.model.dtype, 1e-4)
-        for works in steps:
-            def transformers_step():
-                self.direct = None
-                try:
-                    return self.forward(works)[0]
-                finally:
-                    self.direct = direct
-
-            problem = check_fast_step(lambda: self.forward(works)[0], transformers_step, rtol,
-                                      names=("direct forward", "transformers one"))  # fmt: skip
-            if problem is not None:
-                if required:
-                    raise ValueError(f"--model-impl direct: {problem}")
-                self.direct, self.model_impl = None, f"transformers ({problem})"
-                break
+        problem = self._agree(steps, {"direct": None}, names=("direct forward", "transformers one"))
+        if problem is not None:
+            if required:
+                raise ValueError(f"--model-impl direct: {problem}")
+            self.direct, self.model_impl = None, f"transformers ({problem})"
         return self.model_impl
 
     @torch.inference_mode()
@@ -149,7 +192,7 @@ class ModelRunner:
         tables = [work.blocks[: -(-(work.start + len(work.tokens)) // bs)] for _, work in prefill]
         parts += tables
         views = staging.split(staging.upload([v for part in parts for v in part], self.device), [len(p) for p in parts])
-        step = StepMetadata(self.cache, views[2])
+        step = StepMetadata(self.cache, views[2], attention=self.attention)
         if decode:
             step.decode_rows, step.decode_positions = views[4], views[5]
             step.decode_blocks = views[6].view(len(decode), decode_blocks)
