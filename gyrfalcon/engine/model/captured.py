@@ -204,11 +204,13 @@ class DecodeSteps:
         if self.mode == "compiled":
             self.path = self._prepare_compiled()
         elif self.graphs:
+            reserved = torch.cuda.memory_reserved(self.runner.device)
             for batch in reversed(self.batch_buckets):
                 self.get(batch, self.width_buckets[0])
+            grown = (torch.cuda.memory_reserved(self.runner.device) - reserved) / 2**20
             failed = [f"batch {b.batch}: {b.failure}" for b in self._buckets.values() if b.failure]
             if not failed:
-                self.path = DecodePath("captured", f"{len(self._buckets)} buckets in {self.capture_s:.1f} s")
+                self.path = DecodePath("captured", f"{len(self._buckets)} buckets in {self.capture_s:.1f} s, {grown:.0f} MiB")
             elif len(failed) == len(self._buckets):
                 self.path = DecodePath("eager", failed[0])
             else:
@@ -256,7 +258,8 @@ class DecodeSteps:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         bucket.step._masks.clear()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread's CUDA call (the API's) during the capture does not break it
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             bucket.logits = self.runner.run_model(bucket.ids, bucket.positions, bucket.step, 0)
         self._pool = graph.pool()
         bucket.graph = graph

@@ -99,8 +99,9 @@ def block_mask(cache, tables: torch.Tensor, positions: torch.Tensor, queries: in
             visible &= seen > positions[b] + q - window
         return visible
 
+    # no q-block index: it serves only the backward pass, and would sort every block of the cache
     return BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=mask_mod,
-                                    seq_lengths=(queries, num_blocks * bs))  # fmt: skip
+                                    seq_lengths=(queries, num_blocks * bs), compute_q_blocks=False)  # fmt: skip
 
 
 def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask, scaling: float | None) -> torch.Tensor:
@@ -109,5 +110,11 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ma
     rows = query.shape[0]
     k = k_cache.permute(1, 0, 2).unsqueeze(0).expand(rows, -1, -1, -1)
     v = v_cache.permute(1, 0, 2).unsqueeze(0).expand(rows, -1, -1, -1)
-    out = _kernel(query.device)(query, k, v, block_mask=mask, scale=scaling, enable_gqa=k.shape[1] != query.shape[1])
+    kwargs = {}
+    if query.device.type == "cuda":
+        # the kernel's key tile must fit in one KV block (its sparse unit); flex's decoding kernel
+        # is not asked for: it tiles keys by its own block size
+        kwargs["kernel_options"] = {"BLOCK_N": min(mask.BLOCK_SIZE[1], 64), "FORCE_USE_FLEX_ATTENTION": True}
+    out = _kernel(query.device)(query, k, v, block_mask=mask, scale=scaling, enable_gqa=k.shape[1] != query.shape[1],
+                                **kwargs)  # fmt: skip
     return out.transpose(1, 2)
