@@ -10,10 +10,11 @@ blocks; their logits are dropped. The fast path replays them:
 
 - ``cuda-graphs``: each bucket's forward captured once as a CUDA graph (batch buckets of the
   shortest contexts at start-up, the others the first time they are needed);
-- ``compiled``: ``torch.compile`` (inductor) of the step on the CPU, with dynamic context width, for
-  batches up to :data:`COMPILED_MAX_BATCH` (measured on the default model: at batch 1 the compiled
-  step takes 15.5 ms against 26.6 eager; a dynamic batch size compiled slower than eager, 135 ms
-  against 70 at batch 16, and a compile per batch bucket takes about 70 s);
+- ``compiled``: ``torch.compile`` (inductor) of the step on the CPU, the context width its one
+  dynamic size, for batches up to :data:`COMPILED_MAX_BATCH` (measured on the default model, direct
+  forward: at batch 1 the compiled step takes 11.0 ms against 16.5 eager at a 64-token context,
+  12.6 against 17.6 at 256, after a 34 s compile; a dynamic batch size compiled slower than eager,
+  135 ms against 70 at batch 16, and a compile per batch bucket takes about 70 s);
 - ``static``: the same buffers run eagerly (what a fast step computes, on any device: tests).
 
 Every fast step is checked against the eager step on the same synthetic inputs before it serves
@@ -120,6 +121,8 @@ class _Bucket:
     failure: str | None = None
     #: the compiled step serves this bucket (checked at start-up)
     compiled: bool = False
+    #: its table's width is marked dynamic for the compiled step
+    marked: bool = False
     runs: int = field(default=0)
 
 
@@ -190,6 +193,9 @@ class DecodeSteps:
         bucket.step.decode_blocks.zero_()
 
     def _run_compiled(self, bucket: _Bucket) -> torch.Tensor:
+        if not bucket.marked:  # one compiled graph for every width: its table's width is dynamic
+            torch._dynamo.maybe_mark_dynamic(bucket.step.decode_blocks, 1)
+            bucket.marked = True
         bucket.step._masks.clear()
         return self._compiled(bucket.ids, bucket.positions, bucket.step, 0)
 
@@ -225,9 +231,10 @@ class DecodeSteps:
         start = time.perf_counter()
         try:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-            # transformers' forward, not the direct one: inductor took over 4 minutes on the direct
-            # forward of the default model (not finished) against about 40 s on transformers'
-            self._compiled = torch.compile(self.runner.transformers_forward, dynamic=True)
+            # the model's forward (direct where it has one) with one dynamic size, the context width
+            # (each bucket's table is marked): dynamic=True made every size symbolic, and dynamo's
+            # symbolic reasoning took 219 s tracing the direct forward of the default model (4 s static)
+            self._compiled = torch.compile(self.runner.run_model)
             self._run_compiled(bucket)  # compiles
         except Exception as exc:  # noqa: BLE001 - no compiler, an unsupported op: serve eagerly
             self._compiled = None
