@@ -100,10 +100,14 @@ def test_chunked_prefill_and_decode_match_the_eager_model(family, attention):
             torch.testing.assert_close(logits[row], _reference(reference, s.tokens)[-1], atol=1e-5, rtol=1e-5)
 
 
-def test_static_bucket_padded_decode_equals_unpadded_decode():
-    _, model = _models("llama")
+@pytest.mark.parametrize("attention", ["gather", "flex"])
+def test_static_bucket_padded_decode_equals_unpadded_decode(attention):
+    """Flex attention reads the blocks in place: its step's shapes do not depend on the context, so
+    its buckets have one width."""
+    _, model = _models("mistral" if attention == "flex" else "llama")
     plain, pool = _runner(model)
-    static = ModelRunner(model, plain.cache, capture="static", max_batch=8, max_model_len=256)
+    static = ModelRunner(model, plain.cache, capture="static", max_batch=8, max_model_len=256, attention=attention)
+    width = 256 if attention == "flex" else 64
     rng = random.Random(2)
     seqs = [Seq([rng.randrange(256) for _ in range(n)], pool) for n in (3, 9, 14)]
     plain.forward([s.work(len(s.tokens)) for s in seqs])
@@ -115,10 +119,11 @@ def test_static_bucket_padded_decode_equals_unpadded_decode():
         got, spans = static.forward(works)  # batch 3 runs in bucket 4: one padding row
         assert spans == [(0, 1), (1, 1), (2, 1)]
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    bucket = static.decode_steps.get(4, 64)
+    bucket = static.decode_steps.get(4, width)
     assert bucket.runs == 4 and bucket.graph is None  # eager replay of the static buffers on the CPU
     steps = static.decode_steps
-    assert steps.bucket(3, 20) == (4, 64) and steps.bucket(5, 65) == (8, 128) and steps.bucket(9, 20) is None
+    assert steps.bucket(3, 20) == (4, width) and steps.bucket(9, 20) is None
+    assert steps.bucket(5, 65) == (8, 256 if attention == "flex" else 128)
 
 
 def test_a_step_sends_its_inputs_to_the_device_in_one_copy(monkeypatch):
@@ -216,24 +221,6 @@ def test_flex_attention_equals_gather_on_64_mixed_length_prompts():
     for got, expected in zip(flex_steps, gather_steps):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
-
-
-def test_flex_decode_buckets_have_one_width_and_equal_unpadded_decode():
-    """In place, a decode step's shapes do not depend on the context: one bucket per batch."""
-    _, model = _models("mistral")
-    plain, pool = _runner(model, attention="gather")
-    static = ModelRunner(model, plain.cache, capture="static", max_batch=8, max_model_len=256, attention="flex")
-    steps = static.decode_steps
-    assert steps.width_buckets == [256] and steps.bucket(3, 20) == (4, 256) and steps.bucket(5, 200) == (8, 256)
-    rng = random.Random(4)
-    seqs = [Seq([rng.randrange(256) for _ in range(n)], pool) for n in (3, 9, 30)]
-    plain.forward([s.work(len(s.tokens)) for s in seqs])
-    for _ in range(3):
-        for s in seqs:
-            s.tokens.append(rng.randrange(256))
-        works = [s.work(1) for s in seqs]
-        torch.testing.assert_close(static.forward(works)[0], plain.forward(works)[0], atol=1e-5, rtol=1e-5)
-    assert steps.get(4, 256).runs == 3
 
 
 def test_flex_attention_is_checked_against_gather_and_dropped_where_it_differs(monkeypatch):
