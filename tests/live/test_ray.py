@@ -148,10 +148,12 @@ def test_a_client_that_goes_away_aborts_its_request_on_the_replica(ray_server):
 
 class Load:
     """``workers`` threads sending streamed completions back to back until stopped; each answer is
-    kept as (start, end, status, events)."""
+    kept as (start, end, status, events). Worker ``w`` asks for ``max_tokens + spread * w`` tokens:
+    streams of one length start and end together, and a replica whose batch just ended holds no
+    stream for the moment its next requests are routed."""
 
-    def __init__(self, url: str, workers: int, max_tokens: int) -> None:
-        self.url, self.max_tokens = url, max_tokens
+    def __init__(self, url: str, workers: int, max_tokens: int, spread: int = 0) -> None:
+        self.url, self.max_tokens, self.spread = url, max_tokens, spread
         self.results: list[tuple[float, float, int, list]] = []
         self._stop = False
         self._pool = concurrent.futures.ThreadPoolExecutor(workers)
@@ -161,7 +163,7 @@ class Load:
         i = 0
         while not self._stop:
             start = time.monotonic()
-            body = {"model": "tiny", "prompt": f"worker {worker} request {i}", "max_tokens": self.max_tokens,
+            body = {"model": "tiny", "prompt": f"worker {worker} request {i}", "max_tokens": self.max_tokens + self.spread * worker,
                     "ignore_eos": True, "stream": True}  # fmt: skip
             r = requests.post(self.url + "/v1/completions", json=body, timeout=120)
             events = sse_events(r.text) if r.status_code == 200 else [r.json()]
@@ -192,7 +194,9 @@ def test_autoscaling_and_a_replica_killed_under_load(ray_server):
     """1 → 2 replicas under load; one killed under load: its clients get an error event at once, new
     requests succeed meanwhile, Ray starts another; back to 1 replica when idle."""
     assert len(engine_replicas(ray_server)) == 1
-    load = Load(ray_server.url, workers=12, max_tokens=60)
+    # lengths 60 to 159: the streams end at different times, so each replica always runs some
+    # (with one length, a kill between two batches of a replica cut nothing, in CI)
+    load = Load(ray_server.url, workers=12, max_tokens=60, spread=9)
     try:
         replicas = wait_for(lambda: len(engine_replicas(ray_server)) == 2 and engine_replicas(ray_server), 150, "a second replica")
         # the new replica loads the model, then takes requests: kill one only once both run streams
