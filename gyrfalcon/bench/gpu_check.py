@@ -89,15 +89,95 @@ def _start_up_line(log_path: str, name: str) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+def _random_model(args, cuda: bool, workdir: str) -> str:
+    """Random weights of the run's shape (``--config``, else SmolLM2-1.7B's on CUDA, a tiny one
+    elsewhere) with the tokenizer of ``--tokenizer`` (else the default model's); returns their folder."""
+    from gyrfalcon.bench.weights import build_timed
+    from gyrfalcon.models.default import resolve_model
+
+    config = args.config
+    if config is None:
+        config = os.path.join(workdir, "SmolLM2-1.7B-shape" if cuda else "tiny-shape", "config.json")
+        os.makedirs(os.path.dirname(config))
+        with open(config, "w") as f:
+            json.dump(SMOLLM2_1_7B if cuda else TINY, f)
+    tokenizer = args.tokenizer or resolve_model(None, None)
+    model, build_s = build_timed(config, tokenizer, os.path.join(workdir, "model"), args.device, "auto")
+    _say(f"random weights of {config} built in {build_s:.1f} s")
+    return str(model)
+
+
+def _serve_and_smoke(args, model: str, extra: str, concurrency: list[int], workdir: str):
+    """Serve ``model``; returns its decode path, its attention and the contract smoke's results."""
     from gyrfalcon.bench.client import Client
     from gyrfalcon.bench.run import decode_path
     from gyrfalcon.bench.server import launch, serve_argv
-    from gyrfalcon.bench.weights import build_timed
     from gyrfalcon.check import Outcome
-    from gyrfalcon.models.default import resolve_model
 
+    log_path = os.path.join(workdir, "serve.log")
+    server = launch(lambda port: serve_argv(port, model, args.device, "auto", 2, max(concurrency), extra), log_path)
+    try:
+        path = decode_path(Client(server.url)) or "not reported"
+        _say(f"decode path: {path}")
+        attention = _start_up_line(log_path, "attention") or "not reported"
+        _say(f"attention: {attention}")
+        results = smoke(server.url)
+    finally:
+        server.stop()
+    _say(f"contract smoke: {sum(r.outcome is Outcome.PASSED for r in results)} of {len(results)} passed")
+    return path, attention, results
+
+
+def _bench(args, cuda: bool, model: str, extra: str, concurrency: list[int], workdir: str) -> tuple[int, dict]:
+    """``gyrfalcon bench --launch`` on ``model``; returns its exit status and its JSON report."""
+    figures = os.path.join(workdir, "bench.json")
+    output_tokens = args.output_tokens or (128 if cuda else 16)
+    bench = [sys.executable, "-m", "gyrfalcon.cli", "bench", "--launch", "--model", model, "--device", args.device,
+             "--concurrency", *map(str, concurrency), "--output-tokens", str(output_tokens), "--json", figures,
+             "--serve-args", extra]  # fmt: skip
+    if not cuda:
+        bench += ["--requests", str(args.requests or 4), "--mixed", "0", "--n", "0"]
+    elif args.requests:
+        bench += ["--requests", str(args.requests)]
+    _say(f"bench: {' '.join(bench[2:])}")
+    ran = subprocess.run(bench)
+    report = {}
+    if ran.returncode == 0 and os.path.exists(figures):
+        with open(figures) as f:
+            report = json.load(f)
+    return ran.returncode, report
+
+
+def _report(args, cuda: bool, path: str, attention: str, results, bench_status: int, report: dict, started: float) -> int:
+    """Print the acceptance summary (and write ``--json``); 1 when anything failed."""
+    from gyrfalcon.check import Outcome
+
+    passed = sum(r.outcome is Outcome.PASSED for r in results)
+    problems = [f"smoke: {r.check.name} {r.outcome.value}: {r.message}" for r in results if r.outcome is not Outcome.PASSED]
+    if bench_status != 0:
+        problems.append(f"the bench exited with {bench_status}")
+    if cuda and not path.startswith("captured"):
+        problems.append(f"decode steps are not captured: {path}")
+    if cuda and not attention.startswith("flex"):
+        problems.append(f"attention does not read the KV blocks in place: {attention}")
+    _say("\n## GPU acceptance" if cuda else "\n## Acceptance run (CPU, tiny shape)")
+    _say(f"- decode path: {path}")
+    _say(f"- attention: {attention}")
+    _say(f"- contract smoke: {passed} of {len(results)} passed")
+    for t in report.get("targets", []):
+        _say(f"- {t['label']}: {t['value']:.2f} (target {t['op']} {t['target']:g}: {'met' if t['met'] else 'missed'})")
+    _say(f"- total wall time {time.perf_counter() - started:.0f} s")
+    for problem in problems:
+        _say(f"FAILED: {problem}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"decode_path": path, "attention": attention, "smoke": {r.check.name: r.outcome.value for r in results},
+                       "bench": report, "problems": problems}, f, indent=2)  # fmt: skip
+    return 1 if problems else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     cuda = args.device.startswith("cuda")
     if cuda:
         import torch
@@ -106,69 +186,14 @@ def main(argv: list[str] | None = None) -> int:
             print("gpu_check: torch sees no CUDA device (run with --device cpu to prove the command here)", file=sys.stderr)
             return 2
     concurrency = args.concurrency or ([1, 16, 64] if cuda else [1, 4])
-    output_tokens = args.output_tokens or (128 if cuda else 16)
     started = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="gyrfalcon-gpu-check-")
     try:
-        config = args.config
-        if config is None:
-            config = os.path.join(workdir, "SmolLM2-1.7B-shape" if cuda else "tiny-shape", "config.json")
-            os.makedirs(os.path.dirname(config))
-            with open(config, "w") as f:
-                json.dump(SMOLLM2_1_7B if cuda else TINY, f)
-        tokenizer = args.tokenizer or resolve_model(None, None)
-        model, build_s = build_timed(config, tokenizer, os.path.join(workdir, "model"), args.device, "auto")
-        _say(f"random weights of {config} built in {build_s:.1f} s")
-
+        model = _random_model(args, cuda, workdir)
         extra = f"--max-model-len 1024 {args.serve_args}"
-        server = launch(lambda port: serve_argv(port, str(model), args.device, "auto", 2, max(concurrency), extra),
-                        os.path.join(workdir, "serve.log"))  # fmt: skip
-        try:
-            path = decode_path(Client(server.url)) or "not reported"
-            _say(f"decode path: {path}")
-            attention = _start_up_line(os.path.join(workdir, "serve.log"), "attention") or "not reported"
-            _say(f"attention: {attention}")
-            results = smoke(server.url)
-        finally:
-            server.stop()
-        passed = sum(r.outcome is Outcome.PASSED for r in results)
-        _say(f"contract smoke: {passed} of {len(results)} passed")
-
-        figures = os.path.join(workdir, "bench.json")
-        bench = [sys.executable, "-m", "gyrfalcon.cli", "bench", "--launch", "--model", str(model), "--device", args.device,
-                 "--concurrency", *map(str, concurrency), "--output-tokens", str(output_tokens), "--json", figures,
-                 "--serve-args", extra]  # fmt: skip
-        if not cuda:
-            bench += ["--requests", str(args.requests or 4), "--mixed", "0", "--n", "0"]
-        elif args.requests:
-            bench += ["--requests", str(args.requests)]
-        _say(f"bench: {' '.join(bench[2:])}")
-        ran = subprocess.run(bench)
-        report = {}
-        if ran.returncode == 0 and os.path.exists(figures):
-            with open(figures) as f:
-                report = json.load(f)
-        problems = [f"smoke: {r.check.name} {r.outcome.value}: {r.message}" for r in results if r.outcome is not Outcome.PASSED]
-        if ran.returncode != 0:
-            problems.append(f"the bench exited with {ran.returncode}")
-        if cuda and not path.startswith("captured"):
-            problems.append(f"decode steps are not captured: {path}")
-        if cuda and not attention.startswith("flex"):
-            problems.append(f"attention does not read the KV blocks in place: {attention}")
-        _say("\n## GPU acceptance" if cuda else "\n## Acceptance run (CPU, tiny shape)")
-        _say(f"- decode path: {path}")
-        _say(f"- attention: {attention}")
-        _say(f"- contract smoke: {passed} of {len(results)} passed")
-        for t in report.get("targets", []):
-            _say(f"- {t['label']}: {t['value']:.2f} (target {t['op']} {t['target']:g}: {'met' if t['met'] else 'missed'})")
-        _say(f"- total wall time {time.perf_counter() - started:.0f} s")
-        for problem in problems:
-            _say(f"FAILED: {problem}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"decode_path": path, "attention": attention, "smoke": {r.check.name: r.outcome.value for r in results}, "bench": report,
-                           "problems": problems}, f, indent=2)  # fmt: skip
-        return 1 if problems else 0
+        path, attention, results = _serve_and_smoke(args, model, extra, concurrency, workdir)
+        bench_status, report = _bench(args, cuda, model, extra, concurrency, workdir)
+        return _report(args, cuda, path, attention, results, bench_status, report, started)
     except RuntimeError as exc:  # a server that did not start, a request that failed
         print(f"gpu_check: {exc}", file=sys.stderr)
         return 1

@@ -49,6 +49,38 @@ def _answers(model, tokenizer, new_tokens: int = 24) -> list[list[int]]:
     return out
 
 
+def _logprobs(model, ids, kv_dtype=None):
+    """Log-probabilities at every position of ``ids`` (``[1, T]``): a plain forward, or with
+    ``kv_dtype`` the engine's paged runner over a KV cache in that dtype (prefilled at once)."""
+    import torch
+
+    with torch.inference_mode():
+        if kv_dtype is None:
+            return torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+        from gyrfalcon.engine.kv.cache import KVShape, PagedKVCache
+        from gyrfalcon.engine.model.runner import ModelRunner, Work
+
+        blocks = -(-ids.shape[1] // 16)
+        plain = model.config._attn_implementation  # the runner registers its own; generate needs this back
+        runner = ModelRunner(model, PagedKVCache(KVShape.of(model.config, kv_dtype), blocks + 1, 16, "cpu"))
+        try:
+            logits, _ = runner.forward([Work(ids[0].tolist(), 0, list(range(1, blocks + 1)), "all")])
+        finally:
+            model.config._attn_implementation = plain
+        return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _without_bits(path: str) -> str:
+    """The checkpoint at ``path`` as a plain fp32 folder (its GGUF bits left out), in a new temporary folder."""
+    from gyrfalcon.models.gguf_bits import BITS_FILE
+
+    folder = tempfile.mkdtemp(prefix="gyrfalcon-quality-")
+    for name in os.listdir(path):
+        if name != BITS_FILE:
+            os.symlink(os.path.join(path, name), os.path.join(folder, name))
+    return folder
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gyrfalcon.bench.quality", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded default model)")
@@ -67,27 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     if tokenizer.bos_token_id is not None and ids[:1] != [tokenizer.bos_token_id]:
         ids = [tokenizer.bos_token_id, *ids]
     ids = torch.tensor([ids])
-
-    def logprobs(model, kv_dtype=None):
-        """Log-probabilities at every position: a plain forward, or with ``kv_dtype`` the engine's
-        paged runner over a KV cache in that dtype (prefilled at once)."""
-        with torch.inference_mode():
-            if kv_dtype is None:
-                return torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-            from gyrfalcon.engine.kv.cache import KVShape, PagedKVCache
-            from gyrfalcon.engine.model.runner import ModelRunner, Work
-
-            blocks = -(-ids.shape[1] // 16)
-            plain = model.config._attn_implementation  # the runner registers its own; generate needs this back
-            runner = ModelRunner(model, PagedKVCache(KVShape.of(model.config, kv_dtype), blocks + 1, 16, "cpu"))
-            try:
-                logits, _ = runner.forward([Work(ids[0].tolist(), 0, list(range(1, blocks + 1)), "all")])
-            finally:
-                model.config._attn_implementation = plain
-            return torch.log_softmax(logits.float(), dim=-1)
-
     reference, _ = load_weights(path, "float32", "cpu", "none")
-    ref_lp, ref_answers = logprobs(reference), _answers(reference, tokenizer)
+    ref_lp, ref_answers = _logprobs(reference, ids), _answers(reference, tokenizer)
     del reference
     rows = [("auto (the server's default)", "auto", "auto", True, None), ("int8", "auto", "int8", True, None),
             ("int4 quantised at load (the GGUF's bits unused)", "auto", "int4", False, None),
@@ -98,14 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| weights | what the layers run in | mean abs Δ log p (nats) | top-1 agreement | greedy answers identical |")
     print("|---|---|---|---|---|")
     for label, dtype, mode, with_bits, kv_dtype in rows:
-        folder = path
-        if not with_bits and os.path.isfile(os.path.join(path, BITS_FILE)):  # the same checkpoint as a plain fp32 folder
-            folder = tempfile.mkdtemp(prefix="gyrfalcon-quality-")
-            for name in os.listdir(path):
-                if name != BITS_FILE:
-                    os.symlink(os.path.join(path, name), os.path.join(folder, name))
+        folder = path if with_bits or not os.path.isfile(os.path.join(path, BITS_FILE)) else _without_bits(path)
         model, report = load_weights(folder, dtype, "cpu", mode)
-        lp = logprobs(model, kv_dtype)
+        lp = _logprobs(model, ids, kv_dtype)
         same = sum(a == b for a, b in zip(_answers(model, tokenizer), ref_answers))
         delta = float((lp - ref_lp).abs().mean())
         top1 = float((lp.argmax(-1) == ref_lp.argmax(-1)).float().mean())

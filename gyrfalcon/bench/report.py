@@ -125,6 +125,15 @@ def table(loads: list[LoadReport], eager: dict[int, CeilingResult], compiled: di
         lines.append("| " + " | ".join(cells) + " |")
     out = ["\n".join(lines), ""]
     out.extend(t.line() for t in targets(device, loads, eager, compiled, n_cmp, baseline, peer))
+    out.extend(_findings(n_cmp, memory, compiled, compiled_error, peak_memory))
+    return "\n".join(out)
+
+
+def _findings(n_cmp: dict[str, float] | None, memory: dict[str, Any] | None, compiled: dict[int, CeilingResult],
+              compiled_error: str | None, peak_memory: int | None) -> list[str]:
+    """The table's lines after the targets: the n comparison (when it is not a target's), memory,
+    the compiled ceiling's compile times or failure, the ceilings' peak memory."""
+    out = []
     if n_cmp and n_cmp["n"] != 8:
         out.append(f"- n={n_cmp['n']} request {n_cmp['n_request_s']:.2f} s / {n_cmp['n']} sequential n=1 requests "
                    f"{n_cmp['sequential_s']:.2f} s: {n_cmp['ratio']:.2f}")  # fmt: skip
@@ -140,7 +149,7 @@ def table(loads: list[LoadReport], eager: dict[int, CeilingResult], compiled: di
         out.append(f"- compiled ceiling failed: {compiled_error}")
     if peak_memory is not None:
         out.append(f"- peak device memory of the ceilings: {peak_memory / 2**30:.2f} GiB")
-    return "\n".join(out)
+    return out
 
 
 def _ceilings(results: dict[int, CeilingResult]) -> dict[int, dict[str, Any]]:

@@ -258,6 +258,60 @@ def _header(args: argparse.Namespace, device: str, model_path: str, build_s: flo
             + ("; compiled: static cache + torch.compile" if args.compiled_ceiling else ""))  # fmt: skip
 
 
+def _model_path(args: argparse.Namespace, device: str, workdir: str) -> tuple[str, float | None]:
+    """The model to serve — random weights of ``--random-weights`` built under ``workdir``, else
+    ``--model`` (or the default) — and the seconds building took (None: nothing was built)."""
+    from gyrfalcon.models.default import resolve_model
+
+    if not args.random_weights:
+        return resolve_model(args.model, None), None
+    from gyrfalcon.bench.weights import build_timed, folder_name
+
+    tokenizer = args.tokenizer or resolve_model(None, None)
+    folder = os.path.join(workdir, folder_name(args.random_weights))
+    built, build_s = build_timed(args.random_weights, tokenizer, folder, device, args.dtype, args.seed)
+    _say(f"random weights of {args.random_weights} built in {build_s:.1f} s")
+    return str(built), build_s
+
+
+def _launch(args: argparse.Namespace, device: str, model_path: str, workdir: str):
+    """``gyrfalcon serve`` for ``--launch``, its log under ``workdir``."""
+    from gyrfalcon.bench.server import launch, serve_argv
+
+    def argv(port: int) -> list[str]:
+        extra = f"--quantization {args.quantization} {args.serve_args}"
+        return serve_argv(port, model_path, device, args.dtype, args.num_threads, max(args.concurrency), extra)
+
+    server = launch(argv, os.path.join(workdir, "serve.log"))
+    _say(f"server at {server.url}: {shlex.join(server.argv[2:])}")
+    return server
+
+
+def _served_loads(client: Client, name: str, args: argparse.Namespace, prompts, counts: list[int]) -> list:
+    """One load per ``--concurrency`` level, ``counts[i]`` requests each."""
+    loads = []
+    for c, count in zip(args.concurrency, counts):
+        load = run_load(client, [_completion(name, prompts[i % len(prompts)], args.output_tokens) for i in range(count)], c)
+        loads.append(load)
+        _say(f"c={c}: {load.output_tokens_per_s:.1f} tok/s, TTFT p50 {load.ttft(50) * 1000:.0f} ms, "
+             f"TPOT p50 {load.tpot(50) * 1000:.1f} ms, {load.errors} errors")  # fmt: skip
+    return loads
+
+
+def _n_and_memory(client: Client, name: str, args: argparse.Namespace, prompt, vocab: int):
+    """The n-choices comparison (``--n`` > 1) and the memory check (``--mixed``), None where not asked."""
+    from gyrfalcon.bench.memory import memory_check
+
+    n_cmp = n_comparison(client, name, prompt, args.n, args.output_tokens) if args.n > 1 else None
+    if n_cmp:
+        _say(f"{n_cmp}")
+    memory = None
+    if args.mixed:
+        memory = memory_check(client, name, args.mixed, vocab, args.seed)
+        _say(f"memory {memory}")
+    return n_cmp, memory
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark; print the table (and write JSON with ``--json``)."""
     started = time.perf_counter()
@@ -267,36 +321,18 @@ def main(args: argparse.Namespace) -> int:
     if error := resolve_options(args, device):
         print(f"gyrfalcon bench: {error}", file=sys.stderr)
         return 2
-    from gyrfalcon.bench.memory import memory_check
     from gyrfalcon.bench.report import figures, table
-    from gyrfalcon.bench.server import launch, serve_argv
-    from gyrfalcon.models.default import resolve_model
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops a launched server
     workdir = tempfile.mkdtemp(prefix="gyrfalcon-bench-")
     server = None
     build_s = None
     try:
-        if args.random_weights:
-            from gyrfalcon.bench.weights import build_timed, folder_name
-
-            tokenizer = args.tokenizer or resolve_model(None, None)
-            folder = os.path.join(workdir, folder_name(args.random_weights))
-            built, build_s = build_timed(args.random_weights, tokenizer, folder, device, args.dtype, args.seed)
-            model_path = str(built)
-            _say(f"random weights of {args.random_weights} built in {build_s:.1f} s")
-        else:
-            model_path = resolve_model(args.model, None)
+        model_path, build_s = _model_path(args, device, workdir)
         url = args.url
         if args.launch:
-
-            def argv(port: int) -> list[str]:
-                extra = f"--quantization {args.quantization} {args.serve_args}"
-                return serve_argv(port, model_path, device, args.dtype, args.num_threads, max(args.concurrency), extra)
-
-            server = launch(argv, os.path.join(workdir, "serve.log"))
+            server = _launch(args, device, model_path, workdir)
             url = server.url
-            _say(f"server at {url}: {shlex.join(server.argv[2:])}")
         client = Client(url, args.api_key)
         name = client.model_name()
         path = decode_path(client)
@@ -304,20 +340,9 @@ def main(args: argparse.Namespace) -> int:
         counts = [requests_at(args, c, device) for c in args.concurrency]
         prompts = _prompts(max(*counts, *args.concurrency), args.prompt_tokens, vocab, args.seed)
         warm_up(Client(url, args.api_key, timeout=WARM_UP_TIMEOUT_S), name, prompts, max(args.concurrency), server)
-        loads = []
-        for c, count in zip(args.concurrency, counts):
-            load = run_load(client, [_completion(name, prompts[i % len(prompts)], args.output_tokens) for i in range(count)], c)
-            loads.append(load)
-            _say(f"c={c}: {load.output_tokens_per_s:.1f} tok/s, TTFT p50 {load.ttft(50) * 1000:.0f} ms, "
-                 f"TPOT p50 {load.tpot(50) * 1000:.1f} ms, {load.errors} errors")  # fmt: skip
+        loads = _served_loads(client, name, args, prompts, counts)
         peer_loads = run_peer(args, model_path, prompts, counts) if args.peer_url else []
-        n_cmp = n_comparison(client, name, prompts[0], args.n, args.output_tokens) if args.n > 1 else None
-        if n_cmp:
-            _say(f"{n_cmp}")
-        memory = None
-        if args.mixed:
-            memory = memory_check(client, name, args.mixed, vocab, args.seed)
-            _say(f"memory {memory}")
+        n_cmp, memory = _n_and_memory(client, name, args, prompts[0], vocab)
         if server is not None:  # free the device (and the CPU) for the ceilings
             server.stop()
         ceilings: dict[str, Any] = {"eager": {}, "compiled": {}, "compiled_error": None, "peak_memory": None, "baseline": {}}
