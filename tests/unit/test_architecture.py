@@ -4,7 +4,8 @@ Rooms are the top-level modules and packages of ``gyrfalcon``; the weight kernel
 ``engine/model/quant`` are a leaf room of their own, and the runtime's ``python -m`` entry points
 (``__main__`` modules) sit at the top with the command line. An import runs from a room to one listed
 before it in :data:`LAYERS`, never to a later one; the engine's side never reaches the wire's rooms;
-the server's rooms never import the tooling; and no module imports itself back through others.
+the server's rooms never import the tooling; no module imports itself back through others; and
+modules and functions stay under the plan's sizes.
 Imports under ``if TYPE_CHECKING:`` are annotations only and are not counted; imports inside
 functions are.
 """
@@ -149,3 +150,18 @@ print(" ".join(sorted(m for m in sys.modules if m.startswith("gyrfalcon.") and m
     done = subprocess.run([sys.executable, "-c", script, *TOOLING], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == []
+
+
+def test_modules_and_functions_stay_small():
+    """The house plan's sizes: no module over 400 lines, no function over 60, outside ``generated/``."""
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "generated" in path.relative_to(PACKAGE).parts:
+            continue
+        source = path.read_text()
+        if len(source.splitlines()) > 400:
+            too_long.append(f"{_module(path)}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                too_long.append(f"{_module(path)}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not too_long, too_long
