@@ -81,7 +81,8 @@ class StepMetadata:
                 mask = flex.block_mask(self.cache, self.decode_blocks, self.decode_positions, 1, window)
             else:
                 segment = self.prefills[index]
-                start = torch.tensor([segment.start], device=segment.blocks.device)
+                # a fill on the device, not a copy from the host (the step's inputs made their one copy)
+                start = torch.full((1,), segment.start, dtype=torch.long, device=segment.blocks.device)
                 mask = flex.block_mask(self.cache, segment.blocks.unsqueeze(0), start, segment.count, window)
             self._masks[key] = mask
         return mask
