@@ -121,8 +121,6 @@ class _Bucket:
     failure: str | None = None
     #: the compiled step serves this bucket (checked at start-up)
     compiled: bool = False
-    #: its table's width is marked dynamic for the compiled step
-    marked: bool = False
     runs: int = field(default=0)
 
 
@@ -174,6 +172,8 @@ class DecodeSteps:
         ids, positions, slots, rows_at, table = staging.split(flat, [batch] * 4 + [batch * blocks])
         step = StepMetadata(self.runner.cache, slots, decode_blocks=table.view(batch, blocks),
                             decode_positions=rows_at, decode_only=True, attention=self.runner.attention)  # fmt: skip
+        if self.mode == "compiled":  # one compiled graph for every width: the table's width is dynamic
+            torch._dynamo.maybe_mark_dynamic(step.decode_blocks, 1)
         return _Bucket(batch, width, ids.view(1, batch), positions.view(1, batch), step, flat)
 
     def _eager(self, bucket: _Bucket) -> torch.Tensor:
@@ -193,9 +193,6 @@ class DecodeSteps:
         bucket.step.decode_blocks.zero_()
 
     def _run_compiled(self, bucket: _Bucket) -> torch.Tensor:
-        if not bucket.marked:  # one compiled graph for every width: its table's width is dynamic
-            torch._dynamo.maybe_mark_dynamic(bucket.step.decode_blocks, 1)
-            bucket.marked = True
         bucket.step._masks.clear()
         return self._compiled(bucket.ids, bucket.positions, bucket.step, 0)
 
