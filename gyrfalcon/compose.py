@@ -72,9 +72,11 @@ def check_plugins(settings: Settings, pm: pluggy.PluginManager) -> None:
 def engine_core(settings: Settings, pm: pluggy.PluginManager | None = None) -> Any:
     """The token-id core of the engine the settings name: what the engine process and a Ray
     replica serve (the text work runs in the API workers)."""
+    from gyrfalcon.engine.determinism import ask_for_reproducible_blas
     from gyrfalcon.plugins.engines import build_engine
     from gyrfalcon.plugins.engines import engine_core as core_of
 
+    ask_for_reproducible_blas()
     return core_of(build_engine(settings, pm or plugins(settings)))
 
 
@@ -86,8 +88,10 @@ def worker_engine(settings: Settings, pm: pluggy.PluginManager) -> Engine:
 
     address = os.environ.get(ENGINE_ADDRESS_ENV)
     if not address:
+        from gyrfalcon.engine.determinism import ask_for_reproducible_blas
         from gyrfalcon.plugins.engines import build_engine
 
+        ask_for_reproducible_blas()
         return build_engine(settings, pm)
     from gyrfalcon.client import EngineClient
     from gyrfalcon.engine_process.remote import RemoteEngineCore

@@ -7,6 +7,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# before any BLAS call of the session: in-process engines compute each row alone, as a server does
+from gyrfalcon.engine.determinism import ask_for_reproducible_blas  # noqa: E402
+
+ask_for_reproducible_blas()
 
 import pytest  # noqa: E402
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gyrfalcon.engine.model.quant.apply import quantize_model, resolve_quantization
-from gyrfalcon.engine.model.quant.layers import (CastLinear, Int4Linear, Int8Linear, TiedEmbedding, UnsupportedQuantization,
+from gyrfalcon.engine.model.quant.layers import (CastLinear, Int4Linear, Int8Linear, PackedLinear, TiedEmbedding, UnsupportedQuantization,
                                                  fuse_outputs)
 from gyrfalcon.engine.model.quant.weights import Int4Weights, Int8Weights, relative_error
 
@@ -46,6 +46,21 @@ def test_a_quantised_layer_computes_its_dequantised_weight_and_each_row_alone(ki
     rows = x.reshape(35, 96)
     alone = torch.cat([layer(rows[i : i + 1]) for i in range(35)])
     assert torch.equal(alone, layer(rows))  # batch-invariant: bit for bit
+
+
+def test_the_packed_fp32_head_computes_each_row_alone_and_keeps_its_weight():
+    """The fp32 head beside quantised layers (oneDNN over a reordered weight): every row the same
+    bits at any row count, the plain product within fp32's rounding, the model's own weight kept
+    (a tied embedding reads it); a bf16 weight is refused."""
+    linear = torch.nn.Linear(96, 1000, bias=False)
+    head, x = PackedLinear(linear), torch.randn(19, 96)
+    alone = torch.cat([head(x[i : i + 1]) for i in range(19)])
+    for count in (2, 3, 4, 5, 8, 16, 17, 19):
+        assert torch.equal(head(x[:count]), alone[:count])
+    assert torch.allclose(alone, linear(x), rtol=1e-4, atol=1e-4)
+    assert head.weight is linear.weight and head(x.view(19, 1, 96)).shape == (19, 1, 1000)
+    with pytest.raises(UnsupportedQuantization):
+        PackedLinear(torch.nn.Linear(96, 10).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("kind", ["dense", "int4", "int8"])
