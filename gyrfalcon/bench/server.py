@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 import socket
 import subprocess
@@ -71,8 +72,20 @@ class Server:
             self.proc.wait()
 
 
+def _settled(body: bytes) -> bool:
+    """Whether a 200 ``/health`` body says the decode path is settled (no compile still running)."""
+    from gyrfalcon.engine.model.captured import COMPILING
+
+    try:
+        return COMPILING not in json.loads(body).get("decode_path", "")
+    except ValueError:
+        return True
+
+
 def launch(argv_for_port, log: str, timeout_s: float = 300.0) -> Server:
-    """Start ``argv_for_port(port)`` on a free port, its output into ``log``; return it once ``/health`` answers 200.
+    """Start ``argv_for_port(port)`` on a free port, its output into ``log``; return it once ``/health``
+    answers 200 and its decode path is settled (a compile in the background has ended: what is
+    measured is the path that serves).
 
     Raises RuntimeError with the end of the log if the server exits or is not healthy in time.
     """
@@ -87,7 +100,8 @@ def launch(argv_for_port, log: str, timeout_s: float = 300.0) -> Server:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode}; the end of its log:\n{server.log_tail()}")
         try:
-            if client.get("/health")[0] == 200:
+            status, body = client.get("/health")
+            if status == 200 and _settled(body):
                 return server
         except OSError:
             pass

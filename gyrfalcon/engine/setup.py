@@ -127,7 +127,7 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
         log.warning("attention: %s", runner.check_attention(steps, required=cfg.attention_backend == "flex"))
         started = time.perf_counter()
         if runner.decode_steps is not None:
-            path = runner.decode_steps.prepare()
+            path = runner.decode_steps.prepare(background=True)
         else:
             path = DecodePath("eager", "--enforce-eager" if cfg.enforce_eager else
                               "no --compile-decode" if device == "cpu" else "no fast path on this device")  # fmt: skip

@@ -13,6 +13,7 @@ once. ``health()`` answers ``ready=False`` with ``"loading model"`` until the lo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -299,6 +300,7 @@ class TransformersEngine(EngineCore):
                         self._fail_running(SHUTTING_DOWN)
                         for state in self.scheduler.drain():  # preempted ones, requeued meanwhile
                             self._fail(state, SHUTTING_DOWN)
+                    self._adopt_decode_path()
                     self._step_started = time.monotonic()
                     stepped = self.batcher.step()
                     self._step_started = None
@@ -313,6 +315,16 @@ class TransformersEngine(EngineCore):
             self._died(f"the engine stopped: {exc!r}")
             return
         self.batcher.abort_all()
+
+    def _adopt_decode_path(self) -> None:
+        """Between two steps: take the decode path a background compile has just settled."""
+        steps = self.runner.decode_steps if self.runner is not None else None
+        path = steps.poll() if steps is not None else None
+        if path is not None:
+            self.decode_path = path
+            self._info.decode_path = path.describe()
+            self._health = dataclasses.replace(self._health, decode_path=path.describe())
+            log.warning("decode path: %s", path.describe())
 
     def _died(self, message: str) -> None:
         """The step loop is gone: health turns 503, new requests are refused, live ones fail."""

@@ -33,7 +33,7 @@ class EngineConfig:
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     enforce_eager: bool
-    #: CPU: compile the small-batch decode step at start-up (checked against the eager one)
+    #: CPU: compile the small-batch decode step, in the background from start-up (checked against the eager one)
     compile_decode: bool = False
     generation_config: str = "auto"
     scheduling_policy: str = "fcfs"

@@ -11,7 +11,8 @@ blocks; their logits are dropped. The fast path replays them:
 - ``cuda-graphs``: each bucket's forward captured once as a CUDA graph (batch buckets of the
   shortest contexts at start-up, the others the first time they are needed);
 - ``compiled``: ``torch.compile`` (inductor) of the step on the CPU, the context width its one
-  dynamic size, for batches up to :data:`COMPILED_MAX_BATCH` (measured on the default model, direct
+  dynamic size, for batches up to :data:`COMPILED_MAX_BATCH`, compiled on a thread of its own while
+  steps run eagerly and adopted between two steps (:meth:`DecodeSteps.poll`) (measured on the default model, direct
   forward: at batch 1 the compiled step takes 11.0 ms against 16.5 eager at a 64-token context,
   12.6 against 17.6 at 256, after a 34 s compile; a dynamic batch size compiled slower than eager,
   135 ms against 70 at batch 16, and a compile per batch bucket takes about 70 s);
@@ -19,14 +20,18 @@ blocks; their logits are dropped. The fast path replays them:
 
 Every fast step is checked against the eager step on the same synthetic inputs before it serves
 (:func:`check_fast_step`): the same argmax in every row and logits within the model dtype's
-tolerance (:data:`FAST_STEP_RTOL`: a request then gets the same tokens whichever path its steps
-take, alone or in a batch, but for ties closer than that), else that bucket runs eagerly and
-:attr:`DecodeSteps.path` says why. The compiled step must also be measurably faster, or it is dropped.
+tolerance (:data:`FAST_STEP_RTOL`), else that bucket runs eagerly and :attr:`DecodeSteps.path`
+says why. The compiled step must also be measurably faster, or it is dropped. Passing the check
+does not make the two paths bit-identical: on real contexts, where the matmuls take bf16 inputs,
+the compiled and eager steps round apart (up to 0.08 nats on the default model), so a request
+whose steps take the compiled path alone and the eager one in a batch can get other tokens —
+why the CPU's compiled step is opt-in (``--compile-decode``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,6 +53,8 @@ MIN_CONTEXT_BUCKET = 64
 MODES = ("cuda-graphs", "compiled", "static")
 #: the largest batch the compiled CPU step serves (see the module docstring)
 COMPILED_MAX_BATCH = 1
+#: the decode path's reason while a compile runs in the background (steps run eagerly meanwhile)
+COMPILING = "compiling the decode step in the background"
 #: the compiled step is kept only if its median time is at most this share of the eager step's
 COMPILED_MUST_TAKE = 0.9
 #: how far a fast step's logits may be from the eager step's, relative to the largest logit (at
@@ -107,6 +114,15 @@ def _buckets(limit: int, candidates) -> list[int]:
 
 
 @dataclass
+class _PendingCompile:
+    """A compile running on its own thread, on a bucket of its own; ``result`` once it ends."""
+
+    thread: threading.Thread
+    bucket: Any
+    result: tuple[Any, float, str | None] = (None, 0.0, "the compile thread ended without a result")
+
+
+@dataclass
 class _Bucket:
     batch: int
     width: int
@@ -133,6 +149,8 @@ class DecodeSteps:
         self.runner = runner
         self.mode = "static" if mode == "cuda-graphs" and runner.device.type != "cuda" else mode
         self._compiled = None
+        #: a compile running in the background (:meth:`prepare`), until :meth:`poll` adopts it
+        self._pending: _PendingCompile | None = None
         self.rtol = FAST_STEP_RTOL.get(runner.cache.shape.dtype, 1e-4)
         #: the path decode steps take (set by :meth:`prepare`)
         self.path = DecodePath("eager", "static buffers, no fast path asked for" if self.mode == "static" else "not prepared")
@@ -192,20 +210,29 @@ class DecodeSteps:
         bucket.step.decode_positions.copy_(positions)
         bucket.step.decode_blocks.zero_()
 
-    def _run_compiled(self, bucket: _Bucket) -> torch.Tensor:
+    def _run_compiled(self, bucket: _Bucket, compiled=None) -> torch.Tensor:
         bucket.step._masks.clear()
-        return self._compiled(bucket.ids, bucket.positions, bucket.step, 0)
+        return (compiled or self._compiled)(bucket.ids, bucket.positions, bucket.step, 0)
 
     @torch.inference_mode()
-    def prepare(self) -> DecodePath:
+    def prepare(self, background: bool = False) -> DecodePath:
         """Build and check the fast path at start-up; returns (and keeps in :attr:`path`) what runs.
 
         ``cuda-graphs``: every batch bucket of the shortest contexts is captured, largest first, and
-        checked; ``compiled``: the step is compiled on the batch-1 bucket, checked, and timed against
-        the eager step. A bucket that fails its check runs eagerly.
+        checked; ``compiled``: the step is compiled on a batch-1 bucket of its own, checked, and
+        timed against the eager step — with ``background``, the compile runs on a thread of its
+        own while steps run eagerly, and :meth:`poll` checks and adopts it between two steps. A
+        bucket that fails its check runs eagerly.
         """
         if self.mode == "compiled":
-            self.path = self._prepare_compiled()
+            bucket = self._new(1, self.width_buckets[0])  # never a serving bucket: the compile may run beside steps
+            if background:
+                self._pending = _PendingCompile(threading.Thread(target=self._compile_in_background, args=(bucket,),
+                                                                 name="gyrfalcon-compile", daemon=True), bucket)  # fmt: skip
+                self._pending.thread.start()
+                self.path = DecodePath("eager", COMPILING)
+            else:
+                self.path = self._adopt(bucket, *self._compile(bucket))
         elif self.graphs:
             reserved = torch.cuda.memory_reserved(self.runner.device)
             for batch in reversed(self.batch_buckets):
@@ -220,10 +247,11 @@ class DecodeSteps:
                 self.path = DecodePath("captured", f"eager for {'; '.join(failed)}")
         return self.path
 
-    def _prepare_compiled(self) -> DecodePath:
+    def _compile(self, bucket: _Bucket) -> tuple[Any, float, str | None]:
+        """``torch.compile`` of the model's forward, compiled by one run on ``bucket``'s synthetic
+        inputs: (the compiled step or None, seconds, why it failed)."""
         import torch._dynamo
 
-        bucket = self.get(1, self.width_buckets[0])
         self._fill_synthetic(bucket)
         start = time.perf_counter()
         try:
@@ -231,23 +259,44 @@ class DecodeSteps:
             # the model's forward (direct where it has one) with one dynamic size, the context width
             # (each bucket's table is marked): dynamic=True made every size symbolic, and dynamo's
             # symbolic reasoning took 219 s tracing the direct forward of the default model (4 s static)
-            self._compiled = torch.compile(self.runner.run_model)
-            self._run_compiled(bucket)  # compiles
+            compiled = torch.compile(self.runner.run_model)
+            self._run_compiled(bucket, compiled)  # compiles
         except Exception as exc:  # noqa: BLE001 - no compiler, an unsupported op: serve eagerly
-            self._compiled = None
-            return DecodePath("eager", f"compiling the decode step failed: {_one_line(exc)}")
-        compile_s = time.perf_counter() - start
+            return None, time.perf_counter() - start, f"compiling the decode step failed: {_one_line(exc)}"
+        return compiled, time.perf_counter() - start, None
+
+    def _compile_in_background(self, bucket: _Bucket) -> None:
+        with torch.inference_mode():  # a thread's own mode
+            self._pending.result = self._compile(bucket)
+
+    def poll(self) -> DecodePath | None:
+        """Between two steps (the engine's thread): adopt a background compile that has finished —
+        checked and timed against the eager step here, where no step runs beside it — and return
+        the new path; None while there is nothing new."""
+        pending = self._pending
+        if pending is None or pending.thread.is_alive():
+            return None
+        self._pending = None
+        with torch.inference_mode():
+            self.path = self._adopt(pending.bucket, *pending.result)
+        return self.path
+
+    def _adopt(self, bucket: _Bucket, compiled, compile_s: float, failure: str | None) -> DecodePath:
+        """Serve ``compiled`` for batches up to :data:`COMPILED_MAX_BATCH` if it agrees with the
+        eager step on ``bucket`` and is measurably faster; else the eager path and why."""
+        if compiled is None:
+            return DecodePath("eager", failure or "no compiled step")
         self.capture_s += compile_s
-        problem = check_fast_step(lambda: self._run_compiled(bucket), lambda: self._eager(bucket), self.rtol)
+        self._fill_synthetic(bucket)
+        problem = check_fast_step(lambda: self._run_compiled(bucket, compiled), lambda: self._eager(bucket), self.rtol)
         if problem is not None:
-            self._compiled = None
             return DecodePath("eager", problem)
         eager_s = _median_s(lambda: self._eager(bucket))
-        compiled_s = _median_s(lambda: self._run_compiled(bucket))
+        compiled_s = _median_s(lambda: self._run_compiled(bucket, compiled))
         timing = f"{compiled_s * 1000:.1f} ms a step against {eager_s * 1000:.1f} eager at batch 1, compiled in {compile_s:.1f} s"
         if compiled_s > COMPILED_MUST_TAKE * eager_s:
-            self._compiled = None
             return DecodePath("eager", f"the compiled step is not faster: {timing}")
+        self._compiled = compiled
         for b in self._buckets.values():
             b.compiled = b.batch <= COMPILED_MAX_BATCH
         return DecodePath("compiled", f"batch {COMPILED_MAX_BATCH}, {timing}")
