@@ -158,6 +158,23 @@ def test_the_ggufs_bits_are_kept_exactly(default_model_dir):
             assert torch.equal(bits[name].dequantize(), f.get_tensor(name)), name
 
 
+def test_at_the_defaults_the_embedding_reads_the_ggufs_q8_rows_and_the_head_keeps_one_table(default_model_dir):
+    """The tied table is not kept in fp32 twice over: the input embedding looks up the GGUF's Q8_0
+    rows (the fp32 folder's rows, bit for bit), and the head keeps only its reordered copy."""
+    from safetensors import safe_open
+
+    from gyrfalcon.engine.model.quant.layers import PackedLinear, Q8Embedding
+
+    model = served_model(default_model_dir)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert isinstance(embedding, Q8Embedding) and isinstance(head, PackedLinear) and not hasattr(head, "weight")
+    with safe_open(f"{default_model_dir}/model.safetensors", framework="pt") as f:
+        table = f.get_tensor("model.embed_tokens.weight")
+    ids = torch.tensor([[0, 1, 2, 100, 49151]])
+    assert torch.equal(embedding(ids)[0], table[ids[0]])
+    assert not any(p.shape == table.shape for p in model.parameters())
+
+
 @pytest.mark.live
 def test_readme_serve_command_serves_the_default_model(default_model_dir, tmp_path):
     """`gyrfalcon serve` with no --model: the embedded default under gunicorn, as the README starts it."""

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gyrfalcon.engine.model.quant.apply import quantize_model, resolve_quantization
-from gyrfalcon.engine.model.quant.layers import (CastLinear, Int4Linear, Int8Linear, PackedLinear, TiedEmbedding, UnsupportedQuantization,
+from gyrfalcon.engine.model.quant.layers import (CastLinear, Int4Linear, Int8Linear, PackedLinear, Q8Embedding, TiedEmbedding,
+                                                 UnsupportedQuantization,
                                                  fuse_outputs)
 from gyrfalcon.engine.model.quant.weights import Int4Weights, Int8Weights, relative_error
 
@@ -51,16 +52,29 @@ def test_a_quantised_layer_computes_its_dequantised_weight_and_each_row_alone(ki
 def test_the_packed_fp32_head_computes_each_row_alone_and_keeps_its_weight():
     """The fp32 head beside quantised layers (oneDNN over a reordered weight): every row the same
     bits at any row count, the plain product within fp32's rounding, the model's own weight kept
-    (a tied embedding reads it); a bf16 weight is refused."""
+    where a tied embedding reads it; a bf16 weight is refused."""
     linear = torch.nn.Linear(96, 1000, bias=False)
-    head, x = PackedLinear(linear), torch.randn(19, 96)
+    head, x = PackedLinear(linear.weight), torch.randn(19, 96)
     alone = torch.cat([head(x[i : i + 1]) for i in range(19)])
     for count in (2, 3, 4, 5, 8, 16, 17, 19):
         assert torch.equal(head(x[:count]), alone[:count])
     assert torch.allclose(alone, linear(x), rtol=1e-4, atol=1e-4)
     assert head.weight is linear.weight and head(x.view(19, 1, 96)).shape == (19, 1, 1000)
+    assert not hasattr(PackedLinear(linear.weight, keep_weight=False), "weight")  # only the kernel's copy
     with pytest.raises(UnsupportedQuantization):
-        PackedLinear(torch.nn.Linear(96, 10).to(torch.bfloat16))
+        PackedLinear(torch.nn.Linear(96, 10).to(torch.bfloat16).weight)
+
+
+def test_a_q8_0_embedding_looks_up_exactly_the_dequantised_rows():
+    """A GGUF's Q8_0 table (int8, an fp16 scale per 32) as an embedding: each looked-up row is the
+    dequantised table's row bit for bit, in the stream's dtype, at any ids' shape."""
+    q8 = torch.randint(-127, 128, (50, 96), dtype=torch.int8)
+    scale8 = (torch.rand(50, 3) * 0.01).to(torch.float16)
+    table = (scale8.float()[..., None] * q8.reshape(50, 3, 32).float()).reshape(50, 96)
+    embedding = Q8Embedding(q8, scale8, torch.float32)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    assert embedding(ids).shape == (2, 3, 96) and torch.equal(embedding(ids), table[ids])
+    assert torch.equal(embedding.weight, table) and embedding.q8.dtype == torch.int8
 
 
 @pytest.mark.parametrize("kind", ["dense", "int4", "int8"])

@@ -34,6 +34,7 @@ from gyrfalcon.engine.model.quant.layers import (
     Int4Linear,
     Int8Linear,
     PackedLinear,
+    Q8Embedding,
     TiedEmbedding,
     UnsupportedQuantization,
     int4_fits,
@@ -171,11 +172,22 @@ def quantize_model(model, mode: str, bits: dict | None, compute: torch.dtype, de
             report.kinds["input embedding"] = "reads the tied head's rows"
         model.config.tie_word_embeddings = False  # the tie is now the layers' own business
     if output is not None and head == "none" and _packs(output, where):
+        # a tied table the GGUF keeps in Q8_0: the embedding looks its rows up there, and the head is
+        # reordered from those bits (the same values), so the folder's fp32 table is never read in
+        table = bits.get(f"{names[id(embedding)]}.weight") if tied and bits else None
+        q8_rows = table is not None and table.q8 is not None
         try:
-            _set(model, names[id(output)], PackedLinear(output))
-            report.kinds["output head"] = "float32 (oneDNN, its rows computed alike at any batch size)"
+            packed = PackedLinear(table.dequantize() if q8_rows else output.weight, output.bias, keep_weight=not q8_rows)
         except UnsupportedQuantization as error:
             report.kinds["output head"] = f"float32 ({error})"
+        else:
+            _set(model, names[id(output)], packed)
+            report.kinds["output head"] = "float32 (oneDNN, its rows computed alike at any batch size)"
+            if q8_rows:
+                _set(model, names[id(embedding)], Q8Embedding(table.q8, table.scale8, stream,
+                                                              getattr(embedding, "padding_idx", None)))  # fmt: skip
+                model.config.tie_word_embeddings = False
+                report.kinds["input embedding"] = "the GGUF's Q8_0 rows, dequantised as they are looked up (exact)"
     if "input embedding" not in report.kinds and embedding is not None:
         report.kinds["input embedding"] = str(embedding.weight.dtype).removeprefix("torch.")
     return report

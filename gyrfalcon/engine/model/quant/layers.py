@@ -185,18 +185,20 @@ class PackedLinear(torch.nn.Module):
     position (checked on the layer itself at construction: refused otherwise), and was faster here
     at every row count (5.0 against 10.7 ms at one row, 6.4 against 14.6 at sixteen, 2 threads).
 
-    ``weight`` stays the model's own tensor (a tied input embedding keeps reading it); the
-    reordered copy is the kernel's, held outside the module's buffers (an opaque oneDNN tensor)."""
+    ``keep_weight``: ``weight`` stays the module's (a tied input embedding that reads the model's
+    own tensor); otherwise only the reordered copy is kept — the kernel's, held outside the
+    module's buffers (an opaque oneDNN tensor)."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = True) -> None:
         super().__init__()
-        if not packed_linear_kernel() or linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
+        if not packed_linear_kernel() or weight.device.type != "cpu" or weight.dtype != torch.float32:
             raise UnsupportedQuantization("the packed linear kernel takes fp32 weights on a CPU build with oneDNN")
-        self.out_features, self.in_features = linear.weight.shape
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 16)
-        _check_rows_alone(self)
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 16)
+        _check_rows_alone(self, weight)
+        if keep_weight:
+            self.weight = weight
 
     @torch.compiler.disable  # inductor does not lower oneDNN's op over an opaque weight: a compiled step runs it as it is
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,13 +212,13 @@ class PackedLinear(torch.nn.Module):
 
 
 @torch.no_grad()
-def _check_rows_alone(layer: torch.nn.Module, rows: int = 7) -> None:
+def _check_rows_alone(layer: torch.nn.Module, weight: torch.Tensor, rows: int = 7) -> None:
     """Refuse ``layer`` unless each row of a ``rows``-row probe gets the same bits alone, and its
-    result agrees with the plain product."""
+    result agrees with the plain product with ``weight``."""
     x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(0))
     together = layer(x)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
-    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    want = torch.nn.functional.linear(x, weight, layer.bias)
     if not torch.equal(together, alone) or not torch.allclose(together, want, rtol=1e-4, atol=1e-4):
         raise UnsupportedQuantization("the packed linear kernel gives a row different bits beside other rows")
 
@@ -241,6 +243,30 @@ class TiedEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head[0].rows(ids, self.dtype)
+
+
+class Q8Embedding(torch.nn.Module):
+    """An input embedding kept as a GGUF's ``Q8_0`` table — ``q8`` ``[N, K]`` int8 and ``scale8``
+    ``[N, K // 32]`` fp16, ``w = scale8 * q8`` per block of 32 — whose lookup dequantises only the
+    rows it gathers, in the conversion's operation order: the same fp32 values as the dequantised
+    table, in a quarter of its bytes (so a tied fp32 head need not keep that table for it)."""
+
+    def __init__(self, q8: torch.Tensor, scale8: torch.Tensor, dtype: torch.dtype, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = q8.shape
+        self.dtype = dtype
+        self.padding_idx = padding_idx
+        self.register_buffer("q8", q8.contiguous())
+        self.register_buffer("scale8", scale8.contiguous())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table in ``dtype`` (for code that inspects it; the forward never builds it)."""
+        return self(torch.arange(self.num_embeddings, device=self.q8.device))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self.q8[ids].reshape(*ids.shape, -1, GROUP).float()
+        return (self.scale8[ids].float()[..., None] * q).reshape(*ids.shape, self.embedding_dim).to(self.dtype)
 
 
 def _shared_rows(parts: list[torch.nn.Module], name: str, fused: torch.Tensor) -> None:
