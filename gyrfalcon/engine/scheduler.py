@@ -8,7 +8,8 @@ one step under ``max_num_batched_tokens``:
    behind a prompt —, up to ``max_num_seqs`` of them: a request with more choices than that (``n``
    up to ``max_request_seqs``) decodes them in turns, oldest first;
 2. running sequences with more to feed (a chunked prefill, a recompute) get the next chunk of at
-   most ``prefill_chunk_tokens``, oldest request first;
+   most ``prefill_chunk_tokens``, oldest request first; a chunk that stops short of the prompt's
+   end stops at a block boundary (:meth:`Scheduler._chunk`);
 3. waiting requests are admitted in queue order while the running sequences plus their ``n`` stay
    within ``max_num_seqs`` (a larger request waits until it runs alone) and blocks are free for
    their first chunk; prefix-cache hits are
@@ -244,7 +245,9 @@ class Scheduler:
                         if rows >= self.max_num_seqs:
                             continue
                         rows += 1
-                    count = min(want, budget, self.prefill_chunk_tokens)
+                    count = self._chunk(seq, budget)
+                    if count <= 0:
+                        continue
                     if not self._make_room(seq, count, state, plan):
                         break  # this request itself was preempted
                     plan.append(Scheduled(state, seq, count))
@@ -252,6 +255,22 @@ class Scheduler:
         if self.preemptions == preemptions:  # no admission while blocks are short
             self._admit(plan, budget)
         return plan
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """How many of ``seq``'s tokens to feed this step: a chunk that stops short of the end stops
+        at a block boundary, where the attention cuts its query groups anyway
+        (:func:`~gyrfalcon.engine.model.attention.block_groups`), so a prompt's rows are computed
+        alike however its prefill is chunked."""
+        want = seq.num_tokens - seq.computed
+        count = min(want, budget, self.prefill_chunk_tokens)
+        if count < want and self.pool is not None:
+            aligned = count - (seq.computed + count) % self.pool.block_size
+            if aligned > 0:
+                count = aligned
+            elif budget < min(want, self.prefill_chunk_tokens):
+                count = 0  # what is left of the step's budget holds no block: wait for the next step
+            # else chunks smaller than a block (prefill_chunk_tokens below the block size) cut inside one
+        return count
 
     def _make_room(self, seq: Sequence, count: int, state: RequestState, plan: list[Scheduled]) -> bool:
         while not self._reserve(seq, count):
@@ -281,7 +300,7 @@ class Scheduler:
             scheduled: list[Scheduled] = []
             for seq in live:
                 self._prefix_hit(state, seq)
-                count = min(seq.num_tokens - seq.computed, budget, self.prefill_chunk_tokens)
+                count = self._chunk(seq, budget)
                 if count <= 0 or not self._reserve(seq, count):
                     break
                 scheduled.append(Scheduled(state, seq, count))

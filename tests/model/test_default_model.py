@@ -24,7 +24,9 @@ def default_model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir):
-    engine = create_transformers_engine(Settings(model=default_model_dir, max_model_len=512, max_num_seqs=4, enforce_eager=True))
+    # room in the KV cache for every prompt of a test to stay cached (the alone-and-batched test's halves share them)
+    engine = create_transformers_engine(Settings(model=default_model_dir, max_model_len=512, max_num_seqs=4, enforce_eager=True,
+                                                 kv_cache_memory=384 * 2**20))  # fmt: skip
     assert engine.wait_ready(timeout=180).ready
     yield engine
     engine.shutdown(grace=1.0)
@@ -119,10 +121,9 @@ def test_at_the_defaults_a_request_gets_the_same_tokens_alone_and_in_a_batch(eng
     reproducibility (``MKL_CBWR=`` in the environment) still failed seeded rows (2 of 16)
     (:mod:`gyrfalcon.engine.determinism`).
 
-    Each half has its own cache salt, so neither reuses the other's prompt blocks: a prefix-cache
-    hit that leaves a prompt's last token alone computes it as a one-row query, and the CPU's
-    attention kernels give a one-row query different last bits than the same row inside a longer
-    prefill (about 1e-6 in a log-probability) — what this test measures is the batch."""
+    The halves share the prefix cache: each request run alone finds its prompt's blocks cached by
+    the batch and computes only the rest — the same rows as in the batch, since a prefill computes
+    its rows in block-aligned groups (before that, 2 of 12 repeated seeded requests drew other tokens)."""
     assert engine.info().quantization == "int4"
     prompts = _mixed_prompts(16, longest=300)
 
@@ -132,10 +133,12 @@ def test_at_the_defaults_a_request_gets_the_same_tokens_alone_and_in_a_batch(eng
 
     for kind, params in (("greedy", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)),
                          ("seeded", SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, logprobs=0))):  # fmt: skip
-        streams = [engine.submit(EngineRequest(f"{kind}-b{i}", p, params, cache_salt=f"{kind}-b")) for i, p in enumerate(prompts)]
+        streams = [engine.submit(EngineRequest(f"{kind}-b{i}", p, params, cache_salt=kind)) for i, p in enumerate(prompts)]
         together = [result(stream) for stream in streams]
-        alone = [result(engine.submit(EngineRequest(f"{kind}-a{i}", p, params, cache_salt=f"{kind}-a")))
+        hits = engine.stats()["prefix_cache_hits"]
+        alone = [result(engine.submit(EngineRequest(f"{kind}-a{i}", p, params, cache_salt=kind)))
                  for i, p in enumerate(prompts)]  # fmt: skip
+        assert engine.stats()["prefix_cache_hits"] - hits >= 100  # the alone half found the batch's blocks
         assert all(len(logprobs) == 12 for _, logprobs in together)
         assert together == alone, kind
         assert len({tuple(ids) for ids, _ in together}) > 8  # the prompts really lead to different answers
@@ -156,6 +159,28 @@ def test_the_ggufs_bits_are_kept_exactly(default_model_dir):
     with safe_open(f"{default_model_dir}/model.safetensors", framework="pt") as f:
         for name in names:
             assert torch.equal(bits[name].dequantize(), f.get_tensor(name)), name
+
+
+def test_a_seeded_request_sent_again_repeats_bit_for_bit_from_the_prefix_cache(engine):
+    """Twelve seeded requests, then the same twelve again: the second time each finds its prompt's
+    blocks cached and computes only the rest, and gets the same tokens and log-probabilities to
+    the last bit. Before prefills computed their rows in block-aligned groups, 2 of these 12 drew
+    other tokens the second time."""
+    import random
+
+    rng = random.Random(5)
+    prompts = [[1] + [rng.randrange(100, 49152) for _ in range(rng.randrange(20, 200))] for _ in range(12)]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, logprobs=0)
+
+    def run(tag):
+        outputs = [list(engine.submit(EngineRequest(f"{tag}{i}", p, params, cache_salt="repeat")))[-1].outputs[0]
+                   for i, p in enumerate(prompts)]  # fmt: skip
+        return [(o.token_ids, o.logprobs.logprobs) for o in outputs]
+
+    first = run("first")
+    hits = engine.stats()["prefix_cache_hits"]
+    assert run("again") == first
+    assert engine.stats()["prefix_cache_hits"] - hits >= 60  # every prompt's full blocks were found
 
 
 def test_at_the_defaults_the_embedding_reads_the_ggufs_q8_rows_and_the_head_keeps_one_table(default_model_dir):

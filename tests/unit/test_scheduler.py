@@ -51,13 +51,26 @@ def test_decode_rows_go_first_then_chunks_under_the_budget_in_fifo_order():
     a, b, c = state("a", 6), state("b", 30, first=100), state("c", 5, first=200)
     for st in (a, b, c):
         s.add(st)
-    assert plan_of(s) == [("a", 0, 6), ("b", 0, 12), ("c", 0, 2)]  # the budget cuts c's chunk
+    # a chunk short of its prompt's end stops at a block boundary (blocks of 4 here): the 2 tokens
+    # of budget left after b's chunk hold no block, so c waits rather than start with them
+    assert plan_of(s) == [("a", 0, 6), ("b", 0, 12)] and len(s) == 1
     generate(a)
-    assert plan_of(s) == [("a", 0, 1), ("b", 0, 12), ("c", 0, 3)]  # a decodes before any prefill
+    assert plan_of(s) == [("a", 0, 1), ("b", 0, 12), ("c", 0, 5)]  # a decodes before any prefill
     generate(a)
     generate(c)
     assert plan_of(s) == [("a", 0, 1), ("c", 0, 1), ("b", 0, 6)]
     assert len(s) == 0 and [st.request_id for st in s.running] == ["a", "b", "c"]
+
+
+def test_a_chunk_that_stops_short_of_the_prompt_ends_on_a_block_boundary():
+    """Where the budget or the chunk size would cut a prompt inside a block, the chunk ends at the
+    block before: the attention computes a prompt's rows in block-aligned groups, and a row then
+    gets the same group however its prompt is chunked (alone, in a batch, after a cached prefix)."""
+    s = scheduler(max_num_batched_tokens=10, prefill_chunk_tokens=7)
+    s.add(state("a", 30))
+    assert plan_of(s) == [("a", 0, 4)]  # 7 would end inside the second block of 4
+    assert plan_of(s) == [("a", 0, 4)]
+    assert all(seq.computed % 4 == 0 for seq in s.running[0].sequences)
 
 
 def test_max_num_seqs_counts_every_child_of_a_request():

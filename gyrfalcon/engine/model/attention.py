@@ -9,9 +9,10 @@ function registered here as ``"gyrfalcon_paged"``, which
    (:class:`gyrfalcon.engine.kv.cache.PagedKVCache`), then
 2. reads, per sequence, only its own blocks (whole blocks gathered through its block table: one
    copy of contiguous block-sized chunks, never a per-token gather) and runs SDPA (transformers' ``sdpa`` function, so GQA and kernel choice are the library's):
-   one batched call for the single-token segments (decode), one call per multi-token segment
-   (a prefill chunk), each with a mask built from positions — causal, and windowed on layers
-   with a sliding window.
+   one batched call for the single-token segments (decode), and for a multi-token segment (a
+   prefill chunk) one call per group of its query rows that shares a KV block
+   (:func:`block_groups`: a row's bits then do not depend on where its prompt was cut), each with
+   a mask built from positions — causal, and windowed on layers with a sliding window.
 
 With ``StepMetadata.attention == "flex"`` step 2 copies nothing: flex attention reads the blocks in
 place (:mod:`gyrfalcon.engine.model.flex`).
@@ -148,20 +149,19 @@ def paged_attention(
     k_cache, v_cache = cache.keys[layer], cache.values[layer]
     k_cache.index_copy_(0, step.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, step.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
-    blocked = (cache.num_blocks, cache.block_size, *k_cache.shape[1:])
-
     in_place = step.attention == "flex" and k_cache.dtype == query.dtype and not _needs_sdpa(kwargs)
 
+    def gather(blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return _gather(k_cache, blocks, cache.block_size, dtype), _gather(v_cache, blocks, cache.block_size, dtype)
+
     def attend(q: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor, index: int | None = None) -> torch.Tensor:
-        # q: [b, H, q, D]; blocks: [b, nb] -> keys/values [b, KVH, nb * block_size, D]
-        if in_place:
+        if in_place:  # q: [b, H, q, D]; blocks: [b, nb]
             from gyrfalcon.engine.model import flex
 
             return flex.attend(q, k_cache, v_cache, step.flex_mask(index, window), scaling)
-        rows, width = blocks.shape[0], blocks.shape[1] * cache.block_size
-        k = k_cache.view(blocked).index_select(0, blocks.reshape(-1)).view(rows, width, *blocked[2:])
-        v = v_cache.view(blocked).index_select(0, blocks.reshape(-1)).view(rows, width, *blocked[2:])
-        k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
+        return sdpa(q, *gather(blocks, q.dtype), mask)
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # the model's other attention arguments go along (sdpa refuses what it cannot do, e.g. softcap)
         out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling, is_causal=False, **kwargs)
         return out  # [b, q, H, D]
@@ -178,10 +178,50 @@ def paged_attention(
         out = attend(q, step.decode_blocks, None if in_place else step.decode_mask(window))
         output[0].index_copy_(0, step.decode_rows, out[:, 0])
     for index, segment in enumerate(step.prefills):
-        q = query[:, :, segment.offset : segment.offset + segment.count]
-        out = attend(q, segment.blocks.unsqueeze(0), None if in_place else step.prefill_mask(index, window), index)
-        output[:, segment.offset : segment.offset + segment.count] = out
+        rows = slice(segment.offset, segment.offset + segment.count)
+        if in_place:
+            output[:, rows] = attend(query[:, :, rows], segment.blocks.unsqueeze(0), None, index)
+        else:
+            _prefill_by_groups(sdpa, query, gather(segment.blocks.unsqueeze(0), query.dtype),
+                               step.prefill_mask(index, window), segment, cache.block_size, output)  # fmt: skip
     return output, None
+
+
+def _gather(layer_cache: torch.Tensor, blocks: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The slots of ``blocks`` ``[b, nb]`` of one layer's keys or values, as ``[b, KVH, nb * block_size, D]``
+    in ``dtype`` (whole blocks copied, never a per-token gather)."""
+    blocked = layer_cache.view(-1, block_size, *layer_cache.shape[1:])
+    rows, width = blocks.shape[0], blocks.shape[1] * block_size
+    return blocked.index_select(0, blocks.reshape(-1)).view(rows, width, *layer_cache.shape[1:]).transpose(1, 2).to(dtype)
+
+
+def _prefill_by_groups(sdpa, query: torch.Tensor, keys_values: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                       segment: Segment, block_size: int, output: torch.Tensor) -> None:  # fmt: skip
+    """Prefill ``segment``'s rows of ``output``, one ``sdpa`` call per :func:`block_groups` group,
+    each with the keys and mask columns up to the group's last block."""
+    k, v = keys_values
+    for first, stop in block_groups(segment.start, segment.count, block_size):
+        rows = slice(segment.offset + first - segment.start, segment.offset + stop - segment.start)
+        width = -(-stop // block_size) * block_size
+        group_mask = mask[..., first - segment.start : stop - segment.start, :width]
+        output[:, rows] = sdpa(query[:, :, rows], k[:, :, :width], v[:, :, :width], group_mask)
+
+
+def block_groups(start: int, count: int, block_size: int) -> list[tuple[int, int]]:
+    """Positions ``start .. start + count`` cut at every multiple of ``block_size``: the query
+    rows a prefill computes in one attention call each, with the keys up to the group's last block.
+
+    Why: SDPA's CPU kernel groups query rows by the size of its call, and a row's last bits moved
+    with that grouping, so a prompt's rows differed between a prefill of the whole prompt and one
+    that starts at a cached prefix or a chunk boundary — both of which fall on block boundaries.
+    Cut there, a row is computed in the same group with the same keys however its prompt is fed
+    (and a group of one row takes SDPA's one-query path, a decode row's)."""
+    groups, first = [], start
+    while first < start + count:
+        stop = min((first // block_size + 1) * block_size, start + count)
+        groups.append((first, stop))
+        first = stop
+    return groups
 
 
 def _needs_sdpa(kwargs: dict) -> bool:
