@@ -72,12 +72,19 @@ def check_plugins(settings: Settings, pm: pluggy.PluginManager) -> None:
 def engine_core(settings: Settings, pm: pluggy.PluginManager | None = None) -> Any:
     """The token-id core of the engine the settings name: what the engine process and a Ray
     replica serve (the text work runs in the API workers)."""
-    from gyrfalcon.engine.determinism import ask_for_reproducible_blas
-    from gyrfalcon.plugins.engines import build_engine
     from gyrfalcon.plugins.engines import engine_core as core_of
 
+    return core_of(_built_engine(settings, pm or plugins(settings)))
+
+
+def _built_engine(settings: Settings, pm: pluggy.PluginManager) -> Engine:
+    """The engine the settings name, built in this process (after MKL is asked to compute
+    reproducibly: before its first call, :mod:`gyrfalcon.engine.determinism`)."""
+    from gyrfalcon.engine.determinism import ask_for_reproducible_blas
+    from gyrfalcon.plugins.engines import build_engine
+
     ask_for_reproducible_blas()
-    return core_of(build_engine(settings, pm or plugins(settings)))
+    return build_engine(settings, pm)
 
 
 def worker_engine(settings: Settings, pm: pluggy.PluginManager) -> Engine:
@@ -88,11 +95,7 @@ def worker_engine(settings: Settings, pm: pluggy.PluginManager) -> Engine:
 
     address = os.environ.get(ENGINE_ADDRESS_ENV)
     if not address:
-        from gyrfalcon.engine.determinism import ask_for_reproducible_blas
-        from gyrfalcon.plugins.engines import build_engine
-
-        ask_for_reproducible_blas()
-        return build_engine(settings, pm)
+        return _built_engine(settings, pm)
     from gyrfalcon.client import EngineClient
     from gyrfalcon.engine_process.remote import RemoteEngineCore
 

@@ -118,7 +118,7 @@ class _PendingCompile:
     """A compile running on its own thread, on a bucket of its own; ``result`` once it ends."""
 
     thread: threading.Thread
-    bucket: Any
+    bucket: _Bucket
     result: tuple[Any, float, str | None] = (None, 0.0, "the compile thread ended without a result")
 
 

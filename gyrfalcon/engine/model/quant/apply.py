@@ -40,7 +40,6 @@ from gyrfalcon.engine.model.quant.layers import (
     int4_fits,
     int4_kernel,
     int8_kernel,
-    packed_linear_kernel,
 )
 from gyrfalcon.engine.model.quant.weights import GROUP, Int4Weights, Int8Weights, relative_error
 
@@ -194,6 +193,6 @@ def quantize_model(model, mode: str, bits: dict | None, compute: torch.dtype, de
 
 
 def _packs(layer: torch.nn.Module, device: torch.device) -> bool:
-    """Whether an fp32 head stays fp32 through :class:`PackedLinear` (CPU builds with oneDNN)."""
-    return (type(layer) is torch.nn.Linear and device.type == "cpu" and layer.weight.dtype == torch.float32
-            and packed_linear_kernel())  # fmt: skip
+    """Whether a dense fp32 head on the CPU is one for :class:`PackedLinear` (which refuses a build
+    without its kernel: the start-up line then says so)."""
+    return type(layer) is torch.nn.Linear and device.type == "cpu" and layer.weight.dtype == torch.float32
