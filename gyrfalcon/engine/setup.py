@@ -29,15 +29,12 @@ GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top
 
 
 def capture_mode(cfg: EngineConfig, device: str) -> str:
-    """The decode steps' fast path: CUDA graphs unless ``--enforce-eager``; on the CPU the compiled
-    step with ``--compile-decode`` (a flag that cannot apply is said, never silently dropped)."""
+    """The decode steps' fast path unless ``--enforce-eager``: CUDA graphs on CUDA, on the CPU the
+    compiled step (unless ``--no-compile-decode``)."""
     kind = torch.device(device).type
     mode = "off"
     if not cfg.enforce_eager:
         mode = "cuda-graphs" if kind == "cuda" else "compiled" if kind == "cpu" and cfg.compile_decode else "off"
-    if cfg.compile_decode and (kind != "cpu" or cfg.enforce_eager):
-        log.warning("--compile-decode has no effect %s", "with --enforce-eager" if cfg.enforce_eager else
-                    f"on {kind}: {'CUDA graphs are captured instead' if kind == 'cuda' else 'it compiles CPU steps only'}")  # fmt: skip
     if mode == "compiled":  # inductor's code cached beside the models (read at its first use)
         from gyrfalcon.models.default import cache_root
 
@@ -130,7 +127,7 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
             path = runner.decode_steps.prepare(background=True)
         else:
             path = DecodePath("eager", "--enforce-eager" if cfg.enforce_eager else
-                              "no --compile-decode" if device == "cpu" else "no fast path on this device")  # fmt: skip
+                              "--no-compile-decode" if device == "cpu" else "no fast path on this device")  # fmt: skip
         log.warning("decode path: %s (prepared in %.1f s)", path.describe(), time.perf_counter() - started)
     runner.forwards = 0
     return LoadedModel(runner, pool, plan, path)

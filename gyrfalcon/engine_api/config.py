@@ -34,7 +34,7 @@ class EngineConfig:
     enable_prefix_caching: bool
     enforce_eager: bool
     #: CPU: compile the small-batch decode step, in the background from start-up (checked against the eager one)
-    compile_decode: bool = False
+    compile_decode: bool = True
     generation_config: str = "auto"
     scheduling_policy: str = "fcfs"
     #: where compiled code is cached across starts (None: the default cache folder)

@@ -24,7 +24,7 @@ PROBE = textwrap.dedent(
 
     pm = plugin_manager()
     assert pm.has_plugin("suppress_tokens"), [pm.get_name(p) for p in pm.get_plugins()]
-    settings = Settings(model=sys.argv[1], max_model_len=64, served_model_name=["tiny"])
+    settings = Settings(model=sys.argv[1], max_model_len=64, served_model_name=["tiny"], enforce_eager=True)
     engine = create_transformers_engine(settings, pm)
     assert engine.wait_ready(60).ready
     client = api_client(create_app(engine, settings, pm))

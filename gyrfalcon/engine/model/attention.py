@@ -8,7 +8,8 @@ function registered here as ``"gyrfalcon_paged"``, which
 1. writes the step's new keys and values into their slots of the preallocated cache
    (:class:`gyrfalcon.engine.kv.cache.PagedKVCache`), then
 2. reads, per sequence, only its own blocks (whole blocks gathered through its block table: one
-   copy of contiguous block-sized chunks, never a per-token gather) and runs SDPA (transformers' ``sdpa`` function, so GQA and kernel choice are the library's):
+   copy of contiguous block-sized chunks, never a per-token gather) and runs torch's SDPA
+   (:func:`_sdpa`; transformers' ``sdpa`` function where the layer passes what only it handles):
    one batched call for the single-token segments (decode), and for a multi-token segment (a
    prefill chunk) one call per group of its query rows that shares a KV block
    (:func:`block_groups`: a row's bits then do not depend on where its prompt was cut), each with
@@ -28,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from gyrfalcon.engine.kv.cache import PagedKVCache
 
@@ -162,9 +164,10 @@ def paged_attention(
         return sdpa(q, *gather(blocks, q.dtype), mask)
 
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # the model's other attention arguments go along (sdpa refuses what it cannot do, e.g. softcap)
-        out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling, is_causal=False, **kwargs)
-        return out  # [b, q, H, D]
+        if _needs_sdpa(kwargs):  # the model's other attention arguments go along (sdpa refuses what it cannot do)
+            out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling, is_causal=False, **kwargs)
+            return out  # [b, q, H, D]
+        return _sdpa(q, k, v, mask, scaling)
 
     if step.decode_only:
         q = query[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
@@ -185,6 +188,26 @@ def paged_attention(
             _prefill_by_groups(sdpa, query, gather(segment.blocks.unsqueeze(0), query.dtype),
                                step.prefill_mask(index, window), segment, cache.block_size, output)  # fmt: skip
     return output, None
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """SDPA of ``q`` ``[b, H, q, D]`` over ``k``/``v`` ``[b, KVH, L, D]`` under a boolean ``mask``;
+    returns ``[b, q, H, D]``. A single query row's heads are packed onto their KV heads as rows
+    (transformers' ``pack_gqa``), longer queries attend to repeated KV heads (its ``repeat_kv``).
+
+    Why not transformers' function: it packs only when not compiling, so a compiled step's
+    attention took another shape than the eager step's and rounded apart from position 1 on;
+    here both take the same shapes, to the last bit."""
+    b, heads, rows, dim = q.shape
+    groups = heads // k.shape[1]
+    if groups > 1 and rows == 1:
+        out = F.scaled_dot_product_attention(q.reshape(b, heads // groups, groups, dim), k, v, attn_mask=mask, scale=scaling)
+        out = out.reshape(b, heads, 1, dim)
+    else:
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous()
 
 
 def _gather(layer_cache: torch.Tensor, blocks: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -225,8 +248,9 @@ def block_groups(start: int, count: int, block_size: int) -> list[tuple[int, int
 
 
 def _needs_sdpa(kwargs: dict) -> bool:
-    """Whether the layer asks for what only the SDPA path passes on (a softcap, attention sinks)."""
-    return any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "sinks"))
+    """Whether the layer asks for what only transformers' SDPA function passes on (a softcap,
+    attention sinks, a position bias)."""
+    return any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "sinks", "position_bias"))
 
 
 def register() -> str:

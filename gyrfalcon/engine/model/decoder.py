@@ -27,11 +27,27 @@ from gyrfalcon.engine.model.quant.layers import fuse_outputs
 DIRECT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+@torch.library.custom_op("gyrfalcon::mean_square", mutates_args=())
+def _mean_square(h: torch.Tensor) -> torch.Tensor:
+    """``mean(h², -1)``, keeping the dimension, by ATen's kernels (an opaque operator to a compiler)."""
+    return h.pow(2).mean(-1, keepdim=True)
+
+
+@_mean_square.register_fake
+def _(h: torch.Tensor) -> torch.Tensor:
+    return h.new_empty((*h.shape[:-1], 1))
+
+
 def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     """Transformers' Llama RMSNorm, operation for operation (so bit for bit); five operators where
-    torch's CPU ``rms_norm`` runs eleven."""
+    torch's CPU ``rms_norm`` runs eleven.
+
+    A compiled step computes the mean of squares as an opaque operator (``gyrfalcon::mean_square``),
+    so by these same kernels: inductor's own reduction sums in another order, and a compiled norm
+    differed from the eager one in the last bit for about a quarter of the rows."""
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    square = _mean_square(h) if torch.compiler.is_compiling() else h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(square + norm.variance_epsilon)
     return norm.weight * h.to(x.dtype)
 
 
@@ -86,14 +102,53 @@ def unsupported(model) -> str | None:
     return None
 
 
+#: the largest cos/sin table :class:`RotaryTable` keeps (beyond it the model's rotary module runs each step)
+ROTARY_TABLE_LIMIT = 64 * 2**20
+
+
+class RotaryTable:
+    """The cos and sin of every position below ``max_positions``, computed once by the model's own
+    rotary embedding and looked up by position each step.
+
+    Why: inductor computes ``cos``/``sin`` other than ATen does (a last bit apart from position 1
+    on), so a compiled step that computed them differed from the eager step in every row past
+    position 0; looked up, they are the same bits in both (and a step runs two trig kernels fewer).
+    A rotary embedding whose frequencies depend on the batch (``dynamic``, ``longrope``) runs as
+    it is, as does a table over :data:`ROTARY_TABLE_LIMIT`."""
+
+    def __init__(self, rotary: torch.nn.Module, max_positions: int, dtype: torch.dtype, device) -> None:
+        self.rotary = rotary
+        self.cos = self.sin = None
+        rope_type = getattr(rotary, "rope_type", "default")
+        head_dim = rotary.inv_freq.shape[-1] * 2
+        if not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope":
+            return
+        if 2 * max_positions * head_dim * torch.finfo(dtype).bits // 8 > ROTARY_TABLE_LIMIT:
+            return
+        with torch.inference_mode():
+            positions = torch.arange(max_positions, device=device).unsqueeze(0)
+            cos, sin = rotary(torch.empty(0, dtype=dtype, device=device), position_ids=positions)
+        self.cos, self.sin = cos[0], sin[0]
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, 1, D]`` cos and sin of ``positions`` ``[1, T]`` (``hidden``: the step's embeddings)."""
+        if self.cos is None:
+            cos, sin = self.rotary(hidden, position_ids=positions)
+            return cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        flat = positions[0]
+        return self.cos.index_select(0, flat).unsqueeze(1), self.sin.index_select(0, flat).unsqueeze(1)
+
+
 class DirectDecoder:
     """``decoder(input_ids [1, T], positions [1, T], step, keep)`` → logits ``[K, V]`` of the kept
-    rows, like the runner's transformers call (see the module docstring)."""
+    rows, like the runner's transformers call (see the module docstring); positions stay below
+    ``max_positions``."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, max_positions: int) -> None:
         self.model = model
         inner = model.model
-        self.embed, self.rotary, self.norm = model.get_input_embeddings(), inner.rotary_emb, inner.norm
+        self.embed, self.norm = model.get_input_embeddings(), inner.norm
+        self.rotary = RotaryTable(inner.rotary_emb, max_positions, model.dtype, model.device)
         self.head = model.get_output_embeddings()
         self.layers = [_Layer(layer, model.config) for layer in inner.layers[: model.config.num_hidden_layers]]
 
@@ -104,8 +159,7 @@ class DirectDecoder:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata, keep) -> torch.Tensor:
         hidden = self.embed(input_ids)
-        cos, sin = self.rotary(hidden, position_ids=positions)
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]
+        cos, sin = self.rotary(hidden, positions)  # [T, 1, D]
         x = hidden[0]
         tokens = x.shape[0]
         for layer in self.layers:

@@ -62,7 +62,7 @@ class ModelRunner:
             reason = unsupported(model)
             if reason is not None and model_impl == "direct":
                 raise ValueError(f"--model-impl direct: {reason}")
-            self.direct = DirectDecoder(model) if reason is None else None
+            self.direct = DirectDecoder(model, max_model_len) if reason is None else None
             fused = self.direct is not None and self.direct.fused
             self.model_impl = ("direct (q/k/v and gate/up fused)" if fused else "direct") if reason is None else f"transformers ({reason})"
         #: the attention backend steps use: ``gather`` or ``flex``

@@ -17,6 +17,8 @@ that a torch build or device reads differently is refused at start-up, not serve
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from gyrfalcon.engine.model.quant.weights import GROUP, Int4Weights, Int8Weights
@@ -196,19 +198,43 @@ class PackedLinear(torch.nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 16)
+        _PACKED[id(self)] = self
         _check_rows_alone(self, weight)
         if keep_weight:
             self.weight = weight
 
-    @torch.compiler.disable  # inductor does not lower oneDNN's op over an opaque weight: a compiled step runs it as it is
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
-        bias = None if self.bias is None else self.bias.detach()
-        y = torch.ops.mkldnn._linear_pointwise(flat, self._packed, bias, "none", [], "")
+        if torch.compiler.is_compiling():
+            y = _packed_linear(flat, id(self), self.out_features)
+        else:
+            y = self.product(flat)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` ``[M, K]`` times the reordered weight (plus the bias)."""
+        bias = None if self.bias is None else self.bias.detach()
+        return torch.ops.mkldnn._linear_pointwise(flat, self._packed, bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, dense float32 (oneDNN, reordered)"
+
+
+#: the live packed layers by ``id``: a compiled step names its layer by a number (inductor cannot
+#: take oneDNN's opaque weight as an input, and a graph break around the layer cost a second
+#: guard check and region each step, about 1 ms on the default model)
+_PACKED: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("gyrfalcon::packed_linear", mutates_args=())
+def _packed_linear(flat: torch.Tensor, layer: int, out_features: int) -> torch.Tensor:
+    """:meth:`PackedLinear.product` of the layer whose ``id`` is ``layer``, as an operator a compiler calls as it is."""
+    return _PACKED[layer].product(flat)
+
+
+@_packed_linear.register_fake
+def _(flat: torch.Tensor, layer: int, out_features: int) -> torch.Tensor:
+    return flat.new_empty((flat.shape[0], out_features))
 
 
 @torch.no_grad()
