@@ -250,7 +250,9 @@ def test_flex_attention_is_checked_against_gather_and_dropped_where_it_differs(m
 def test_the_decode_step_traces_whole_and_its_graph_equals_eager(family):
     """The static decode step (what is captured or compiled) traces into one graph with either
     attention, and that graph (run by dynamo's eager backend: no inductor compile here) gives the
-    eager step's logits."""
+    eager step's logits to the last bit: traced, the step takes the same shapes as eager (it did
+    not while attention went through transformers' SDPA function, which packs a single query's
+    heads only when not compiling)."""
     import torch._dynamo
 
     _, model = _models(family)
@@ -267,5 +269,31 @@ def test_the_decode_step_traces_whole_and_its_graph_equals_eager(family):
             bucket.step._masks.clear()
             traced = torch.compile(runner.run_model, backend="eager", fullgraph=True)
             got = traced(bucket.ids, bucket.positions, bucket.step, 0)
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got, expected), attention
     torch._dynamo.reset()
+
+
+def test_the_direct_forward_looks_up_its_rotary_embeddings_own_values():
+    """The direct forward looks cos/sin up by position (so a compiled step gets the eager step's
+    bits: inductor computes them a last bit apart): each looked-up row is the model's rotary
+    embedding's own value at that position, bit for bit. A rotary embedding whose frequencies
+    depend on the batch (``dynamic``) runs as it is."""
+    from transformers import LlamaConfig
+
+    _, model = _models("llama")
+    runner, _ = _runner(model)
+    table = runner.direct.rotary
+    assert table.cos is not None and table.cos.shape[0] == 256
+    positions = torch.tensor([[0, 5, 3, 255, 17, 1]])
+    hidden = torch.zeros(1, 6, model.config.hidden_size)
+    want_cos, want_sin = model.model.rotary_emb(hidden, position_ids=positions)
+    cos, sin = table(hidden, positions)
+    assert torch.equal(cos[:, 0], want_cos[0]) and torch.equal(sin[:, 0], want_sin[0])
+
+    from transformers import AutoModelForCausalLM
+
+    config = LlamaConfig(**SMALL, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    dynamic, _ = _runner(AutoModelForCausalLM.from_config(config).eval())
+    assert dynamic.direct.rotary.cos is None
+    cos, _ = dynamic.direct.rotary(hidden, positions)
+    assert torch.equal(cos[:, 0], dynamic.model.model.rotary_emb(hidden, position_ids=positions)[0][0])

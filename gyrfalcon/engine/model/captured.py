@@ -361,7 +361,12 @@ class DecodeSteps:
         return bucket.logits.to(torch.float32, copy=True)
 
     def run(self, works: list[Work]) -> torch.Tensor | None:
-        """The ``[len(works), V]`` fp32 next-token logits of a decode step (None: no bucket fits)."""
+        """The ``[len(works), V]`` fp32 next-token logits of a decode step (None: no bucket fits,
+        or the step is one the compiled mode does not compile — the runner's unpadded step is the
+        faster eager one: a padded bucket computed up to 7 rows and 60 columns more; 0.82 of the
+        eager ceiling at c=16 against 1.0 before)."""
+        if self.mode == "compiled" and (self._compiled is None or len(works) > COMPILED_MAX_BATCH):
+            return None
         key = self.bucket(len(works), max(w.start + 1 for w in works))
         if key is None:
             return None
