@@ -226,3 +226,48 @@ def test_chat_tokens_that_are_halves_of_characters_are_told_apart_by_their_bytes
         {"token": "\ufffd", "logprob": -1.0, "bytes": [129]}, {"token": "\ufffd", "logprob": -1.5, "bytes": [167]}]}
     ((token, logprob, top),) = CHAT.positions({"logprobs": {"content": [entry]}})
     assert len(top) == 2 and top[token] == logprob == -1.0  # two tokens, and the chosen one found among them
+
+
+def _junit(cases: dict[str, str | None]) -> str:
+    """A Schemathesis JUnit report: one test case per operation, with its failure message (None: passed)."""
+    rows = "".join(f'<testcase name="{name}">' + (f'<failure message="{message}">trace</failure>' if message else "")
+                   + "</testcase>" for name, message in cases.items())  # fmt: skip
+    return f'<testsuite name="schemathesis">{rows}</testsuite>'
+
+
+def test_schemathesis_failing_in_itself_is_run_again_and_never_blamed_on_the_server(monkeypatch):
+    """A case Schemathesis could not even generate (its JUnit "Runtime Error", as in a CI run where its
+    coverage phase raised inside Hypothesis) is no finding about the server: the operation runs once
+    more, and a second such error is an error of the run, not a failure. A check that found a
+    response wrong stays a failure."""
+    import subprocess
+
+    from gyrfalcon.check import schema
+
+    runs: list[str] = []
+    answers = [
+        {"POST /inference/v1/generate": "Runtime Error&#10;&#10;Inconsistent results", "POST /tokenize": None,
+         "POST /v1/completions": "1. Server error"},
+        {"POST /inference/v1/generate": None},
+        {"POST /inference/v1/generate": "Runtime Error&#10;&#10;Inconsistent results", "POST /tokenize": None},
+        {"POST /inference/v1/generate": "Runtime Error&#10;&#10;RecursionError"},
+    ]
+
+    def schemathesis(cmd, **_):
+        runs.append(cmd[cmd.index("--include-path-regex") + 1])
+        with open(cmd[cmd.index("--report-junit-path") + 1], "w") as f:
+            f.write(_junit(answers[len(runs) - 1]))
+        return subprocess.CompletedProcess(cmd, 1, "", "")
+
+    monkeypatch.setattr(schema.subprocess, "run", schemathesis)
+    monkeypatch.setattr(schema, "builtin_spec", lambda target: {})
+    target = Answering(lambda path, body: (400, {}))  # every route is there (no operation is "missing")
+    first = {r.check.name: r for r in schema.run_schema(target, {"schema"})}
+    assert runs[1] == r"(^/inference/v1/generate$)"  # once more, that operation only
+    assert first["schema.POST /inference/v1/generate"].outcome is Outcome.PASSED
+    assert first["schema.POST /v1/completions"].outcome is Outcome.FAILED  # a finding stays one
+    assert first["schema.POST /tokenize"].outcome is Outcome.PASSED
+    again = {r.check.name: r for r in schema.run_schema(target, {"schema"})}
+    crashed = again["schema.POST /inference/v1/generate"]
+    assert crashed.outcome is Outcome.ERROR and "Schemathesis failed in itself" in crashed.message
+    assert "RecursionError" in crashed.message and len(runs) == 4

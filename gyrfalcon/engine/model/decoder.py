@@ -102,8 +102,9 @@ def unsupported(model) -> str | None:
     return None
 
 
-#: the largest cos/sin table :class:`RotaryTable` keeps (beyond it the model's rotary module runs each step)
-ROTARY_TABLE_LIMIT = 64 * 2**20
+#: the largest cos/sin table :class:`RotaryTable` keeps (128k positions of a 128-wide head in fp32 take
+#: 128 MiB; beyond it the model's rotary module runs each step, and a compiled CPU step does not serve)
+ROTARY_TABLE_LIMIT = 256 * 2**20
 
 
 class RotaryTable:
