@@ -7,10 +7,11 @@ default model (wrappers, dtype round trips, a rotary embedding per tensor); this
 tables are copied, 8.3 MiB on the default model).
 Measured on the 2-core CPU, default model, batch 1: 18.5 ms a step through transformers, 16.2 ms here.
 
-It uses the model's own modules — embeddings, rotary embedding, norms' weights, the linear layers
-in whatever kernel they were loaded (dense, int4, int8), the head — and the same attention function
+It uses the model's own modules — embeddings, rotary embedding (its values computed once, then
+looked up: :class:`RotaryTable`), norms' weights, the linear layers in whatever kernel they were
+loaded (dense, int4, int8), the head — and the same attention function
 (:func:`~gyrfalcon.engine.model.attention.paged_attention`), so it computes what transformers does
-in the same kernels. The runner still checks it against transformers' forward once at load
+in the same kernels; and compiled (the CPU's decode step), it computes the same bits as eager. The runner still checks it against transformers' forward once at load
 (:meth:`~gyrfalcon.engine.model.runner.ModelRunner.check_direct`) and serves transformers'
 forward where it disagrees; any other architecture always runs transformers' forward.
 """
