@@ -15,7 +15,7 @@ import torch
 
 from gyrfalcon.engine.kv.blocks import BlockPool
 from gyrfalcon.engine.kv.cache import CachePlan, KVShape, PagedKVCache, plan_cache
-from gyrfalcon.engine.model.captured import DecodePath
+from gyrfalcon.engine.model.fast_check import DecodePath
 from gyrfalcon.engine.model.runner import ModelRunner
 from gyrfalcon.engine.model.work import Work
 from gyrfalcon.engine_api.config import EngineConfig

@@ -24,7 +24,7 @@ import torch
 
 from gyrfalcon.engine.batcher import Batcher
 from gyrfalcon.engine_api.interface import EngineCore, OutputStream
-from gyrfalcon.engine.model.captured import DecodePath
+from gyrfalcon.engine.model.fast_check import DecodePath
 from gyrfalcon.engine.model.runner import ModelRunner
 from gyrfalcon.engine.request_state import RequestState
 from gyrfalcon.engine.sample.sampler import Sampler

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyrfalcon.engine.model.captured import COMPILING, DecodePath, DecodeSteps, check_fast_step
+from gyrfalcon.engine.model.captured import COMPILING, DecodeSteps
+from gyrfalcon.engine.model.fast_check import DecodePath, check_fast_step
 from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
 from tests.conftest import tiny_settings
 

@@ -11,7 +11,7 @@ blocks; their logits are dropped. The fast path replays them:
 - ``cuda-graphs``: each bucket's forward captured once as a CUDA graph (batch buckets of the
   shortest contexts at start-up, the others the first time they are needed);
 - ``compiled``: ``torch.compile`` (inductor) of the step on the CPU, the context width its one
-  dynamic size, for batches up to :data:`COMPILED_MAX_BATCH`, compiled on a thread of its own while
+  dynamic size, for the batch buckets of :data:`COMPILED_BATCHES`, compiled on a thread of its own while
   steps run eagerly and adopted between two steps (:meth:`DecodeSteps.poll`) (measured on the default model, direct
   forward: at batch 1 the compiled step takes about 13 ms against 18 eager, after a 35–50 s
   compile; a dynamic batch size compiled slower than eager, 135 ms against 70 at batch 16, and a
@@ -25,7 +25,7 @@ to the last bit. Otherwise that bucket runs eagerly and :attr:`DecodeSteps.path`
 compiled step must also be measurably faster, or it is dropped.
 
 Why bit for bit on the CPU: a request's decode steps take the compiled path alone and the eager
-one beside other requests (batches above :data:`COMPILED_MAX_BATCH`, steps that carry a prefill),
+one beside other requests (larger batches, steps that carry a prefill, steps before the compile ends),
 so the two must agree exactly for a seeded request to get the same tokens alone and in any batch.
 They do on the direct forward (:mod:`~gyrfalcon.engine.model.decoder`): cos/sin are looked up,
 not computed, RMSNorm runs as an opaque operator, attention takes the same shapes compiled and
@@ -45,6 +45,14 @@ import torch
 
 from gyrfalcon.engine.model import staging
 from gyrfalcon.engine.model.attention import StepMetadata
+from gyrfalcon.engine.model.fast_check import (
+    FAST_STEP_RTOL,
+    DecodePath,
+    check_fast_step,
+    guards_on_the_inputs,
+    median_s,
+    one_line,
+)
 from gyrfalcon.engine.model.work import Work, block_tables
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,71 +64,16 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_CONTEXT_BUCKET = 64
 #: the fast paths a runner can ask for, and the eager static one
 MODES = ("cuda-graphs", "compiled", "static")
-#: the largest batch the compiled CPU step serves (see the module docstring)
-COMPILED_MAX_BATCH = 1
+#: the batch buckets the CPU's compiled step serves, compiled one after another in the background
+#: (batch 1 first), each a static shape; a larger batch takes the runner's unpadded eager step.
+#: Measured on the default model: compiled 19 ms against 24 eager at batch 4, 25 against 33 at
+#: batch 8; at 16 the int4 kernel's compute bounds the step and padding a batch of 9 to 16 rows
+#: would cost more than the compile saves
+COMPILED_BATCHES = (1, 2, 4, 8)
 #: the decode path's reason while a compile runs in the background (steps run eagerly meanwhile)
 COMPILING = "compiling the decode step in the background"
 #: the compiled step is kept only if its median time is at most this share of the eager step's
 COMPILED_MUST_TAKE = 0.9
-#: how far a fast step's logits may be from the eager step's, relative to the largest logit (at
-#: least 1), by the model's dtype: fp32 reassociation moves the tiny model's by 6e-8
-FAST_STEP_RTOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
-
-
-@dataclass
-class DecodePath:
-    """Which path decode steps take — ``captured``, ``compiled`` or ``eager`` — and why."""
-
-    name: str
-    reason: str = ""
-
-    def describe(self) -> str:
-        return f"{self.name} ({self.reason})" if self.reason else self.name
-
-
-def _one_line(exc: BaseException) -> str:
-    """``Type: first line of the message``, at most 300 characters (a reason in the decode path)."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
-
-
-def check_fast_step(fast, eager, rtol: float = 0.0, names: tuple[str, str] = ("fast step", "eager one")) -> str | None:
-    """Run ``fast()`` then ``eager()`` (each returns the step's logits from the same inputs); None
-    when every row has the same argmax and ``max |Δ| <= rtol * max(1, max |logit|)``, else why not
-    (the exception, or how far apart they are), the two named by ``names``."""
-    name, other = names
-    try:
-        got = fast()
-    except Exception as exc:  # noqa: BLE001 - any failure of the fast path means eager
-        return f"the {name} failed: {_one_line(exc)}"
-    want = eager()
-    if got.shape != want.shape:
-        return f"the {name}'s logits have shape {tuple(got.shape)}, the {other}'s {tuple(want.shape)}"
-    got, want = got.float(), want.float()
-    diff = float((got - want).abs().max())
-    same = bool(torch.equal(got.argmax(-1), want.argmax(-1)))
-    if not same or diff > rtol * max(1.0, float(want.abs().max())):
-        return f"the {name} differs from the {other} (max |Δ logit| {diff:.3g}, argmax {'same' if same else 'different'})"
-    return None
-
-
-def _guards_on_the_inputs(entries) -> list[bool]:
-    """The dynamo guards a compiled step keeps: those on its inputs (a bucket's tensors and step
-    metadata) and on global state; not the ~3,400 on the model's modules and on module globals,
-    which never change once the model is loaded (checking them took 1.2 ms a step on the default
-    model)."""
-    return [not entry.name.startswith(("self", "G[")) for entry in entries]
-
-
-def _median_s(fn, runs: int = 5) -> float:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
 def _buckets(limit: int, candidates) -> list[int]:
     chosen = [c for c in candidates if c < limit]
     return [*chosen, limit]
@@ -132,6 +85,8 @@ class _PendingCompile:
 
     thread: threading.Thread
     bucket: _Bucket
+    #: the batch buckets to compile after this one
+    rest: list[int] = field(default_factory=list)
     result: tuple[Any, float, str | None] = (None, 0.0, "the compile thread ended without a result")
 
 
@@ -162,6 +117,8 @@ class DecodeSteps:
         self.runner = runner
         self.mode = "static" if mode == "cuda-graphs" and runner.device.type != "cuda" else mode
         self._compiled = None
+        #: the batch buckets the compiled step serves (checked, and faster than eager), and each one's timing
+        self._compiled_batches: dict[int, str] = {}
         #: a compile running in the background (:meth:`prepare`), until :meth:`poll` adopts it
         self._pending: _PendingCompile | None = None
         #: a compiled CPU step must give the eager step's bits (see the module docstring)
@@ -204,9 +161,12 @@ class DecodeSteps:
         ids, positions, slots, rows_at, table = staging.split(flat, [batch] * 4 + [batch * blocks])
         step = StepMetadata(self.runner.cache, slots, decode_blocks=table.view(batch, blocks),
                             decode_positions=rows_at, decode_only=True, attention=self.runner.attention)  # fmt: skip
-        if self.mode == "compiled":  # one compiled graph for every width: the table's width is dynamic
+        ids, positions = ids.view(1, batch), positions.view(1, batch)
+        if self.mode == "compiled":  # one compiled graph per batch bucket for every width: the width is dynamic
             torch._dynamo.maybe_mark_dynamic(step.decode_blocks, 1)
-        return _Bucket(batch, width, ids.view(1, batch), positions.view(1, batch), step, flat)
+            for tensor, dim in ((ids, 1), (positions, 1), (slots, 0), (rows_at, 0), (step.decode_blocks, 0)):
+                torch._dynamo.mark_static(tensor, dim)
+        return _Bucket(batch, width, ids, positions, step, flat)
 
     def _eager(self, bucket: _Bucket) -> torch.Tensor:
         bucket.step._masks.clear()  # computed anew from this step's buffers
@@ -244,14 +204,16 @@ class DecodeSteps:
             self.path = DecodePath("eager", "transformers' forward is not compiled (its compiled step rounds apart from "
                                             "the eager one)")  # fmt: skip
         elif self.mode == "compiled":
-            bucket = self._new(1, self.width_buckets[0])  # never a serving bucket: the compile may run beside steps
+            batches = [b for b in COMPILED_BATCHES if b in self.batch_buckets]
             if background:
-                self._pending = _PendingCompile(threading.Thread(target=self._compile_in_background, args=(bucket,),
-                                                                 name="gyrfalcon-compile", daemon=True), bucket)  # fmt: skip
-                self._pending.thread.start()
+                self._start_compile(batches)
                 self.path = DecodePath("eager", COMPILING)
             else:
-                self.path = self._adopt(bucket, *self._compile(bucket))
+                for batch in batches:
+                    bucket = self._new(batch, self.width_buckets[0])
+                    self.path = self._adopt(bucket, *self._compile(bucket))
+                    if not self._compiled_batches:
+                        break
         elif self.graphs:
             reserved = torch.cuda.memory_reserved(self.runner.device)
             for batch in reversed(self.batch_buckets):
@@ -266,9 +228,17 @@ class DecodeSteps:
                 self.path = DecodePath("captured", f"eager for {'; '.join(failed)}")
         return self.path
 
+    def _start_compile(self, batches: list[int]) -> None:
+        """Compile the step for ``batches[0]`` on a thread of its own, then (through :meth:`poll`) the rest."""
+        bucket = self._new(batches[0], self.width_buckets[0])  # never a serving bucket: the compile runs beside steps
+        self._pending = _PendingCompile(threading.Thread(target=self._compile_in_background, args=(bucket,),
+                                                         name="gyrfalcon-compile", daemon=True), bucket, batches[1:])  # fmt: skip
+        self._pending.thread.start()
+
     def _compile(self, bucket: _Bucket) -> tuple[Any, float, str | None]:
-        """``torch.compile`` of the model's forward, compiled by one run on ``bucket``'s synthetic
-        inputs: (the compiled step or None, seconds, why it failed)."""
+        """``torch.compile`` of the model's forward (the one already made, for a later bucket),
+        compiled for ``bucket``'s shapes by one run on its synthetic inputs: (the compiled step or
+        None, seconds, why it failed)."""
         import torch._dynamo
 
         self._fill_synthetic(bucket)
@@ -278,10 +248,11 @@ class DecodeSteps:
             # the model's forward (direct where it has one) with one dynamic size, the context width
             # (each bucket's table is marked): dynamic=True made every size symbolic, and dynamo's
             # symbolic reasoning took 219 s tracing the direct forward of the default model (4 s static)
-            compiled = torch.compile(self.runner.run_model, options={"guard_filter_fn": _guards_on_the_inputs})
+            compiled = self._compiled or torch.compile(self.runner.run_model,
+                                                       options={"guard_filter_fn": guards_on_the_inputs})
             self._run_compiled(bucket, compiled)  # compiles
         except Exception as exc:  # noqa: BLE001 - no compiler, an unsupported op: serve eagerly
-            return None, time.perf_counter() - start, f"compiling the decode step failed: {_one_line(exc)}"
+            return None, time.perf_counter() - start, f"compiling the decode step failed: {one_line(exc)}"
         return compiled, time.perf_counter() - start, None
 
     def _compile_in_background(self, bucket: _Bucket) -> None:
@@ -298,27 +269,42 @@ class DecodeSteps:
         self._pending = None
         with torch.inference_mode():
             self.path = self._adopt(pending.bucket, *pending.result)
+        if self._compiled_batches and pending.rest:  # the next batch bucket, while this one serves
+            self._start_compile(pending.rest)
+            self.path = DecodePath("compiled", f"{self.path.reason}; {COMPILING} for batch {pending.rest[0]}")
         return self.path
 
     def _adopt(self, bucket: _Bucket, compiled, compile_s: float, failure: str | None) -> DecodePath:
-        """Serve ``compiled`` for batches up to :data:`COMPILED_MAX_BATCH` if it agrees with the
-        eager step on ``bucket`` and is measurably faster; else the eager path and why."""
-        if compiled is None:
-            return DecodePath("eager", failure or "no compiled step")
-        self.capture_s += compile_s
-        self._fill_synthetic(bucket)
-        problem = check_fast_step(lambda: self._run_compiled(bucket, compiled), lambda: self._eager(bucket), self.rtol)
-        if problem is not None:
+        """Serve ``compiled`` for ``bucket``'s batch if it agrees with the eager step on ``bucket``
+        and is measurably faster; returns the path: compiled for the batches adopted so far, else
+        eager and why (a later bucket that fails is left to the eager step and said in the log)."""
+        problem, timing = failure or "no compiled step", ""
+        if compiled is not None:
+            self.capture_s += compile_s
+            self._fill_synthetic(bucket)
+            problem = check_fast_step(lambda: self._run_compiled(bucket, compiled), lambda: self._eager(bucket), self.rtol)
+        if compiled is not None and problem is None:
+            eager_s = median_s(lambda: self._eager(bucket))
+            compiled_s = median_s(lambda: self._run_compiled(bucket, compiled))
+            timing = (f"{compiled_s * 1000:.1f} ms a step against {eager_s * 1000:.1f} eager at batch {bucket.batch}, "
+                      f"compiled in {compile_s:.1f} s")  # fmt: skip
+            if compiled_s > COMPILED_MUST_TAKE * eager_s:
+                problem = f"the compiled step is not faster: {timing}"
+        if problem is None:
+            log.warning("the compiled decode step serves batch %d: %s", bucket.batch, timing)
+            self._compiled = compiled
+            self._compiled_batches[bucket.batch] = timing
+            for b in self._buckets.values():
+                b.compiled = b.batch in self._compiled_batches
+        elif self._compiled_batches:
+            log.warning("the compiled decode step does not serve batch %d: %s", bucket.batch, problem)
+        if not self._compiled_batches:
             return DecodePath("eager", problem)
-        eager_s = _median_s(lambda: self._eager(bucket))
-        compiled_s = _median_s(lambda: self._run_compiled(bucket, compiled))
-        timing = f"{compiled_s * 1000:.1f} ms a step against {eager_s * 1000:.1f} eager at batch 1, compiled in {compile_s:.1f} s"
-        if compiled_s > COMPILED_MUST_TAKE * eager_s:
-            return DecodePath("eager", f"the compiled step is not faster: {timing}")
-        self._compiled = compiled
-        for b in self._buckets.values():
-            b.compiled = b.batch <= COMPILED_MAX_BATCH
-        return DecodePath("compiled", f"batch {COMPILED_MAX_BATCH}, {timing}")
+        adopted = list(self._compiled_batches)
+        first = self._compiled_batches[adopted[0]]
+        if len(adopted) == 1:
+            return DecodePath("compiled", f"batch {adopted[0]}, {first}")
+        return DecodePath("compiled", f"batches {', '.join(map(str, adopted))}; {first}")
 
     def _capture(self, bucket: _Bucket) -> None:
         start = time.perf_counter()
@@ -345,7 +331,7 @@ class DecodeSteps:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = self._new(batch, width)
-            bucket.compiled = self._compiled is not None and batch <= COMPILED_MAX_BATCH
+            bucket.compiled = batch in self._compiled_batches
             if self.graphs:
                 self._fill_synthetic(bucket)
                 problem = check_fast_step(lambda: self._capture_and_replay(bucket), lambda: self._eager(bucket), self.rtol)
@@ -365,10 +351,8 @@ class DecodeSteps:
         or the step is one the compiled mode does not compile — the runner's unpadded step is the
         faster eager one: a padded bucket computed up to 7 rows and 60 columns more; 0.82 of the
         eager ceiling at c=16 against 1.0 before)."""
-        if self.mode == "compiled" and (self._compiled is None or len(works) > COMPILED_MAX_BATCH):
-            return None
         key = self.bucket(len(works), max(w.start + 1 for w in works))
-        if key is None:
+        if key is None or (self.mode == "compiled" and key[0] not in self._compiled_batches):
             return None
         bucket = self.get(*key)
         n, bs = len(works), self.runner.cache.block_size

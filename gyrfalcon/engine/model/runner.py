@@ -18,7 +18,8 @@ import torch
 from gyrfalcon.engine.kv.cache import PagedKVCache
 from gyrfalcon.engine.model import flex, staging
 from gyrfalcon.engine.model.attention import STEP_KWARG, Segment, StepMetadata, register
-from gyrfalcon.engine.model.captured import FAST_STEP_RTOL, DecodeSteps, check_fast_step
+from gyrfalcon.engine.model.captured import DecodeSteps
+from gyrfalcon.engine.model.fast_check import FAST_STEP_RTOL, check_fast_step
 from gyrfalcon.engine.model.decoder import DirectDecoder, unsupported
 from gyrfalcon.engine.model.work import Work, block_tables, slots_of
 
