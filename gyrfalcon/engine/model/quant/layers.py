@@ -17,6 +17,7 @@ that a torch build or device reads differently is refused at start-up, not serve
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -198,7 +199,8 @@ class PackedLinear(torch.nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 16)
-        _PACKED[id(self)] = self
+        self._key = next(_PACKED_KEYS)
+        _PACKED[self._key] = self
         _check_rows_alone(self, weight)
         if keep_weight:
             self.weight = weight
@@ -206,7 +208,7 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
         if torch.compiler.is_compiling():
-            y = _packed_linear(flat, id(self), self.out_features)
+            y = _packed_linear(flat, self._key, self.out_features)
         else:
             y = self.product(flat)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -220,15 +222,18 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, dense float32 (oneDNN, reordered)"
 
 
-#: the live packed layers by ``id``: a compiled step names its layer by a number (inductor cannot
+#: the live packed layers by key: a compiled step names its layer by a number (inductor cannot
 #: take oneDNN's opaque weight as an input, and a graph break around the layer cost a second
-#: guard check and region each step, about 1 ms on the default model)
+#: guard check and region each step, about 1 ms on the default model). Keys count layers in the
+#: order they are made, not ``id``s: the number is a constant of the compiled graph, and one that
+#: changed from process to process missed inductor's cache every start
 _PACKED: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+_PACKED_KEYS = itertools.count()
 
 
 @torch.library.custom_op("gyrfalcon::packed_linear", mutates_args=())
 def _packed_linear(flat: torch.Tensor, layer: int, out_features: int) -> torch.Tensor:
-    """:meth:`PackedLinear.product` of the layer whose ``id`` is ``layer``, as an operator a compiler calls as it is."""
+    """:meth:`PackedLinear.product` of the layer whose key is ``layer``, as an operator a compiler calls as it is."""
     return _PACKED[layer].product(flat)
 
 
