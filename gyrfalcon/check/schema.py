@@ -128,10 +128,10 @@ def run_schema(target: Target, only: set[str], spec: str = "builtin", max_exampl
             return _results(ET.parse(junit).getroot(), target)
 
         results = run(pattern)
-        crashed = [r for r in results if r.outcome is Outcome.ERROR and r.check.name != "schema.run"]
+        crashed = [r.check.name for r in results if r.outcome is Outcome.ERROR and r.check.name != "schema.run"]
         if crashed:  # Schemathesis's own error, not the server's: once more for those operations
-            again = {r.check.name: r for r in run("|".join(_path_pattern(r.check.name) for r in crashed))}
-            results = [again.get(r.check.name, r) if r in crashed else r for r in results]
+            again = {r.check.name: r for r in run("|".join(_path_pattern(name) for name in crashed))}
+            results = [again.get(r.check.name, r) for r in results]
         return results
 
 

@@ -14,15 +14,16 @@ from tests.conftest import tiny_settings
 PROMPTS = [[1, 5, 9, 12], [1, 40, 41], [1, 7, 7, 7, 7, 8], [1, 99]]
 
 
+SEEDED = SamplingParams(temperature=1.0, seed=4, max_tokens=10, ignore_eos=True, logprobs=0)
+
+
 def _alone(engine) -> list[tuple[list[int], list]]:
-    params = SamplingParams(temperature=1.0, seed=4, max_tokens=10, ignore_eos=True, logprobs=0)
-    outputs = [list(engine.submit(EngineRequest(f"a{i}", p, params)))[-1].outputs[0] for i, p in enumerate(PROMPTS)]
+    outputs = [list(engine.submit(EngineRequest(f"a{i}", p, SEEDED)))[-1].outputs[0] for i, p in enumerate(PROMPTS)]
     return [(o.token_ids, o.logprobs.logprobs) for o in outputs]
 
 
 def _together(engine) -> list[tuple[list[int], list]]:
-    params = SamplingParams(temperature=1.0, seed=4, max_tokens=10, ignore_eos=True, logprobs=0)
-    streams = [engine.submit(EngineRequest(f"t{i}", p, params)) for i, p in enumerate(PROMPTS)]
+    streams = [engine.submit(EngineRequest(f"t{i}", p, SEEDED)) for i, p in enumerate(PROMPTS)]
     outputs = [list(s)[-1].outputs[0] for s in streams]
     return [(o.token_ids, o.logprobs.logprobs) for o in outputs]
 

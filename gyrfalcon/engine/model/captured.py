@@ -14,8 +14,9 @@ blocks; their logits are dropped. The fast path replays them:
   dynamic size, for the batch buckets of :data:`COMPILED_BATCHES`, compiled on a thread of its own while
   steps run eagerly and adopted between two steps (:meth:`DecodeSteps.poll`) (measured on the default model, direct
   forward: at batch 1 the compiled step takes about 13 ms against 18 eager, after a 35–50 s
-  compile; a dynamic batch size compiled slower than eager, 135 ms against 70 at batch 16, and a
-  compile per batch bucket takes about 70 s); larger batches take the runner's unpadded eager step;
+  compile; a dynamic batch size compiled slower than eager, 135 ms against 70 at batch 16, so each
+  bucket is its own static graph, about 40 s of compiling each); larger batches take the runner's
+  unpadded eager step;
 - ``static``: the same buffers run eagerly (what a fast step computes, on any device: tests).
 
 Every fast step is checked against the eager step on the same synthetic inputs before it serves
