@@ -67,17 +67,20 @@ def resolve_quantization(setting: str, path: str | os.PathLike[str], dtype: Any,
 
 
 def load_weights(path: str | os.PathLike[str], dtype: str | None = "float32", device: str | None = "cpu",
-                 quantization: str = "none"):  # fmt: skip
+                 quantization: str = "none", cache_dir: str | None = None):  # fmt: skip
     """Load the causal LM of a local folder in eval mode on ``device``, its layers in the kernels of
     ``--quantization`` (``auto``, ``none``, ``int4``, ``int8``: see
     :mod:`gyrfalcon.engine.model.quant.apply`); returns ``(model, QuantizationReport)``.
 
     ``dtype`` is a ``Settings.dtype`` string (``float32``, ``bfloat16``, ``float16``, ``auto``).
     Never touches the network (``local_files_only=True``); thread counts are left to the caller.
+    Kernels built for this machine are kept under ``cache_dir`` (``--cache-dir``'s default: see
+    :func:`gyrfalcon.models.default.cache_root`).
     """
     from transformers import AutoModelForCausalLM
 
     from gyrfalcon.engine.model.quant.apply import quantize_model
+    from gyrfalcon.models.default import cache_root
     from gyrfalcon.models.gguf_bits import read_bits
 
     device = resolve_device(device)
@@ -87,7 +90,8 @@ def load_weights(path: str | os.PathLike[str], dtype: str | None = "float32", de
     model.to(device)
     model.eval()
     bits = read_bits(path) if mode != "none" else None
-    report = quantize_model(model, mode, bits, kernel_dtype(torch_dtype, device), device)
+    report = quantize_model(model, mode, bits, kernel_dtype(torch_dtype, device), device,
+                            kernels=cache_root(cache_dir) / "kernels")
     if mode != "none":
         del bits
         _release_freed_memory()

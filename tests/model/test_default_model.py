@@ -183,21 +183,24 @@ def test_a_seeded_request_sent_again_repeats_bit_for_bit_from_the_prefix_cache(e
     assert engine.stats()["prefix_cache_hits"] - hits >= 60  # every prompt's full blocks were found
 
 
-def test_at_the_defaults_the_embedding_reads_the_ggufs_q8_rows_and_the_head_keeps_one_table(default_model_dir):
-    """The tied table is not kept in fp32 twice over: the input embedding looks up the GGUF's Q8_0
-    rows (the fp32 folder's rows, bit for bit), and the head keeps only its reordered copy."""
+def test_at_the_defaults_the_head_and_the_embedding_read_the_ggufs_q8_bits(default_model_dir):
+    """The tied table is kept once, in the GGUF's Q8_0 bits: the head reads them into fp32 logits
+    (``q8_linear.c``) and the input embedding looks its rows up there (the fp32 folder's rows, bit
+    for bit); no fp32 copy of the table is kept."""
     from safetensors import safe_open
 
-    from gyrfalcon.engine.model.quant.layers import PackedLinear, Q8Embedding
+    from gyrfalcon.engine.model.quant.layers import TiedEmbedding
+    from gyrfalcon.engine.model.quant.q8 import Q8Linear
 
     model = served_model(default_model_dir)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    assert isinstance(embedding, Q8Embedding) and isinstance(head, PackedLinear) and not hasattr(head, "weight")
+    assert isinstance(head, Q8Linear) and isinstance(embedding, TiedEmbedding) and embedding.head[0] is head
     with safe_open(f"{default_model_dir}/model.safetensors", framework="pt") as f:
         table = f.get_tensor("model.embed_tokens.weight")
     ids = torch.tensor([[0, 1, 2, 100, 49151]])
     assert torch.equal(embedding(ids)[0], table[ids[0]])
-    assert not any(p.shape == table.shape for p in model.parameters())
+    assert not any(p.shape == table.shape and p.dtype == torch.float32 for p in model.parameters())
+    assert not any(b.shape == table.shape and b.dtype == torch.float32 for b in model.buffers())
 
 
 @pytest.mark.live

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from gyrfalcon.engine.model.quant.apply import quantize_model, resolve_quantization
-from gyrfalcon.engine.model.quant.layers import (CastLinear, Int4Linear, Int8Linear, PackedLinear, Q8Embedding, TiedEmbedding,
+from gyrfalcon.engine.model.quant.layers import (CastLinear, Int4Linear, Int8Linear, PackedLinear, TiedEmbedding,
                                                  UnsupportedQuantization,
                                                  fuse_outputs)
+from gyrfalcon.engine.model.quant.q8 import Q8Embedding
 from gyrfalcon.engine.model.quant.weights import Int4Weights, Int8Weights, relative_error
 
 CPU = torch.device("cpu")
@@ -75,6 +76,39 @@ def test_a_q8_0_embedding_looks_up_exactly_the_dequantised_rows():
     ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
     assert embedding(ids).shape == (2, 3, 96) and torch.equal(embedding(ids), table[ids])
     assert torch.equal(embedding.weight, table) and embedding.q8.dtype == torch.int8
+
+
+def test_the_q8_0_head_gives_each_row_the_same_bits_at_any_row_count(tmp_path):
+    """The Q8_0 head (``q8_linear.c``): every row the same bits alone and in batches of every size
+    around its tiles (4 input rows, 4 weight rows: 50 outputs leave a tail), the dequantised
+    product within fp32's rounding, the bias added, the table's rows dequantised exactly for a tied
+    embedding, and the operator a compiled step calls agreeing with its fake."""
+    from gyrfalcon.engine.model.quant.q8 import Q8Linear, _q8_linear
+
+    q8 = torch.randint(-127, 128, (50, 96), dtype=torch.int8)
+    scale8 = (torch.rand(50, 3) * 0.01).to(torch.float16)
+    table = (scale8.float()[..., None] * q8.reshape(50, 3, 32).float()).reshape(50, 96)
+    bias = torch.randn(50)
+    head, x = Q8Linear(q8, scale8, bias, tmp_path), torch.randn(19, 96)
+    alone = torch.cat([head(x[i : i + 1]) for i in range(19)])
+    for count in range(2, 20):
+        assert torch.equal(head(x[:count]), alone[:count])
+    assert torch.allclose(alone, x @ table.t() + bias, rtol=1e-5, atol=1e-5)
+    assert head(x.view(19, 1, 96)).shape == (19, 1, 50) and head(x[:0]).shape == (0, 50)
+    ids = torch.tensor([[4, 0], [49, 4]])
+    assert torch.equal(head.rows(ids, torch.float32), table[ids])
+    torch.library.opcheck(_q8_linear, (x[:3], head.q8, head.scale))
+
+
+def test_without_a_c_compiler_the_q8_kernel_is_refused_with_the_reason(tmp_path, monkeypatch):
+    """A machine whose compiler fails gets :class:`KernelUnavailable` saying so (the loader then
+    keeps the fp32 head and the start-up line says why), not a half-built library."""
+    from gyrfalcon.engine.model.quant.q8 import KernelUnavailable, q8_library
+
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(KernelUnavailable, match="false failed"):
+        q8_library(tmp_path / "kernels")
+    assert not list((tmp_path / "kernels").glob("*.so"))
 
 
 @pytest.mark.parametrize("kind", ["dense", "int4", "int8"])

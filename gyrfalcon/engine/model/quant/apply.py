@@ -9,9 +9,11 @@ model's linear layers for :mod:`~gyrfalcon.engine.model.quant.layers` in place a
   is quantised (min/max per group, ``Q4_1``'s rule) and its error printed.
 - ``int8``: the same layers in int8 with one scale per output row (``Q8_0`` and 4-bit bits are
   re-quantised from their exact dequantised values; error printed).
-- The output head runs in :data:`HEAD_KERNEL` under both (an fp32 head on the CPU through
-  :class:`~gyrfalcon.engine.model.quant.layers.PackedLinear`, whose rows do not depend on the batch); when it is quantised or bf16, a tied
-  input embedding reads its rows from the head's table (one copy). Measured on the default model
+- The output head runs in :data:`HEAD_KERNEL` under both. An fp32 head on the CPU reads a GGUF's
+  ``Q8_0`` table as it is (:class:`~gyrfalcon.engine.model.quant.q8.Q8Linear`), else goes through
+  :class:`~gyrfalcon.engine.model.quant.layers.PackedLinear`; the rows of either do not depend on
+  the batch. When the head is quantised, bf16 or ``Q8_0``, a tied input embedding reads its rows
+  from the head's table (one copy). Measured on the default model
   (README, quality table): against the fp32 reference an fp32 head moves log-probabilities by
   0.033 nats, bf16 by 0.040, int8 by 0.072, int4 by 0.48 — and the kernels' bf16 outputs round
   logits to 1/8 near 25, which makes exact argmax ties between tokens fp32 tells apart.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -34,13 +37,13 @@ from gyrfalcon.engine.model.quant.layers import (
     Int4Linear,
     Int8Linear,
     PackedLinear,
-    Q8Embedding,
     TiedEmbedding,
     UnsupportedQuantization,
     int4_fits,
     int4_kernel,
     int8_kernel,
 )
+from gyrfalcon.engine.model.quant.q8 import Q8Embedding, Q8Linear
 from gyrfalcon.engine.model.quant.weights import GROUP, Int4Weights, Int8Weights, relative_error
 
 from gyrfalcon.engine.model.quant import QUANTIZATIONS
@@ -136,10 +139,12 @@ def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def quantize_model(model, mode: str, bits: dict | None, compute: torch.dtype, device: str,
-                   head: str = HEAD_KERNEL) -> QuantizationReport:  # fmt: skip
+                   head: str = HEAD_KERNEL, kernels: Path | None = None) -> QuantizationReport:  # fmt: skip
     """Swap ``model``'s linear layers (in place) for ``mode``'s kernels, their inputs in ``compute``
     dtype; ``bits``: a converted GGUF's (:func:`gyrfalcon.models.gguf_bits.read_bits`), None for
-    any other checkpoint. Raises :class:`UnsupportedQuantization` where ``device`` has no kernel."""
+    any other checkpoint; ``kernels``: the folder C kernels are built in (see
+    :mod:`~gyrfalcon.engine.model.quant.q8`). Raises :class:`UnsupportedQuantization` where
+    ``device`` has no kernel."""
     stream = next(model.parameters()).dtype
     report = QuantizationReport(mode, stream, compute)
     if mode == "none":
@@ -171,25 +176,46 @@ def quantize_model(model, mode: str, bits: dict | None, compute: torch.dtype, de
             report.kinds["input embedding"] = "reads the tied head's rows"
         model.config.tie_word_embeddings = False  # the tie is now the layers' own business
     if output is not None and head == "none" and _packs(output, where):
-        # a tied table the GGUF keeps in Q8_0: the embedding looks its rows up there, and the head is
-        # reordered from those bits (the same values), so the folder's fp32 table is never read in
-        table = bits.get(f"{names[id(embedding)]}.weight") if tied and bits else None
-        q8_rows = table is not None and table.q8 is not None
-        try:
-            packed = PackedLinear(table.dequantize() if q8_rows else output.weight, output.bias, keep_weight=not q8_rows)
-        except UnsupportedQuantization as error:
-            report.kinds["output head"] = f"float32 ({error})"
-        else:
-            _set(model, names[id(output)], packed)
-            report.kinds["output head"] = "float32 (oneDNN, its rows computed alike at any batch size)"
-            if q8_rows:
-                _set(model, names[id(embedding)], Q8Embedding(table.q8, table.scale8, stream,
-                                                              getattr(embedding, "padding_idx", None)))  # fmt: skip
-                model.config.tie_word_embeddings = False
-                report.kinds["input embedding"] = "the GGUF's Q8_0 rows, dequantised as they are looked up (exact)"
+        table = bits.get(f"{names[id(embedding) if tied else id(output)]}.weight") if bits else None
+        _fp32_head(model, names, table if table is not None and table.q8 is not None else None, tied, report, kernels)
     if "input embedding" not in report.kinds and embedding is not None:
         report.kinds["input embedding"] = str(embedding.weight.dtype).removeprefix("torch.")
     return report
+
+
+def _fp32_head(model, names: dict[int, str], q8, tied: bool, report: QuantizationReport, kernels: Path | None) -> None:
+    """The fp32 head on the CPU: from a GGUF's ``Q8_0`` table (``q8``, the head's bits or a tied
+    table's) through :class:`Q8Linear`, its tied embedding reading the same bits; else — no such
+    table, or no kernel built here — through :class:`PackedLinear` (from the table's values where
+    there is one, and the embedding looks its rows up in the bits: the folder's fp32 table is never
+    kept)."""
+    output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    padding = getattr(embedding, "padding_idx", None)
+    reason = ""
+    if q8 is not None:
+        try:
+            head = Q8Linear(q8.q8, q8.scale8, output.bias, kernels)
+        except UnsupportedQuantization as error:
+            reason = f"; the Q8_0 kernel is not served: {error}"
+        else:
+            _set(model, names[id(output)], head)
+            report.kinds["output head"] = "the GGUF's Q8_0 bits, float32 logits (q8_linear.c: rows alike at any batch size)"
+            if tied:
+                _set(model, names[id(embedding)], TiedEmbedding(head, report.dtype, padding))
+                report.kinds["input embedding"] = "reads the tied head's Q8_0 rows (exact)"
+                model.config.tie_word_embeddings = False
+            return
+    try:
+        packed = PackedLinear(q8.dequantize() if q8 is not None else output.weight, output.bias, keep_weight=q8 is None)
+    except UnsupportedQuantization as error:
+        report.kinds["output head"] = f"float32 ({error})"
+        return
+    _set(model, names[id(output)], packed)
+    report.kinds["output head"] = f"float32 (oneDNN, its rows computed alike at any batch size){reason}"
+    if q8 is not None and tied:
+        _set(model, names[id(embedding)], Q8Embedding(q8.q8, q8.scale8, report.dtype, padding))
+        model.config.tie_word_embeddings = False
+        report.kinds["input embedding"] = "the GGUF's Q8_0 rows, dequantised as they are looked up (exact)"
 
 
 def _packs(layer: torch.nn.Module, device: torch.device) -> bool:

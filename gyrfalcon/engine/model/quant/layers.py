@@ -201,7 +201,7 @@ class PackedLinear(torch.nn.Module):
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 16)
         self._key = next(_PACKED_KEYS)
         _PACKED[self._key] = self
-        _check_rows_alone(self, weight)
+        check_rows_alone(self, weight)
         if keep_weight:
             self.weight = weight
 
@@ -243,7 +243,7 @@ def _(flat: torch.Tensor, layer: int, out_features: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _check_rows_alone(layer: torch.nn.Module, weight: torch.Tensor, rows: int = 7) -> None:
+def check_rows_alone(layer: torch.nn.Module, weight: torch.Tensor, rows: int = 7) -> None:
     """Refuse ``layer`` unless each row of a ``rows``-row probe gets the same bits alone, and its
     result agrees with the plain product with ``weight``."""
     x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(0))
@@ -251,15 +251,17 @@ def _check_rows_alone(layer: torch.nn.Module, weight: torch.Tensor, rows: int = 
     alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
     want = torch.nn.functional.linear(x, weight, layer.bias)
     if not torch.equal(together, alone) or not torch.allclose(together, want, rtol=1e-4, atol=1e-4):
-        raise UnsupportedQuantization("the packed linear kernel gives a row different bits beside other rows")
+        raise UnsupportedQuantization(f"{type(layer).__name__}'s kernel gives a row other bits beside other rows, "
+                                      "or a product its weights do not")  # fmt: skip
 
 
 class TiedEmbedding(torch.nn.Module):
-    """An input embedding that reads its rows from its tied output head (:class:`CastLinear` or
-    :class:`Int8Linear`): one copy of the table, the lookup converting only the rows it gathers into
-    the model's ``dtype``."""
+    """An input embedding that reads its rows from its tied output head (:class:`CastLinear`,
+    :class:`Int8Linear` or :class:`~gyrfalcon.engine.model.quant.q8.Q8Linear`: anything with
+    ``rows(ids, dtype)``): one copy of the table, the lookup converting only the rows it gathers
+    into the model's ``dtype``."""
 
-    def __init__(self, head: CastLinear | Int8Linear, dtype: torch.dtype, padding_idx: int | None = None) -> None:
+    def __init__(self, head: torch.nn.Module, dtype: torch.dtype, padding_idx: int | None = None) -> None:
         super().__init__()
         self.head = [head]  # a list: not a submodule, so its buffers are not counted twice
         self.dtype = dtype
@@ -274,30 +276,6 @@ class TiedEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head[0].rows(ids, self.dtype)
-
-
-class Q8Embedding(torch.nn.Module):
-    """An input embedding kept as a GGUF's ``Q8_0`` table — ``q8`` ``[N, K]`` int8 and ``scale8``
-    ``[N, K // 32]`` fp16, ``w = scale8 * q8`` per block of 32 — whose lookup dequantises only the
-    rows it gathers, in the conversion's operation order: the same fp32 values as the dequantised
-    table, in a quarter of its bytes (so a tied fp32 head need not keep that table for it)."""
-
-    def __init__(self, q8: torch.Tensor, scale8: torch.Tensor, dtype: torch.dtype, padding_idx: int | None = None) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = q8.shape
-        self.dtype = dtype
-        self.padding_idx = padding_idx
-        self.register_buffer("q8", q8.contiguous())
-        self.register_buffer("scale8", scale8.contiguous())
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The whole table in ``dtype`` (for code that inspects it; the forward never builds it)."""
-        return self(torch.arange(self.num_embeddings, device=self.q8.device))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        q = self.q8[ids].reshape(*ids.shape, -1, GROUP).float()
-        return (self.scale8[ids].float()[..., None] * q).reshape(*ids.shape, self.embedding_dim).to(self.dtype)
 
 
 def _shared_rows(parts: list[torch.nn.Module], name: str, fused: torch.Tensor) -> None:
