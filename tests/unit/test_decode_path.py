@@ -70,12 +70,12 @@ def test_the_compiled_cpu_step_serves_the_eager_steps_bits(tiny_model_dir, tmp_p
         fast.shutdown(grace=1.0)
 
 
-def _steps(tiny_model_dir):
+def _steps(tiny_model_dir, max_batch: int = 4):
     from gyrfalcon.plugins.engines import create_transformers_engine
 
     engine = create_transformers_engine(tiny_settings(tiny_model_dir), start=False).core
     assert engine.prepare()
-    return DecodeSteps(engine.runner, 4, 128, mode="compiled")
+    return DecodeSteps(engine.runner, max_batch, 128, mode="compiled")
 
 
 def test_a_compiled_step_that_raises_or_differs_is_dropped_with_its_reason(tiny_model_dir, monkeypatch):
@@ -102,6 +102,22 @@ def test_a_compiled_step_that_raises_or_differs_is_dropped_with_its_reason(tiny_
     works = [__import__("gyrfalcon.engine.model.runner", fromlist=["Work"]).Work([5], 3, [0])]
     with torch.inference_mode():  # as the runner calls it
         assert steps.run(works) is None  # no bucket: the runner's own (unpadded) eager step serves
+
+
+def test_a_batch_runs_compiled_only_where_it_fills_three_quarters_of_its_bucket(tiny_model_dir, monkeypatch):
+    """With every bucket compiled (a stand-in compiler: the eager step itself, speed bar waived), 6
+    rows run in the compiled batch-8 bucket and 5 rows eagerly, unpadded (None: the runner's step)."""
+    from gyrfalcon.engine.model import captured
+    from gyrfalcon.engine.model.runner import Work
+
+    monkeypatch.setattr(captured, "COMPILED_MUST_TAKE", float("inf"))
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
+    steps = _steps(tiny_model_dir, max_batch=8)
+    assert steps.prepare().name == "compiled" and set(steps._compiled_batches) == {1, 2, 4, 8}
+    with torch.inference_mode():
+        assert steps.run([Work([5], 3, [0])] * 5) is None
+        assert steps.run([Work([5], 3, [0])] * 6).shape[0] == 6
+    assert steps.get(8, steps.width_buckets[0]).runs == 1
 
 
 def test_check_fast_step_wants_the_same_argmax_and_logits_within_tolerance():

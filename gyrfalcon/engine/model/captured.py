@@ -66,11 +66,14 @@ MIN_CONTEXT_BUCKET = 64
 #: the fast paths a runner can ask for, and the eager static one
 MODES = ("cuda-graphs", "compiled", "static")
 #: the batch buckets the CPU's compiled step serves, compiled one after another in the background
-#: (batch 1 first), each a static shape; a larger batch takes the runner's unpadded eager step.
-#: Measured on the default model: compiled 19 ms against 24 eager at batch 4, 25 against 33 at
-#: batch 8; at 16 the int4 kernel's compute bounds the step and padding a batch of 9 to 16 rows
-#: would cost more than the compile saves
-COMPILED_BATCHES = (1, 2, 4, 8)
+#: (batch 1 first), each a static shape; any other batch takes the runner's unpadded eager step.
+#: Measured on the default model (compiled against eager, in-process): 12.8 against 19.1 ms at
+#: batch 4, 23.6 against 28.9 at 8, 40.1 against 51.9 at 16
+COMPILED_BATCHES = (1, 2, 4, 8, 16)
+#: a batch runs in a compiled bucket only if it fills at least this share of its rows: padding 5
+#: rows to 8 costs more than the compile saves (eager 5 rows about 21.5 ms against 23.6 compiled 8),
+#: 6 of 8 about breaks even
+COMPILED_MIN_FILL = 0.75
 #: the decode path's reason while a compile runs in the background (steps run eagerly meanwhile)
 COMPILING = "compiling the decode step in the background"
 #: the compiled step is kept only if its median time is at most this share of the eager step's
@@ -349,11 +352,12 @@ class DecodeSteps:
 
     def run(self, works: list[Work]) -> torch.Tensor | None:
         """The ``[len(works), V]`` fp32 next-token logits of a decode step (None: no bucket fits,
-        or the step is one the compiled mode does not compile — the runner's unpadded step is the
-        faster eager one: a padded bucket computed up to 7 rows and 60 columns more; 0.82 of the
-        eager ceiling at c=16 against 1.0 before)."""
+        or the step is one the compiled mode does not compile or would pad too much — the runner's
+        unpadded step is then the faster eager one: a padded eager bucket computed up to 7 rows and
+        60 columns more; 0.82 of the eager ceiling at c=16 against 1.0 before)."""
         key = self.bucket(len(works), max(w.start + 1 for w in works))
-        if key is None or (self.mode == "compiled" and key[0] not in self._compiled_batches):
+        if key is None or (self.mode == "compiled" and (key[0] not in self._compiled_batches
+                                                         or len(works) < COMPILED_MIN_FILL * key[0])):  # fmt: skip
             return None
         bucket = self.get(*key)
         n, bs = len(works), self.runner.cache.block_size
