@@ -43,6 +43,8 @@ def test_the_compiled_cpu_step_serves_the_eager_steps_bits(tiny_model_dir, tmp_p
     the same bits in any batch, tests/model/test_default_model.py.)"""
     import time
 
+    from torch._dynamo.utils import counters
+
     from gyrfalcon.engine.model import captured
     from gyrfalcon.plugins.engines import create_transformers_engine
 
@@ -55,16 +57,19 @@ def test_the_compiled_cpu_step_serves_the_eager_steps_bits(tiny_model_dir, tmp_p
         if fast.core.decode_path.reason == COMPILING:
             assert _ids(_together(fast)) == _ids(expected)  # served eagerly while it compiles
         deadline = time.monotonic() + 300
-        while fast.core.decode_path.reason == COMPILING and time.monotonic() < deadline:
+        while COMPILING in fast.core.decode_path.reason and time.monotonic() < deadline:  # every batch bucket
             time.sleep(0.1)
         path = fast.core.decode_path
-        assert path.name == "compiled", path
+        assert path.name == "compiled" and COMPILING not in path.reason, path
         assert fast.health().decode_path == path.describe() == fast.stats()["decode_path"] == fast.info().decode_path
         assert eager.health().decode_path == "eager (--enforce-eager)" == eager.info().decode_path
-        runs = sum(b.runs for b in fast.core.runner.decode_steps._buckets.values() if b.compiled)
+        steps, frames = fast.core.runner.decode_steps, counters["frames"]["total"]
+        runs = sum(b.runs for b in steps._buckets.values() if b.compiled)
         assert _alone(fast) == expected
-        assert sum(b.runs for b in fast.core.runner.decode_steps._buckets.values() if b.compiled) >= runs + 9 * len(PROMPTS)
+        assert sum(b.runs for b in steps._buckets.values() if b.compiled) >= runs + 9 * len(PROMPTS)
         assert _ids(_together(fast)) == _ids(expected)
+        assert any(b.compiled and b.batch == len(PROMPTS) and b.runs for b in steps._buckets.values())
+        assert counters["frames"]["total"] == frames  # serving compiled nothing more (a recompile stalls every request)
     finally:
         eager.shutdown(grace=1.0)
         fast.shutdown(grace=1.0)

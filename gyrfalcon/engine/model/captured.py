@@ -157,9 +157,13 @@ class DecodeSteps:
         w = next((x for x in self.width_buckets if x >= width), None)
         return None if b is None or w is None else (b, w)
 
+    @torch.inference_mode()
     def _new(self, batch: int, width: int) -> _Bucket:
         """A bucket's inputs — ids, positions, KV slots, the rows' positions, the block table — as
-        views of one device buffer, which each step fills with one copy."""
+        views of one device buffer, which each step fills with one copy. Always inference tensors:
+        a compiled graph guards on its inputs' dispatch keys, and a bucket made outside inference
+        mode (the background compiles' were) recompiled the step at its first serving step, some
+        5 s with every request waiting."""
         blocks = -(-width // self.runner.cache.block_size)
         flat = torch.zeros(4 * batch + batch * blocks, dtype=torch.long, device=self.runner.device)
         ids, positions, slots, rows_at, table = staging.split(flat, [batch] * 4 + [batch * blocks])
