@@ -180,6 +180,7 @@ class DecodeSteps:
         bucket.step._masks.clear()  # computed anew from this step's buffers
         return self.runner.run_model(bucket.ids, bucket.positions, bucket.step, 0)
 
+    @torch.inference_mode()
     def _fill_synthetic(self, bucket: _Bucket) -> None:
         """A synthetic batch for the self-check: distinct tokens at distinct positions from the
         bucket's last one down (contexts of several blocks, and positions past 0, whose rotary
