@@ -3,7 +3,8 @@
 
 The kernel is compiled once per machine with the C compiler inductor uses (``$CC``, else ``cc``,
 ``gcc`` or ``clang``), for the instruction set torch found (AVX-512, AVX2, or portable vectors),
-and kept in ``<cache>/kernels`` under a name that hashes its source, flags and compiler. Where no
+with OpenMP where the compiler has it (else on one thread), and kept in ``<cache>/kernels`` under
+a name that hashes its source, flags and compiler. Where no
 compiler works the caller keeps its fp32 head (:class:`~gyrfalcon.engine.model.quant.layers.PackedLinear`)
 and the start-up line says why.
 
@@ -54,10 +55,20 @@ def _compiler() -> str:
 
 
 def _build(cache: Path) -> Path:
-    """The kernel's shared library in ``cache``, compiled there if it is not yet."""
+    """The kernel's shared library in ``cache``, compiled there if it is not yet: with OpenMP (it
+    shares torch's libgomp), else — a compiler without it — on the calling thread alone."""
     cc = _compiler()
-    flags = ["-O3", "-shared", "-fPIC", "-ffp-contract=fast", "-fopenmp", *_isa_flags()]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    failure = KernelUnavailable(f"{cc} built nothing")
+    for threads in (["-fopenmp"], []):
+        try:
+            return _compile(cc, version, ["-O3", "-shared", "-fPIC", "-ffp-contract=fast", *threads, *_isa_flags()], cache)
+        except KernelUnavailable as error:
+            failure = error
+    raise failure
+
+
+def _compile(cc: str, version: str, flags: list[str], cache: Path) -> Path:
     key = hashlib.sha256("\0".join([_SOURCE.read_text(), *flags, version]).encode()).hexdigest()[:16]
     target = cache / f"q8_linear-{key}.so"
     if target.exists():
@@ -69,9 +80,9 @@ def _build(cache: Path) -> Path:
     try:
         done = subprocess.run([cc, *flags, "-o", partial, str(_SOURCE)], capture_output=True, text=True)
         if done.returncode != 0:
-            raise KernelUnavailable(f"{cc} failed: {done.stderr.strip()[-300:]}")
+            raise KernelUnavailable(f"{cc} {' '.join(flags)} failed: {done.stderr.strip()[-300:]}")
         os.replace(partial, target)  # atomic: a second process building beside this one loses nothing
-        log.info("built %s in %.1f s", target.name, time.perf_counter() - start)
+        log.info("built %s (%s) in %.1f s", target.name, " ".join(flags), time.perf_counter() - start)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
