@@ -1,12 +1,12 @@
 """A GGUF's ``Q8_0`` table served as it is: the output head in fp32 logits through a small C kernel
 (``q8_linear.c`` beside this module), and the tied input embedding looking up the same bits.
 
-The kernel is compiled once per machine with the C compiler inductor uses (``$CC``, else ``cc``,
-``gcc`` or ``clang``), for the instruction set torch found (AVX-512, AVX2, or portable vectors),
-with OpenMP where the compiler has it (else on one thread), and kept in ``<cache>/kernels`` under
-a name that hashes its source, flags and compiler. Where no
-compiler works the caller keeps its fp32 head (:class:`~gyrfalcon.engine.model.quant.layers.PackedLinear`)
-and the start-up line says why.
+The kernel is compiled once per machine with its C compiler (``$CC``, else ``cc``, ``gcc`` or
+``clang``; the compiled step's inductor needs one too), for the instruction set torch found
+(AVX-512, AVX2, or portable vectors), with OpenMP where the compiler has it (else on one thread),
+and kept in ``<cache>/kernels`` under a name that hashes its source, flags and compiler. Where no
+compiler works the caller keeps its fp32 head
+(:class:`~gyrfalcon.engine.model.quant.layers.PackedLinear`) and the start-up line says why.
 
 Measured on the default model's head (49,152 × 576; 2 threads): 1.0 ms at one row against 5.3 for
 the fp32 head through oneDNN, 2.1 against 4.9 at four rows, 6.3 against 6.5 at sixteen, 19.9
