@@ -185,6 +185,9 @@ class Q8Linear(torch.nn.Module):
 
 
 def _product(flat: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if flat.device.type != "cpu" or flat.shape[-1] != q8.shape[1]:
+        raise ValueError(f"q8_linear takes [M, {q8.shape[1]}] CPU rows, got {list(flat.shape)} on {flat.device}")
+    flat = flat.float().contiguous()  # the kernel reads raw fp32 rows (a no-op for the layer's own calls)
     out = torch.empty(flat.shape[0], q8.shape[0])
     if flat.shape[0]:
         assert _loaded, "a Q8Linear loads the kernel before its first product"
