@@ -85,6 +85,7 @@ def test_the_q8_0_head_gives_each_row_the_same_bits_at_any_row_count(tmp_path):
     embedding, and the operator a compiled step calls agreeing with its fake."""
     from gyrfalcon.engine.model.quant.q8 import Q8Linear, _q8_linear
 
+    torch.manual_seed(0)
     q8 = torch.randint(-127, 128, (50, 96), dtype=torch.int8)
     scale8 = (torch.rand(50, 3) * 0.01).to(torch.float16)
     table = (scale8.float()[..., None] * q8.reshape(50, 3, 32).float()).reshape(50, 96)
@@ -93,7 +94,7 @@ def test_the_q8_0_head_gives_each_row_the_same_bits_at_any_row_count(tmp_path):
     alone = torch.cat([head(x[i : i + 1]) for i in range(19)])
     for count in range(2, 20):
         assert torch.equal(head(x[:count]), alone[:count])
-    assert torch.allclose(alone, x @ table.t() + bias, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(alone, x @ table.t() + bias, rtol=1e-5, atol=1e-4)
     assert head(x.view(19, 1, 96)).shape == (19, 1, 50) and head(x[:0]).shape == (0, 50)
     ids = torch.tensor([[4, 0], [49, 4]])
     assert torch.equal(head.rows(ids, torch.float32), table[ids])
@@ -114,9 +115,10 @@ def test_the_q8_kernel_builds_without_openmp_and_is_refused_without_a_compiler(t
                          f'exec {shutil.which("gcc") or shutil.which("cc")} "$@"\n')  # fmt: skip
     no_openmp.chmod(0o755)
     monkeypatch.setenv("CC", str(no_openmp))
+    torch.manual_seed(0)
     table = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
-    head, x = q8.Q8Linear(table, torch.ones(40, 2), None, tmp_path / "single"), torch.randn(5, 64)
-    assert torch.allclose(head(x), x @ table.float().t(), rtol=1e-5, atol=1e-4)
+    head, x = q8.Q8Linear(table, torch.full((40, 2), 0.01), None, tmp_path / "single"), torch.randn(5, 64)
+    assert torch.allclose(head(x), x @ (0.01 * table.float()).t(), rtol=1e-5, atol=1e-4)
     assert len(list((tmp_path / "single").glob("q8_linear-*.so"))) == 1
 
     monkeypatch.setenv("CC", "false")
