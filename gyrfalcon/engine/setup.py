@@ -19,6 +19,7 @@ from gyrfalcon.engine.model.fast_check import DecodePath
 from gyrfalcon.engine.model.runner import ModelRunner
 from gyrfalcon.engine.model.work import Work
 from gyrfalcon.engine_api.config import EngineConfig
+from gyrfalcon.models.default import cache_root
 from gyrfalcon.models.loading import load_tokenizer, load_weights, resolve_dtype
 
 log = logging.getLogger("gyrfalcon.engine.transformers_engine")
@@ -36,8 +37,6 @@ def capture_mode(cfg: EngineConfig, device: str) -> str:
     if not cfg.enforce_eager:
         mode = "cuda-graphs" if kind == "cuda" else "compiled" if kind == "cpu" and cfg.compile_decode else "off"
     if mode == "compiled":  # inductor's code cached beside the models (read at its first use)
-        from gyrfalcon.models.default import cache_root
-
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root(cfg.cache_dir) / "inductor"))
     return mode
 
@@ -114,7 +113,8 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
     cache = PagedKVCache(shape, plan.num_blocks, plan.block_size, device)
     pool = BlockPool(plan.num_blocks, plan.block_size, cfg.enable_prefix_caching)
     runner = ModelRunner(model, cache, capture=capture, max_batch=cfg.max_num_seqs, max_model_len=max_model_len,
-                         model_impl=cfg.model_impl, attention=cfg.attention_backend)  # fmt: skip
+                         model_impl=cfg.model_impl, attention=cfg.attention_backend,
+                         kernels=cache_root(cfg.cache_dir) / "kernels")  # fmt: skip
     # Warm-up through the same kernels as requests, on the scratch block only (no request's KV),
     # each step also checking the direct forward against transformers' and flex attention against gather.
     with torch.inference_mode():

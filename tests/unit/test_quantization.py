@@ -101,32 +101,6 @@ def test_the_q8_0_head_gives_each_row_the_same_bits_at_any_row_count(tmp_path):
     torch.library.opcheck(_q8_linear, (x[:3], head.q8, head.scale))
 
 
-def test_the_q8_kernel_builds_without_openmp_and_is_refused_without_a_compiler(tmp_path, monkeypatch):
-    """A compiler without OpenMP still builds the kernel (on the calling thread alone, the same
-    sums); one that fails gets :class:`KernelUnavailable` saying so (the loader then keeps the fp32
-    head and the start-up line says why), not a half-built library."""
-    import shutil
-
-    from gyrfalcon.engine.model.quant import q8
-
-    monkeypatch.setattr(q8, "_loaded", [])  # this test's libraries serve this test only
-    no_openmp = tmp_path / "cc-without-openmp"
-    no_openmp.write_text(f'#!/bin/sh\ncase " $* " in *" -fopenmp "*) echo "no omp.h" >&2; exit 1;; esac\n'
-                         f'exec {shutil.which("gcc") or shutil.which("cc")} "$@"\n')  # fmt: skip
-    no_openmp.chmod(0o755)
-    monkeypatch.setenv("CC", str(no_openmp))
-    torch.manual_seed(0)
-    table = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
-    head, x = q8.Q8Linear(table, torch.full((40, 2), 0.01), None, tmp_path / "single"), torch.randn(5, 64)
-    assert torch.allclose(head(x), x @ (0.01 * table.float()).t(), rtol=1e-5, atol=1e-4)
-    assert len(list((tmp_path / "single").glob("q8_linear-*.so"))) == 1
-
-    monkeypatch.setenv("CC", "false")
-    with pytest.raises(q8.KernelUnavailable, match="false .* failed"):
-        q8.q8_library(tmp_path / "kernels")
-    assert not list((tmp_path / "kernels").glob("*.so"))
-
-
 @pytest.mark.parametrize("kind", ["dense", "int4", "int8"])
 def test_fused_projections_give_each_parts_output_and_share_its_memory(kind):
     """q/k/v (and gate/up) fused into one matmul: the parts' outputs side by side, bit for bit, and

@@ -29,7 +29,7 @@ Why bit for bit on the CPU: a request's decode steps take the compiled path alon
 one beside other requests (larger batches, steps that carry a prefill, steps before the compile ends),
 so the two must agree exactly for a seeded request to get the same tokens alone and in any batch.
 They do on the direct forward (:mod:`~gyrfalcon.engine.model.decoder`): cos/sin are looked up,
-not computed, RMSNorm runs as an opaque operator, attention takes the same shapes compiled and
+not computed, RMSNorm's mean of squares is an opaque operator (a C kernel of ours), attention takes the same shapes compiled and
 eager; before that they rounded apart from position 1 on (up to 0.08 nats on the default model).
 Transformers' forward computes all three inside the step, so it is not compiled.
 """

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 
 import torch
 
@@ -47,7 +48,7 @@ class ModelRunner:
     """
 
     def __init__(self, model, cache: PagedKVCache, capture: str = "off", max_batch: int = 1, max_model_len: int = 2048,
-                 model_impl: str = "auto", attention: str = "gather") -> None:  # fmt: skip
+                 model_impl: str = "auto", attention: str = "gather", kernels: Path | None = None) -> None:  # fmt: skip
         self.model = model
         self.cache = cache
         self.device = cache.device
@@ -63,9 +64,9 @@ class ModelRunner:
             reason = unsupported(model)
             if reason is not None and model_impl == "direct":
                 raise ValueError(f"--model-impl direct: {reason}")
-            self.direct = DirectDecoder(model, max_model_len) if reason is None else None
-            fused = self.direct is not None and self.direct.fused
-            self.model_impl = ("direct (q/k/v and gate/up fused)" if fused else "direct") if reason is None else f"transformers ({reason})"
+            self.direct = DirectDecoder(model, max_model_len, kernels) if reason is None else None
+            fused = "q/k/v and gate/up fused; " if self.direct is not None and self.direct.fused else ""
+            self.model_impl = f"direct ({fused}norms sum by {self.direct.norms})" if self.direct else f"transformers ({reason})"
         #: the attention backend steps use: ``gather`` or ``flex``
         self.attention = flex.resolve(attention, self.device)
         self.decode_steps = None

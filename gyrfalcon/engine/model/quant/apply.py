@@ -143,7 +143,7 @@ def quantize_model(model, mode: str, bits: dict | None, compute: torch.dtype, de
     """Swap ``model``'s linear layers (in place) for ``mode``'s kernels, their inputs in ``compute``
     dtype; ``bits``: a converted GGUF's (:func:`gyrfalcon.models.gguf_bits.read_bits`), None for
     any other checkpoint; ``kernels``: the folder C kernels are built in (see
-    :mod:`~gyrfalcon.engine.model.quant.q8`). Raises :class:`UnsupportedQuantization` where
+    :mod:`~gyrfalcon.engine.model.native`). Raises :class:`UnsupportedQuantization` where
     ``device`` has no kernel."""
     stream = next(model.parameters()).dtype
     report = QuantizationReport(mode, stream, compute)

@@ -1,7 +1,8 @@
 /* y = x · Wᵀ in fp32 for a weight kept as a GGUF Q8_0 table: W[n, k] = scale[n, k / 32] · q[n, k].
  *
- * Built at first use by gyrfalcon/engine/model/quant/q8.py with the machine's C compiler (the one
- * inductor uses) and loaded through ctypes; it needs no torch headers.
+ * Built at first use with the other kernels of this folder (gyrfalcon/engine/model/native) by the
+ * machine's C compiler and loaded through ctypes; it needs no torch headers. Called by
+ * gyrfalcon/engine/model/quant/q8.py.
  *
  * Why a kernel of our own: the output head reads the whole table every decode step, and torch has
  * no CPU kernel that reads 8-bit (or bf16) weights into fp32 logits, so the head read 113 MB of

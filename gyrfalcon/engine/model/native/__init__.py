@@ -1,0 +1,131 @@
+"""The engine's own C kernels (the ``*.c`` files of this folder), built into one shared library
+and called through ctypes (which drops the GIL for the call); they need no torch headers.
+
+- ``q8_linear.c``: the fp32 product with a GGUF's ``Q8_0`` table (the output head,
+  :mod:`~gyrfalcon.engine.model.quant.q8`);
+- ``mean_square.c``: an RMSNorm's mean of squares (:mod:`~gyrfalcon.engine.model.decoder`).
+
+Both sum each output in one fixed order whatever the rows beside it, so a row gets the same bits
+alone and in any batch, eagerly and inside a compiled step.
+
+The library is compiled once per machine with its C compiler (``$CC``, else ``cc``, ``gcc`` or
+``clang``; the compiled step's inductor needs one too), for the instruction set torch found
+(AVX-512, AVX2, or portable vectors), with OpenMP where the compiler has it (else on one thread),
+and kept in ``<cache>/kernels`` under a name that hashes its sources, flags and compiler (about
+0.3 s the first time). Where no compiler works, :func:`library` raises :class:`KernelUnavailable`
+and the callers keep torch's kernels (the start-up line says so).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+_POINTER, _LONG, _INT = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+#: each kernel's C signature: (argument types, result type)
+_SIGNATURES = {
+    "q8_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
+    "mean_square": ([_POINTER] * 2 + [_LONG] * 2 + [_INT], None),
+}
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernels could not be built or loaded here (the message says why)."""
+
+
+def _isa_flags() -> list[str]:
+    """The instruction set torch chose for this CPU (its kernels' own dispatch), as compiler flags."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX512"):
+        return ["-mavx512f", "-mavx512bw", "-mfma"]
+    return ["-mavx2", "-mfma"] if capability == "AVX2" else []
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    raise KernelUnavailable("no C compiler found ($CC, cc, gcc, clang)")
+
+
+def _build(cache: Path) -> Path:
+    """The shared library in ``cache``, compiled there if it is not yet: with OpenMP (it shares
+    torch's libgomp), else — a compiler without it — on the calling thread alone."""
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    failure = KernelUnavailable(f"{cc} built nothing")
+    for threads in (["-fopenmp"], []):
+        try:
+            return _compile(cc, version, ["-O3", "-shared", "-fPIC", "-ffp-contract=fast", *threads, *_isa_flags()], cache)
+        except KernelUnavailable as error:
+            failure = error
+    raise failure
+
+
+def _compile(cc: str, version: str, flags: list[str], cache: Path) -> Path:
+    sources = [f"{path.name}\0{path.read_text()}" for path in _SOURCES]
+    key = hashlib.sha256("\0".join([*sources, *flags, version]).encode()).hexdigest()[:16]
+    target = cache / f"kernels-{key}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    fd, partial = tempfile.mkstemp(dir=cache, suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *flags, "-o", partial, *map(str, _SOURCES)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise KernelUnavailable(f"{cc} {' '.join(flags)} failed: {done.stderr.strip()[-300:]}")
+        os.replace(partial, target)  # atomic: a second process building beside this one loses nothing
+        log.info("built %s (%s) in %.1f s", target.name, " ".join(flags), time.perf_counter() - start)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@functools.cache
+def _library(cache: Path) -> ctypes.CDLL:
+    try:
+        path = _build(cache)
+    except OSError:  # a cache that cannot be written: build in a folder of our own
+        path = _build(Path(tempfile.mkdtemp(prefix="gyrfalcon-kernels-")))
+    library = ctypes.CDLL(str(path))
+    for name, (arguments, result) in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = arguments, result
+    if not _loaded:
+        _loaded.append(library)
+    return library
+
+
+#: the library this process serves with (the first one loaded: every caller must compute the
+#: same bits as every other, whichever cache folder it was given)
+_loaded: list[ctypes.CDLL] = []
+
+
+def library(cache: Path | None) -> ctypes.CDLL:
+    """The kernels, built into ``cache`` at their first use (into a temporary folder where
+    ``cache`` is None); :class:`KernelUnavailable` if they cannot be."""
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT" and os.uname().machine == "x86_64":
+        raise KernelUnavailable("this x86 CPU has neither AVX2 nor AVX-512")
+    _library(cache or Path(tempfile.gettempdir()) / f"gyrfalcon-kernels-{os.getuid()}")
+    return _loaded[0]
+
+
+def loaded() -> ctypes.CDLL | None:
+    """The library this process loaded (None before :func:`library` succeeds)."""
+    return _loaded[0] if _loaded else None

@@ -1,0 +1,58 @@
+"""The engine's C kernels (:mod:`gyrfalcon.engine.model.native`): how they are built, and the
+mean of squares the norms take (the Q8_0 head's kernel is tested with its layer in test_quantization)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from gyrfalcon.engine.model import native
+from gyrfalcon.engine.model.decoder import _mean_square, mean_square
+from gyrfalcon.engine.model.quant import q8
+from gyrfalcon.engine.model.quant.layers import UnsupportedQuantization
+
+
+def test_the_kernels_build_without_openmp_and_are_refused_without_a_compiler(tmp_path, monkeypatch):
+    """A compiler without OpenMP still builds the kernels (on the calling thread alone, the same
+    sums); one that fails gets :class:`KernelUnavailable` saying so (the Q8_0 head then refuses,
+    so the loader keeps the fp32 head and the start-up line says why), not a half-built library."""
+    monkeypatch.setattr(native, "_loaded", [])  # this test's libraries serve this test only
+    no_openmp = tmp_path / "cc-without-openmp"
+    no_openmp.write_text(f'#!/bin/sh\ncase " $* " in *" -fopenmp "*) echo "no omp.h" >&2; exit 1;; esac\n'
+                         f'exec {shutil.which("gcc") or shutil.which("cc")} "$@"\n')  # fmt: skip
+    no_openmp.chmod(0o755)
+    monkeypatch.setenv("CC", str(no_openmp))
+    torch.manual_seed(0)
+    table = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
+    head, x = q8.Q8Linear(table, torch.full((40, 2), 0.01), None, tmp_path / "single"), torch.randn(5, 64)
+    assert torch.allclose(head(x), x @ (0.01 * table.float()).t(), rtol=1e-5, atol=1e-4)
+    assert torch.allclose(mean_square(x), x.pow(2).mean(-1, keepdim=True), rtol=1e-5)
+    assert len(list((tmp_path / "single").glob("kernels-*.so"))) == 1
+
+    monkeypatch.setattr(native, "_loaded", [])
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(native.KernelUnavailable, match="false .* failed"):
+        native.library(tmp_path / "kernels")
+    with pytest.raises(UnsupportedQuantization, match="false .* failed"):
+        q8.Q8Linear(table, torch.full((40, 2), 0.01), None, tmp_path / "kernels")
+    assert not list((tmp_path / "kernels").glob("*.so")) and native.loaded() is None
+    assert torch.equal(mean_square(x), x.pow(2).mean(-1, keepdim=True))  # no kernels: ATen's
+
+
+@pytest.mark.parametrize("width", [64, 100, 576])
+def test_a_rows_mean_square_has_the_same_bits_alone_and_in_any_batch(tmp_path, width):
+    """``mean_square.c`` sums each row in one order whatever the rows beside it (widths that are
+    and are not whole 16-lane vectors, batches small and large enough to be shared between
+    threads), agrees with ATen's mean to rounding, and the operator a compiled step calls gives the
+    eager call's bits."""
+    native.library(tmp_path)
+    torch.manual_seed(width)
+    x = torch.randn(300, width) * 10
+    alone = torch.cat([mean_square(x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(mean_square(x), alone) and torch.equal(mean_square(x.view(3, 100, width)).view(300, 1), alone)
+    assert torch.allclose(alone, x.pow(2).mean(-1, keepdim=True), rtol=1e-5)
+    assert not torch.equal(alone, torch.zeros_like(alone))
+    assert torch.equal(_mean_square(x[:7]), alone[:7]) and mean_square(x[:0]).shape == (0, 1)
+    torch.library.opcheck(_mean_square, (x[:3],))
