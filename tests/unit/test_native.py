@@ -56,3 +56,33 @@ def test_a_rows_mean_square_has_the_same_bits_alone_and_in_any_batch(tmp_path, w
     assert not torch.equal(alone, torch.zeros_like(alone))
     assert torch.equal(_mean_square(x[:7]), alone[:7]) and mean_square(x[:0]).shape == (0, 1)
     torch.library.opcheck(_mean_square, (x[:3],))
+
+
+@pytest.mark.parametrize("window", [0, 37])
+def test_one_query_attention_reads_the_blocks_in_place_as_sdpa_over_their_copy(tmp_path, window):
+    """``one_query_attention.c``: each row's heads over its own blocks (scattered, some rows of one
+    block, some of many; grouped query heads; a sliding window) agree with SDPA over the gathered
+    context, give the same bits alone and in the batch, and the compiled step's operator gives the
+    eager call's bits."""
+    from gyrfalcon.engine.model.attention import _gather, _sdpa
+    from gyrfalcon.engine.model.one_query import _operator, one_query_attention
+
+    native.library(tmp_path)
+    torch.manual_seed(window)
+    block, kv_heads, heads, dim, width = 16, 3, 9, 64, 20
+    keys, values = torch.randn(40 * block, kv_heads, dim), torch.randn(40 * block, kv_heads, dim)
+    positions = torch.tensor([0, 15, 16, 100, 319])
+    tables = torch.stack([torch.randperm(39)[:width] + 1 for _ in positions])
+    q = torch.randn(len(positions), heads, dim) * 2
+    out = one_query_attention(q, keys, values, tables, positions, block, window, 0.125)
+
+    columns = torch.arange(width * block)[None]
+    visible = (columns <= positions[:, None]) & ((columns > positions[:, None] - window) if window else True)
+    expected = _sdpa(q.unsqueeze(2), _gather(keys, tables, block, torch.float32), _gather(values, tables, block, torch.float32),
+                     visible[:, None, None, :], 0.125)[:, 0]  # fmt: skip
+    assert torch.allclose(out, expected, atol=2e-6) and out.abs().max() > 0.1
+    alone = [one_query_attention(q[i : i + 1], keys, values, tables[i : i + 1], positions[i : i + 1], block, window, 0.125)
+             for i in range(len(positions))]  # fmt: skip
+    assert torch.equal(torch.cat(alone), out)
+    assert torch.equal(_operator(q, keys, values, tables, positions, block, window, 0.125), out)
+    torch.library.opcheck(_operator, (q[:2], keys, values, tables[:2], positions[:2], block, window, 0.125))

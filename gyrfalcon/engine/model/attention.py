@@ -16,7 +16,9 @@ function registered here as ``"gyrfalcon_paged"``, which
    a mask built from positions — causal, and windowed on layers with a sliding window.
 
 With ``StepMetadata.attention == "flex"`` step 2 copies nothing: flex attention reads the blocks in
-place (:mod:`gyrfalcon.engine.model.flex`).
+place (:mod:`gyrfalcon.engine.model.flex`). On the CPU the single-query rows (decode rows, and a
+prefill's one-row groups) read them in place too, through a C kernel of ours
+(:mod:`gyrfalcon.engine.model.one_query`), where the model and cache allow it.
 
 Transformers builds no mask for an attention function it does not know (so none is built), and
 the model is given no cache object: this module owns both. The step's :class:`StepMetadata` travels
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from gyrfalcon.engine.kv.cache import PagedKVCache
+from gyrfalcon.engine.model.one_query import RowsInPlace
 
 ATTENTION_NAME = "gyrfalcon_paged"
 STEP_KWARG = "gyrfalcon_step"
@@ -142,8 +145,6 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """The registered attention function: ``query`` ``[1, H, T, D]``, ``key``/``value``
     ``[1, KVH, T, D]`` of the step's new tokens; returns ``[1, T, H, D]``."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     step: StepMetadata = kwargs.pop(STEP_KWARG)
     window = _window(module, kwargs)
     layer = module.layer_idx
@@ -153,41 +154,55 @@ def paged_attention(
     v_cache.index_copy_(0, step.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
     in_place = step.attention == "flex" and k_cache.dtype == query.dtype and not _needs_sdpa(kwargs)
 
+    # single query rows read the blocks in place on the CPU (``one_query_attention.c``)
+    rows_in_place = None if in_place else RowsInPlace.of(query, k_cache, v_cache, cache.block_size, window, scaling, _needs_sdpa(kwargs))  # fmt: skip
+    sdpa = _layer_sdpa(module, scaling, kwargs)
+
     def gather(blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return _gather(k_cache, blocks, cache.block_size, dtype), _gather(v_cache, blocks, cache.block_size, dtype)
 
-    def attend(q: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor, index: int | None = None) -> torch.Tensor:
-        if in_place:  # q: [b, H, q, D]; blocks: [b, nb]
+    def attend(q: torch.Tensor, blocks: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        # q [b, H, q, D] over blocks [b, nb]: the decode group (index None) or, in place, prefill segment index
+        if in_place:
             from gyrfalcon.engine.model import flex
 
             return flex.attend(q, k_cache, v_cache, step.flex_mask(index, window), scaling)
-        return sdpa(q, *gather(blocks, q.dtype), mask)
-
-    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if _needs_sdpa(kwargs):  # the model's other attention arguments go along (sdpa refuses what it cannot do)
-            out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling, is_causal=False, **kwargs)
-            return out  # [b, q, H, D]
-        return _sdpa(q, k, v, mask, scaling)
+        if rows_in_place is not None:
+            return rows_in_place(q[:, :, 0], blocks, step.decode_positions)
+        return sdpa(q, *gather(blocks, q.dtype), step.decode_mask(window))
 
     if step.decode_only:
-        q = query[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-        out = attend(q, step.decode_blocks, None if in_place else step.decode_mask(window))
+        out = attend(query[0].transpose(0, 1).unsqueeze(2), step.decode_blocks)  # [B, H, 1, D] in
         return out.transpose(0, 1), None  # [1, B, H, D]
 
     total = query.shape[2]
     output = query.new_empty((1, total, query.shape[1], query.shape[3]))
     if step.decode_rows is not None:
-        q = query[0].index_select(1, step.decode_rows).transpose(0, 1).unsqueeze(2)
-        out = attend(q, step.decode_blocks, None if in_place else step.decode_mask(window))
+        out = attend(query[0].index_select(1, step.decode_rows).transpose(0, 1).unsqueeze(2), step.decode_blocks)
         output[0].index_copy_(0, step.decode_rows, out[:, 0])
     for index, segment in enumerate(step.prefills):
         rows = slice(segment.offset, segment.offset + segment.count)
         if in_place:
-            output[:, rows] = attend(query[:, :, rows], segment.blocks.unsqueeze(0), None, index)
+            output[:, rows] = attend(query[:, :, rows], segment.blocks.unsqueeze(0), index)
         else:
             _prefill_by_groups(sdpa, query, gather(segment.blocks.unsqueeze(0), query.dtype),
-                               step.prefill_mask(index, window), segment, cache.block_size, output)  # fmt: skip
+                               step.prefill_mask(index, window), segment, cache.block_size, output, rows_in_place)  # fmt: skip
     return output, None
+
+
+def _layer_sdpa(module: torch.nn.Module, scaling: float | None, kwargs: dict):
+    """``sdpa(q, k, v, mask)`` of a layer: :func:`_sdpa`, or transformers' SDPA function where the
+    layer passes what only it handles (the model's other arguments go along; it refuses what it
+    cannot do). Returns ``[b, q, H, D]``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if _needs_sdpa(kwargs):
+            out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling, is_causal=False, **kwargs)
+            return out
+        return _sdpa(q, k, v, mask, scaling)
+
+    return sdpa
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None) -> torch.Tensor:
@@ -219,12 +234,19 @@ def _gather(layer_cache: torch.Tensor, blocks: torch.Tensor, block_size: int, dt
 
 
 def _prefill_by_groups(sdpa, query: torch.Tensor, keys_values: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                       segment: Segment, block_size: int, output: torch.Tensor) -> None:  # fmt: skip
+                       segment: Segment, block_size: int, output: torch.Tensor,
+                       rows_in_place: RowsInPlace | None = None) -> None:  # fmt: skip
     """Prefill ``segment``'s rows of ``output``, one ``sdpa`` call per :func:`block_groups` group,
-    each with the keys and mask columns up to the group's last block."""
+    each with the keys and mask columns up to the group's last block; a group of one row through
+    ``rows_in_place`` where given (the decode rows' kernel: the row's bits then do not depend on
+    whether it came as a prefill or a decode row)."""
     k, v = keys_values
     for first, stop in block_groups(segment.start, segment.count, block_size):
         rows = slice(segment.offset + first - segment.start, segment.offset + stop - segment.start)
+        if rows_in_place is not None and stop - first == 1:
+            position = torch.full((1,), first, dtype=torch.long, device=query.device)
+            output[:, rows] = rows_in_place(query[:, :, rows.start], segment.blocks.unsqueeze(0), position)
+            continue
         width = -(-stop // block_size) * block_size
         group_mask = mask[..., first - segment.start : stop - segment.start, :width]
         output[:, rows] = sdpa(query[:, :, rows], k[:, :, :width], v[:, :, :width], group_mask)

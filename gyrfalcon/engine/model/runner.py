@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from gyrfalcon.engine.kv.cache import PagedKVCache
-from gyrfalcon.engine.model import flex, staging
+from gyrfalcon.engine.model import flex, one_query, staging
 from gyrfalcon.engine.model.attention import STEP_KWARG, Segment, StepMetadata, register
 from gyrfalcon.engine.model.captured import DecodeSteps
 from gyrfalcon.engine.model.fast_check import FAST_STEP_RTOL, check_fast_step
@@ -133,6 +133,10 @@ class ModelRunner:
         gather; keep flex only if they agree (as :meth:`check_direct`). Returns the backend that
         serves, and why; ``required`` (``--attention-backend flex``) makes a disagreement a ``ValueError``."""
         if self.attention != "flex":
+            shape, config = self.cache.shape, self.model.config
+            heads = getattr(config, "num_attention_heads", shape.num_kv_heads)
+            if one_query.applies(self.device, self.model.dtype, shape.dtype, heads, shape.num_kv_heads, shape.head_dim):
+                return f"{self.attention} (single-query rows read the blocks in place: one_query_attention.c)"
             return self.attention
         problem = self._agree(steps, {"attention": "gather"}, names=("flex attention", "gather one"))
         if problem is None:

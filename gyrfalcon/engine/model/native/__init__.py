@@ -3,9 +3,11 @@ and called through ctypes (which drops the GIL for the call); they need no torch
 
 - ``q8_linear.c``: the fp32 product with a GGUF's ``Q8_0`` table (the output head,
   :mod:`~gyrfalcon.engine.model.quant.q8`);
-- ``mean_square.c``: an RMSNorm's mean of squares (:mod:`~gyrfalcon.engine.model.decoder`).
+- ``mean_square.c``: an RMSNorm's mean of squares (:mod:`~gyrfalcon.engine.model.decoder`);
+- ``one_query_attention.c``: a decode row's attention over its KV blocks, read in place
+  (:mod:`~gyrfalcon.engine.model.attention`).
 
-Both sum each output in one fixed order whatever the rows beside it, so a row gets the same bits
+Each computes every output in one fixed order whatever the rows beside it, so a row gets the same bits
 alone and in any batch, eagerly and inside a compiled step.
 
 The library is compiled once per machine with its C compiler (``$CC``, else ``cc``, ``gcc`` or
@@ -39,6 +41,7 @@ _POINTER, _LONG, _INT = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _SIGNATURES = {
     "q8_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
     "mean_square": ([_POINTER] * 2 + [_LONG] * 2 + [_INT], None),
+    "one_query_attention": ([_POINTER] * 6 + [_LONG] * 7 + [ctypes.c_float, _INT], _INT),
 }
 
 
