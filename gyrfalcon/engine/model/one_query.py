@@ -30,6 +30,9 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     ``window`` > 0). Returns ``[b, H, D]``."""
     kernels = native.loaded()
     assert kernels is not None, "the engine's kernels are loaded before a step reads in place"
+    if not (q.dtype == keys.dtype == values.dtype == torch.float32 and blocks.dtype == positions.dtype == torch.long
+            and keys.is_contiguous() and values.is_contiguous()):  # fmt: skip
+        raise ValueError("one_query_attention takes fp32 queries and contiguous caches, int64 block tables and positions")
     q, blocks, positions = q.contiguous(), blocks.contiguous(), positions.contiguous()
     out = torch.empty_like(q)
     if q.shape[0]:
