@@ -11,7 +11,7 @@ from gyrfalcon.client.choice import ChoiceText
 from gyrfalcon.client.detokenizer import IncrementalDetokenizer, NoText
 from gyrfalcon.client.metrics import RequestTimer, serving_metrics
 from gyrfalcon.engine_api.interface import Engine, EngineCore, OutputStream
-from gyrfalcon.engine_api.outputs import OutputAggregator
+from gyrfalcon.client.aggregator import OutputAggregator
 from gyrfalcon.engine_api.types import EngineHealth, EngineInfo, EngineRequest, OutputKind, RequestOutput
 
 

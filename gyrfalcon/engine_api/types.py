@@ -148,6 +148,17 @@ class TokenLogprobs:
         self.ranks.extend(other.ranks)
         self.top_ranks.extend(other.top_ranks)
 
+    def since(self, start: int) -> TokenLogprobs:
+        """The positions from ``start`` on, in lists of their own."""
+        return TokenLogprobs(
+            self.token_ids[start:],
+            self.logprobs[start:],
+            [list(x) for x in self.top_token_ids[start:]],
+            [list(x) for x in self.top_logprobs[start:]],
+            self.ranks[start:],
+            [list(x) for x in self.top_ranks[start:]],
+        )
+
     def rank(self, position: int, token_id: int) -> int | None:
         """The rank of ``token_id`` (the position's own token or one it lists), None when unknown."""
         if position >= len(self.ranks):

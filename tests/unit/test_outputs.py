@@ -8,7 +8,7 @@ import pytest
 
 from gyrfalcon.client.detokenizer import IncrementalDetokenizer
 from gyrfalcon.engine.stopping import StopChecker
-from gyrfalcon.engine_api.outputs import OutputAggregator
+from gyrfalcon.client.aggregator import OutputAggregator
 from gyrfalcon.engine_api.types import (
     EngineError,
     EngineRequest,
