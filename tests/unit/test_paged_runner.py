@@ -297,3 +297,32 @@ def test_the_direct_forward_looks_up_its_rotary_embeddings_own_values():
     assert dynamic.direct.rotary.cos is None
     cos, _ = dynamic.direct.rotary(hidden, positions)
     assert torch.equal(cos[:, 0], dynamic.model.model.rotary_emb(hidden, position_ids=positions)[0][0])
+
+
+def test_a_prefills_one_row_groups_and_the_decode_rows_read_the_blocks_in_place(monkeypatch):
+    """On the CPU a single-query row reads the blocks in place (``one_query_attention.c``, whose
+    rows keep their bits alone and in any batch: ``tests/unit/test_native.py``), and so does a
+    prefill's one-row group — a position just past a block boundary, which comes alone as a decode
+    row when its prompt's first blocks are a prefix-cache hit — so that position's attention is the
+    same kernel either way; the prefill's other groups keep SDPA. (The default model's test shows
+    the whole row bit for bit: this tiny fp32 model's dense matmuls round by their row count.)"""
+    from gyrfalcon.engine.model import one_query
+
+    seen = []
+    original = one_query.RowsInPlace.__call__
+
+    def spy(self, q, blocks, positions):
+        seen.append(positions.tolist())
+        return original(self, q, blocks, positions)
+
+    monkeypatch.setattr(one_query.RowsInPlace, "__call__", spy)
+    _, model = _models("llama")
+    runner, pool = _runner(model)  # blocks of 4 tokens
+    assert runner.check_attention([]).endswith("one_query_attention.c)")
+    prompt = list(range(3, 20))  # 17 tokens: groups 0-3, 4-7, 8-11, 12-15, then 16 alone
+    whole, other = Seq(prompt, pool), Seq(list(range(30, 39)), pool)  # and 9: 0-3, 4-7, then 8
+    runner.forward([whole.work(17), other.work(9)])
+    assert seen == [[16], [8]] * model.config.num_hidden_layers
+    seen.clear()
+    runner.forward([other.work(1), whole.work(1)])
+    assert seen == [[9, 17]] * model.config.num_hidden_layers
