@@ -324,5 +324,6 @@ def test_a_prefills_one_row_groups_and_the_decode_rows_read_the_blocks_in_place(
     runner.forward([whole.work(17), other.work(9)])
     assert seen == [[16], [8]] * model.config.num_hidden_layers
     seen.clear()
+    whole.tokens.append(5), other.tokens.append(6)  # each one more token, decoded side by side
     runner.forward([other.work(1), whole.work(1)])
     assert seen == [[9, 17]] * model.config.num_hidden_layers
