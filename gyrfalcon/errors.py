@@ -7,8 +7,10 @@ class RequestError(Exception):
     """A request the server refuses, with the HTTP status and the offending field.
 
     ``param`` names the request field (dotted for nested ones, e.g. ``sampling_params.top_k``);
-    ``type`` is the OpenAI-style error type. The API layer turns this into the error envelope
-    ``{"error": {"message", "type", "param", "code"}}`` with ``code`` = ``status``.
+    ``type`` is the OpenAI-style error type; ``retry_after``: seconds after which a retry may
+    succeed (a 503). The API layer (``api/errors.py``, the one place that speaks HTTP) turns this
+    into the error envelope ``{"error": {"message", "type", "param", "code"}}`` with ``code`` =
+    ``status``, and ``retry_after`` into a ``Retry-After`` header.
     """
 
     def __init__(
@@ -18,14 +20,14 @@ class RequestError(Exception):
         *,
         status: int = 400,
         type: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
         self.type = type
-        self.headers = headers or {}
+        self.retry_after = retry_after
 
     def __repr__(self) -> str:
         return f"RequestError({self.status}, {self.param!r}, {self.message!r})"

@@ -48,7 +48,12 @@ class APIError(falcon.HTTPError):
 
     @classmethod
     def from_request_error(cls, error: RequestError) -> APIError:
-        return cls(error.status, error.message, envelope_type(error), error.param, error.headers)
+        return cls(error.status, error.message, envelope_type(error), error.param, _retry_after(error.retry_after))
+
+
+def _retry_after(seconds: float | None) -> dict[str, str] | None:
+    """The ``Retry-After`` header of a refusal that may succeed later (whole seconds, at least 1)."""
+    return None if seconds is None else {"Retry-After": str(retry_after_s(seconds))}
 
 
 def envelope_type(error: RequestError) -> str | None:
@@ -78,7 +83,7 @@ async def handle_request_error(req: falcon.Request, resp: falcon.Response, ex: R
 
 
 async def handle_engine_unavailable(req: falcon.Request, resp: falcon.Response, ex: EngineUnavailable, params: dict) -> None:
-    raise APIError(503, ex.message, ex.type, None, {"Retry-After": str(retry_after_s(ex.retry_after))})
+    raise APIError(503, ex.message, ex.type, None, _retry_after(ex.retry_after))
 
 
 async def handle_unexpected(req: falcon.Request, resp: falcon.Response, ex: Exception, params: dict) -> None:

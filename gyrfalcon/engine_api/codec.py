@@ -1,4 +1,5 @@
-"""The engine boundary's types as msgpack: positional lists, one encoder and decoder per type.
+"""The engine boundary's types as msgpack: positional lists, one encoder and decoder per type
+(the engine process and its API workers, and Ray's replicas and their callers, speak it).
 
 Positional lists (not dicts) keep a step's outputs small and fast to pack; the field order is that
 of the dataclasses in :mod:`gyrfalcon.engine_api.types`, and both ends always run the same code
@@ -116,7 +117,7 @@ def decode_health(data: list[Any]) -> EngineHealth:
 def encode_refusal(exc: BaseException) -> list[Any]:
     """What ``submit`` raised, for :func:`raise_refusal` on the other side."""
     if isinstance(exc, RequestError):
-        return ["request", exc.message, exc.param, exc.status, exc.type, exc.headers]
+        return ["request", exc.message, exc.param, exc.status, exc.type, exc.retry_after]
     if isinstance(exc, EngineUnavailable):
         name = type(exc).__name__ if type(exc).__name__ in _UNAVAILABLE else EngineUnavailable.__name__
         return ["unavailable", name, exc.message, exc.retry_after]
@@ -126,8 +127,8 @@ def encode_refusal(exc: BaseException) -> list[Any]:
 def raise_refusal(data: list[Any]) -> None:
     kind = data[0]
     if kind == "request":
-        _, message, param, status, type_, headers = data
-        raise RequestError(message, param, status=status, type=type_, headers=headers)
+        _, message, param, status, type_, retry_after = data
+        raise RequestError(message, param, status=status, type=type_, retry_after=retry_after)
     if kind == "unavailable":
         _, name, message, retry_after = data
         raise _UNAVAILABLE[name](message, retry_after)

@@ -8,7 +8,8 @@
   worker's :class:`~gyrfalcon.client.EngineClient` does the text work around it);
 - :mod:`.launch` is what ``gyrfalcon serve`` runs: the engine process, then gunicorn's master, and
   their shutdown in order;
-- :mod:`.codec` packs the engine boundary's types.
+- :mod:`~gyrfalcon.engine_api.codec` packs the engine boundary's types (beside them: Ray's
+  replicas use it too); it is importable from here as before.
 
 The wire: multipart messages ``[kind, payload]`` (the ROUTER prepends the worker's identity), the
 payload a msgpack value. Worker → engine: ``hello``, ``submit [call_id, request]``, ``abort
@@ -17,6 +18,8 @@ payload a msgpack value. Worker → engine: ``hello``, ``submit [call_id, reques
 refusal_or_value]``, ``out [[request_id, output_or_None], …]`` (one message per worker per flush;
 None ends a stream), ``beat [health]``. A request's id in the engine is ``<worker identity>:<id>``.
 """
+
+from gyrfalcon.engine_api import codec  # noqa: F401 - the codec's former home
 
 #: the environment variable through which ``gyrfalcon serve`` tells API workers where the engine is
 ENGINE_ADDRESS_ENV = "GYRFALCON_ENGINE_ADDRESS"

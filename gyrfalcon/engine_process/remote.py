@@ -25,11 +25,12 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from gyrfalcon.engine_api import codec
 from gyrfalcon.engine_api.errors import SHUTTING_DOWN, EngineUnavailable, ShuttingDown
 from gyrfalcon.engine_api.interface import EngineCore, OutputStream
 from gyrfalcon.engine_api.streams import CoalescingOutputStream
 from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, RequestOutput
-from gyrfalcon.engine_process import BEAT_S, SILENCE_S, codec
+from gyrfalcon.engine_process import BEAT_S, SILENCE_S
 from gyrfalcon.engine_process.wakeup import PollWakeup
 from gyrfalcon.errors import RequestError
 

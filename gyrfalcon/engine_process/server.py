@@ -18,10 +18,11 @@ from typing import Any
 
 import zmq
 
+from gyrfalcon.engine_api import codec
 from gyrfalcon.engine_api.errors import ShuttingDown
 from gyrfalcon.engine_api.interface import EngineCore, OutputStream
 from gyrfalcon.engine_api.types import EngineError, RequestOutput
-from gyrfalcon.engine_process import BEAT_S, SILENCE_S, codec
+from gyrfalcon.engine_process import BEAT_S, SILENCE_S
 from gyrfalcon.engine_process.wakeup import PollWakeup
 
 log = logging.getLogger(__name__)

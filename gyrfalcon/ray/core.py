@@ -33,7 +33,7 @@ from gyrfalcon.engine_api.errors import SHUTTING_DOWN, EngineUnavailable, QueueF
 from gyrfalcon.engine_api.interface import EngineCore, OutputStream
 from gyrfalcon.engine_api.streams import CoalescingOutputStream
 from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, RequestOutput
-from gyrfalcon.engine_process import codec
+from gyrfalcon.engine_api import codec
 
 log = logging.getLogger(__name__)
 

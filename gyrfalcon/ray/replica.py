@@ -1,6 +1,6 @@
 """One engine replica: an engine core (token ids only) behind Ray Serve's handle calls.
 
-Every payload is the engine boundary's msgpack (:mod:`gyrfalcon.engine_process.codec`), the same
+Every payload is the engine boundary's msgpack (:mod:`gyrfalcon.engine_api.codec`), the same
 as over the engine process's socket. ``generate`` is a streaming call: its first item says whether
 the core took the request (``["accepted", None]``) or refused it (``["refused", refusal]``), so the
 API side still answers a refusal before it commits a status; then each item is
@@ -21,7 +21,7 @@ import queue
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gyrfalcon.engine_process import codec
+from gyrfalcon.engine_api import codec
 
 log = logging.getLogger(__name__)
 

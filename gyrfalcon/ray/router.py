@@ -54,7 +54,7 @@ class PrefixAffinityRouter(RequestRouter):
     def _keys(self, pending_request: PendingRequest | None) -> list[int]:
         if pending_request is None or pending_request.metadata.call_method != "generate" or not pending_request.args:
             return []
-        request = pending_request.args[0]  # the engine request, as gyrfalcon.engine_process.codec encodes it
+        request = pending_request.args[0]  # the engine request, as gyrfalcon.engine_api.codec encodes it
         return prefix_keys(request[1], self._block_size, request[5])
 
     def matched_blocks(self, replica_id: ReplicaID, keys: list[int]) -> int:

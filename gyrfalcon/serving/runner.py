@@ -13,7 +13,6 @@ import queue
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from gyrfalcon.engine_api.errors import retry_after_s
 from gyrfalcon.engine_api.interface import Engine, OutputStream
 from gyrfalcon.engine_api.types import EngineError, RequestOutput
 from gyrfalcon.errors import RequestError
@@ -126,9 +125,8 @@ class OutputReader:
         return output
 
     def _request_error(self, error: EngineError) -> RequestError:
-        headers = None if error.retry_after is None else {"Retry-After": str(retry_after_s(error.retry_after))}
         return RequestError(error.message, self.serving.wire_param(error.param), status=error.status,
-                            type=error.type, headers=headers)  # fmt: skip
+                            type=error.type, retry_after=error.retry_after)  # fmt: skip
 
     async def started(self) -> None:
         """Wait for the first stream's first output (or its end), kept for :meth:`next`: an error
