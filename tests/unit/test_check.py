@@ -235,6 +235,36 @@ def _junit(cases: dict[str, str | None]) -> str:
     return f'<testsuite name="schemathesis">{rows}</testsuite>'
 
 
+def test_schemathesis_reporting_its_own_error_as_a_bare_error_element_is_not_blamed_on_the_server(monkeypatch):
+    """Schemathesis also reports an error of its own as ``<error>`` with the kind at the start of its
+    text and no ``message`` attribute (two clean-clone CI runs: "Runtime Error … Inconsistent
+    results" while generating the generate endpoint's cases): that too is run once more, not a
+    failure of the server."""
+    import subprocess
+
+    from gyrfalcon.check import schema
+
+    runs: list[str] = []
+    reports = [
+        '<testsuite><testcase name="POST /inference/v1/generate"><error type="error">Runtime Error\n\nInconsistent results'
+        '</error></testcase><testcase name="POST /tokenize"/></testsuite>',
+        '<testsuite><testcase name="POST /inference/v1/generate"/></testsuite>',
+    ]
+
+    def schemathesis(cmd, **_):
+        runs.append(cmd[cmd.index("--include-path-regex") + 1])
+        with open(cmd[cmd.index("--report-junit-path") + 1], "w") as f:
+            f.write(reports[len(runs) - 1])
+        return subprocess.CompletedProcess(cmd, 1, "", "")
+
+    monkeypatch.setattr(schema.subprocess, "run", schemathesis)
+    monkeypatch.setattr(schema, "builtin_spec", lambda target: {})
+    results = {r.check.name: r for r in schema.run_schema(Answering(lambda path, body: (400, {})), {"schema"})}
+    assert runs[1] == r"(^/inference/v1/generate$)"
+    assert results["schema.POST /inference/v1/generate"].outcome is Outcome.PASSED
+    assert results["schema.POST /tokenize"].outcome is Outcome.PASSED
+
+
 def test_schemathesis_failing_in_itself_is_run_again_and_never_blamed_on_the_server(monkeypatch):
     """A case Schemathesis could not even generate (its JUnit "Runtime Error", as in a CI run where its
     coverage phase raised inside Hypothesis) is no finding about the server: the operation runs once
