@@ -73,6 +73,9 @@ class StepMetadata:
     #: ``gather`` (copy each sequence's blocks, then SDPA) or ``flex`` (read them in place:
     #: :mod:`gyrfalcon.engine.model.flex`)
     attention: str = "gather"
+    #: single-query rows read the blocks in place on the CPU (:func:`~gyrfalcon.engine.model.one_query.applies`,
+    #: decided once by the runner)
+    rows_in_place: bool = False
     _masks: dict = field(default_factory=dict)
 
     def flex_mask(self, index: int | None, window: int | None):
@@ -155,7 +158,8 @@ def paged_attention(
     in_place = step.attention == "flex" and k_cache.dtype == query.dtype and not _needs_sdpa(kwargs)
 
     # single query rows read the blocks in place on the CPU (``one_query_attention.c``)
-    rows_in_place = None if in_place else RowsInPlace.of(query, k_cache, v_cache, cache.block_size, window, scaling, _needs_sdpa(kwargs))  # fmt: skip
+    rows_in_place = (RowsInPlace.of(k_cache, v_cache, cache.block_size, window, scaling, query.shape[-1])
+                     if step.rows_in_place and not in_place and not _needs_sdpa(kwargs) else None)  # fmt: skip
     sdpa = _layer_sdpa(module, scaling, kwargs)
 
     def gather(blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

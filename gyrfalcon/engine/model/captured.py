@@ -168,7 +168,8 @@ class DecodeSteps:
         flat = torch.zeros(4 * batch + batch * blocks, dtype=torch.long, device=self.runner.device)
         ids, positions, slots, rows_at, table = staging.split(flat, [batch] * 4 + [batch * blocks])
         step = StepMetadata(self.runner.cache, slots, decode_blocks=table.view(batch, blocks),
-                            decode_positions=rows_at, decode_only=True, attention=self.runner.attention)  # fmt: skip
+                            decode_positions=rows_at, decode_only=True, attention=self.runner.attention,
+                            rows_in_place=self.runner.rows_in_place)  # fmt: skip
         ids, positions = ids.view(1, batch), positions.view(1, batch)
         if self.mode == "compiled":  # one compiled graph per batch bucket for every width: the width is dynamic
             torch._dynamo.maybe_mark_dynamic(step.decode_blocks, 1)

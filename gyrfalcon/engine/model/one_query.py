@@ -77,14 +77,10 @@ class RowsInPlace:
     scale: float
 
     @classmethod
-    def of(cls, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_size: int, window: int | None,
-           scaling: float | None, needs_sdpa: bool) -> RowsInPlace | None:  # fmt: skip
-        """The layer's kernel, or None where it does not apply (:func:`applies`, or the layer passes
-        what only transformers' SDPA handles: ``needs_sdpa``). Fixed for a model and its cache, so
-        every step takes the same kernel."""
-        dim = query.shape[-1]
-        if needs_sdpa or not applies(query.device, query.dtype, keys.dtype, query.shape[1], keys.shape[1], dim):
-            return None
+    def of(cls, keys: torch.Tensor, values: torch.Tensor, block_size: int, window: int | None, scaling: float | None,
+           dim: int) -> RowsInPlace:  # fmt: skip
+        """One layer's kernel over its caches; whether it applies is decided once per runner
+        (:func:`applies`, ``StepMetadata.rows_in_place``), so every step takes the same kernel."""
         scale = float(scaling if scaling is not None else dim**-0.5)
         return cls(keys, values, block_size, int(window or 0), scale)
 

@@ -69,6 +69,12 @@ class ModelRunner:
             self.model_impl = f"direct ({fused}norms sum by {self.direct.norms})" if self.direct else f"transformers ({reason})"
         #: the attention backend steps use: ``gather`` or ``flex``
         self.attention = flex.resolve(attention, self.device)
+        shape = cache.shape
+        #: whether single-query rows read the blocks in place (``one_query_attention.c``): fixed for
+        #: the model and its cache, decided here once (after the direct forward loaded the kernels)
+        self.rows_in_place = one_query.applies(self.device, model.dtype, shape.dtype,
+                                               getattr(model.config, "num_attention_heads", shape.num_kv_heads),
+                                               shape.num_kv_heads, shape.head_dim)  # fmt: skip
         self.decode_steps = None
         if capture != "off":
             self.decode_steps = DecodeSteps(self, max_batch, max_model_len, mode=capture)
@@ -133,9 +139,7 @@ class ModelRunner:
         gather; keep flex only if they agree (as :meth:`check_direct`). Returns the backend that
         serves, and why; ``required`` (``--attention-backend flex``) makes a disagreement a ``ValueError``."""
         if self.attention != "flex":
-            shape, config = self.cache.shape, self.model.config
-            heads = getattr(config, "num_attention_heads", shape.num_kv_heads)
-            if one_query.applies(self.device, self.model.dtype, shape.dtype, heads, shape.num_kv_heads, shape.head_dim):
+            if self.rows_in_place:
                 return f"{self.attention} (single-query rows read the blocks in place: one_query_attention.c)"
             return self.attention
         problem = self._agree(steps, {"attention": "gather"}, names=("flex attention", "gather one"))
@@ -198,7 +202,7 @@ class ModelRunner:
         tables = [work.blocks[: -(-(work.start + len(work.tokens)) // bs)] for _, work in prefill]
         parts += tables
         views = staging.split(staging.upload([v for part in parts for v in part], self.device), [len(p) for p in parts])
-        step = StepMetadata(self.cache, views[2], attention=self.attention)
+        step = StepMetadata(self.cache, views[2], attention=self.attention, rows_in_place=self.rows_in_place)
         if decode:
             step.decode_rows, step.decode_positions = views[4], views[5]
             step.decode_blocks = views[6].view(len(decode), decode_blocks)
