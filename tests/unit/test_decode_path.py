@@ -125,6 +125,23 @@ def test_a_batch_runs_compiled_only_where_it_fills_three_quarters_of_its_bucket(
     assert steps.get(8, steps.width_buckets[0]).runs == 1
 
 
+def test_a_bucket_that_fails_its_check_is_named_in_the_decode_path(tiny_model_dir, monkeypatch):
+    """A stand-in compiler off in the last bits at batch 4 only: the other buckets serve compiled,
+    batch 4 eagerly, and the path's reason (health, metrics, the bench's header) says why."""
+    from gyrfalcon.engine.model import captured
+
+    def off_at_four(fn, **_):
+        return lambda ids, *a: fn(ids, *a) + (1e-6 if ids.shape[1] == 4 else 0.0)
+
+    monkeypatch.setattr(captured, "COMPILED_MUST_TAKE", float("inf"))
+    monkeypatch.setattr(torch, "compile", off_at_four)
+    steps = _steps(tiny_model_dir, max_batch=8)
+    path = steps.prepare()
+    assert path.name == "compiled" and set(steps._compiled_batches) == {1, 2, 8}
+    assert path.reason.startswith("batches 1, 2, 8; ")
+    assert "; eager at batch 4: the fast step differs from the eager one (max |Δ logit| " in path.reason
+
+
 def test_check_fast_step_wants_the_same_argmax_and_logits_within_tolerance():
     logits = torch.tensor([[1.0, 2.0, 30.0]])
     assert check_fast_step(lambda: logits.clone(), lambda: logits) is None

@@ -51,8 +51,8 @@ from gyrfalcon.engine.model.fast_check import (
     DecodePath,
     check_fast_step,
     guards_on_the_inputs,
-    median_s,
     one_line,
+    paired_medians_s,
 )
 from gyrfalcon.engine.model.work import Work, block_tables
 
@@ -123,6 +123,8 @@ class DecodeSteps:
         self._compiled = None
         #: the batch buckets the compiled step serves (checked, and faster than eager), and each one's timing
         self._compiled_batches: dict[int, str] = {}
+        #: the batch buckets it was compiled for and does not serve, and why (in the path's reason)
+        self._eager_batches: dict[int, str] = {}
         #: a compile running in the background (:meth:`prepare`), until :meth:`poll` adopts it
         self._pending: _PendingCompile | None = None
         #: a compiled CPU step must give the eager step's bits (see the module docstring)
@@ -294,8 +296,7 @@ class DecodeSteps:
             self._fill_synthetic(bucket)
             problem = check_fast_step(lambda: self._run_compiled(bucket, compiled), lambda: self._eager(bucket), self.rtol)
         if compiled is not None and problem is None:
-            eager_s = median_s(lambda: self._eager(bucket))
-            compiled_s = median_s(lambda: self._run_compiled(bucket, compiled))
+            eager_s, compiled_s = paired_medians_s(lambda: self._eager(bucket), lambda: self._run_compiled(bucket, compiled))
             timing = (f"{compiled_s * 1000:.1f} ms a step against {eager_s * 1000:.1f} eager at batch {bucket.batch}, "
                       f"compiled in {compile_s:.1f} s")  # fmt: skip
             if compiled_s > COMPILED_MUST_TAKE * eager_s:
@@ -308,13 +309,14 @@ class DecodeSteps:
                 b.compiled = b.batch in self._compiled_batches
         elif self._compiled_batches:
             log.warning("the compiled decode step does not serve batch %d: %s", bucket.batch, problem)
+            self._eager_batches[bucket.batch] = problem
         if not self._compiled_batches:
             return DecodePath("eager", problem)
         adopted = list(self._compiled_batches)
         first = self._compiled_batches[adopted[0]]
-        if len(adopted) == 1:
-            return DecodePath("compiled", f"batch {adopted[0]}, {first}")
-        return DecodePath("compiled", f"batches {', '.join(map(str, adopted))}; {first}")
+        served = f"batch {adopted[0]}, {first}" if len(adopted) == 1 else f"batches {', '.join(map(str, adopted))}; {first}"
+        dropped = "".join(f"; eager at batch {batch}: {why}" for batch, why in self._eager_batches.items())
+        return DecodePath("compiled", served + dropped)
 
     def _capture(self, bucket: _Bucket) -> None:
         start = time.perf_counter()

@@ -59,11 +59,15 @@ def guards_on_the_inputs(entries) -> list[bool]:
     return [not entry.name.startswith(("self", "G[")) for entry in entries]
 
 
-def median_s(fn, runs: int = 5) -> float:
-    """The median time of ``runs`` calls of ``fn``, in seconds."""
-    times = []
+def paired_medians_s(first, second, runs: int = 7) -> tuple[float, float]:
+    """The median times of ``runs`` calls of ``first`` and of ``second``, in seconds, the calls
+    taking turns: a burst of load from another process slows both alike, where timing one
+    function's runs and then the other's charged it to one of them (a compiled batch-4 step was
+    dropped in one start of three on this machine, 0.69 of the eager step's time in the others)."""
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        for fn, spent in zip((first, second), times):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return sorted(times[0])[runs // 2], sorted(times[1])[runs // 2]
