@@ -44,17 +44,9 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return out
 
 
-# the operator a compiled step calls (through ``torch.library.Library``: see decoder.py's mean_square)
-_OPERATORS = torch.library.Library("gyrfalcon", "FRAGMENT")
-_OPERATORS.define("one_query_attention(Tensor q, Tensor keys, Tensor values, Tensor blocks, Tensor positions, "
-                  "int block_size, int window, float scale) -> Tensor")  # fmt: skip
-_OPERATORS.impl("one_query_attention", one_query_attention, "CompositeExplicitAutograd")
-_operator = torch.ops.gyrfalcon.one_query_attention.default
-
-
-@torch.library.register_fake("gyrfalcon::one_query_attention")
-def _(q, keys, values, blocks, positions, block_size, window, scale):
-    return torch.empty_like(q)
+_operator = native.operator("one_query_attention(Tensor q, Tensor keys, Tensor values, Tensor blocks, "
+                            "Tensor positions, int block_size, int window, float scale) -> Tensor",
+                            one_query_attention, lambda q, *_: torch.empty_like(q))
 
 
 def applies(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:

@@ -5,7 +5,9 @@ and called through ctypes (which drops the GIL for the call); they need no torch
   :mod:`~gyrfalcon.engine.model.quant.q8`);
 - ``mean_square.c``: an RMSNorm's mean of squares (:mod:`~gyrfalcon.engine.model.decoder`);
 - ``one_query_attention.c``: a decode row's attention over its KV blocks, read in place
-  (:mod:`~gyrfalcon.engine.model.attention`).
+  (:mod:`~gyrfalcon.engine.model.one_query`).
+
+Each wrapper becomes an operator a compiled step calls as it is through :func:`operator`.
 
 Each computes every output in one fixed order whatever the rows beside it, so a row gets the same bits
 alone and in any batch, eagerly and inside a compiled step.
@@ -132,3 +134,19 @@ def library(cache: Path | None) -> ctypes.CDLL:
 def loaded() -> ctypes.CDLL | None:
     """The library this process loaded (None before :func:`library` succeeds)."""
     return _loaded[0] if _loaded else None
+
+
+_OPERATORS = torch.library.Library("gyrfalcon", "FRAGMENT")
+
+
+def operator(schema: str, kernel, fake) -> torch._ops.OpOverload:
+    """``kernel`` (a Python wrapper of one of these kernels) as the operator ``gyrfalcon::<schema>``,
+    which a compiled step calls as it is — so compiled and eager steps compute the same bits —
+    ``fake`` giving its outputs' shapes to the compiler. Defined through ``torch.library.Library``,
+    whose dispatch costs about 4 µs a call against 8 for ``custom_op``'s (61 norms a step on the
+    default model)."""
+    name = schema.split("(", 1)[0]
+    _OPERATORS.define(schema)
+    _OPERATORS.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"gyrfalcon::{name}")(fake)
+    return getattr(torch.ops.gyrfalcon, name).default

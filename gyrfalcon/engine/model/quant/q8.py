@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from gyrfalcon.engine.model.native import KernelUnavailable, library, loaded
+from gyrfalcon.engine.model.native import KernelUnavailable, library, loaded, operator
 from gyrfalcon.engine.model.quant.layers import UnsupportedQuantization, check_rows_alone
 from gyrfalcon.engine.model.quant.weights import GROUP
 
@@ -107,12 +107,5 @@ def _product(flat: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor) -> torch
     return out
 
 
-@torch.library.custom_op("gyrfalcon::q8_linear", mutates_args=())
-def _q8_linear(flat: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The head's product (``_product``), as an operator a compiler calls as it is."""
-    return _product(flat, q8, scale)
-
-
-@_q8_linear.register_fake
-def _(flat: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return flat.new_empty((flat.shape[0], q8.shape[0]))
+_q8_linear = operator("q8_linear(Tensor flat, Tensor q8, Tensor scale) -> Tensor", _product,
+                      lambda flat, q8, scale: flat.new_empty((flat.shape[0], q8.shape[0])))
