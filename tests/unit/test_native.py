@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gyrfalcon.engine.model import native
-from gyrfalcon.engine.model.decoder import _mean_square, mean_square
+from gyrfalcon.engine.model.decoder import _mean_square, _mean_square_in_lanes, mean_square
 from gyrfalcon.engine.model.quant import q8
 from gyrfalcon.engine.model.quant.layers import UnsupportedQuantization
 
@@ -41,7 +41,7 @@ def test_the_kernels_build_without_openmp_and_are_refused_without_a_compiler(tmp
     assert torch.equal(mean_square(x), x.pow(2).mean(-1, keepdim=True))  # no kernels: ATen's
 
 
-@pytest.mark.parametrize("width", [64, 100, 576])
+@pytest.mark.parametrize("width", [64, 100, 576, 9000])
 def test_a_rows_mean_square_has_the_same_bits_alone_and_in_any_batch(tmp_path, width):
     """``mean_square.c`` sums each row in one order whatever the rows beside it (widths that are
     and are not whole 16-lane vectors, batches small and large enough to be shared between
@@ -55,6 +55,9 @@ def test_a_rows_mean_square_has_the_same_bits_alone_and_in_any_batch(tmp_path, w
     assert torch.allclose(alone, x.pow(2).mean(-1, keepdim=True), rtol=1e-5)
     assert not torch.equal(alone, torch.zeros_like(alone))
     assert torch.equal(_mean_square(x[:7]), alone[:7]) and mean_square(x[:0]).shape == (0, 1)
+    # the same sums as elementwise operations (what a compiled norm runs; the compiled-step tests
+    # hold inductor's code to them)
+    assert torch.equal(_mean_square_in_lanes(x), alone)
     torch.library.opcheck(_mean_square, (x[:3],))
 
 

@@ -42,7 +42,7 @@ _POINTER, _LONG, _INT = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 #: each kernel's C signature: (argument types, result type)
 _SIGNATURES = {
     "q8_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
-    "mean_square": ([_POINTER] * 2 + [_LONG] * 2 + [_INT], None),
+    "mean_square": ([_POINTER] * 2 + [_LONG] * 2 + [_INT], _INT),
     "one_query_attention": ([_POINTER] * 6 + [_LONG] * 7 + [ctypes.c_float, _INT], _INT),
 }
 
