@@ -82,7 +82,13 @@ def _settled(body: bytes) -> bool:
         return True
 
 
-def launch(argv_for_port, log: str, timeout_s: float = 300.0) -> Server:
+#: how long a launched server may take to be healthy and settled: the first start on a machine
+#: compiles the CPU's five decode buckets in the background, about 6 minutes on 2 cores for the
+#: default model (inductor's cache then makes later starts take seconds)
+LAUNCH_TIMEOUT_S = 900.0
+
+
+def launch(argv_for_port, log: str, timeout_s: float = LAUNCH_TIMEOUT_S) -> Server:
     """Start ``argv_for_port(port)`` on a free port, its output into ``log``; return it once ``/health``
     answers 200 and its decode path is settled (a compile in the background has ended: what is
     measured is the path that serves).
