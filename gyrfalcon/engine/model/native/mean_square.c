@@ -25,12 +25,11 @@
 #define NO_FMA __attribute__((optimize("fp-contract=off")))
 #endif
 
-NO_FMA static float row_mean_square(const float *row, long width, float *chunks) {
+/* one row's mean, summed in chunks[n * LANES]: n is the width in chunks, padded to a power of two */
+NO_FMA static float row_mean_square(const float *row, long width, long n, float *chunks) {
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #endif
-    long n = 1;
-    while (n * LANES < width) n *= 2;
     for (long k = 0; k < n * LANES; k++) chunks[k] = k < width ? row[k] * row[k] : 0.f;
     for (; n > 1; n /= 2)
         for (long k = 0; k < n / 2 * LANES; k++) chunks[k] += chunks[k + n / 2 * LANES];
@@ -55,7 +54,7 @@ int mean_square(const float *x, float *out, long rows, long width, int threads) 
 #pragma omp for
 #endif
         for (long r = 0; r < rows; r++)
-            if (buffer != NULL) out[r] = row_mean_square(x + r * width, width, buffer);
+            if (buffer != NULL) out[r] = row_mean_square(x + r * width, width, chunks, buffer);
         if (buffer != stack) free(buffer);
     }
     (void)threads;
