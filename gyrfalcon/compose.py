@@ -56,9 +56,9 @@ def serve_settings(args: argparse.Namespace) -> Settings:
 
 def plugins(settings: Settings) -> pluggy.PluginManager:
     """The plugin manager of ``settings`` (``--plugins-allow`` / ``--plugins-block``)."""
-    from gyrfalcon.plugins import plugin_manager
+    from gyrfalcon.plugins import settings_plugin_manager
 
-    return plugin_manager(settings.plugins_allow, settings.plugins_block)
+    return settings_plugin_manager(settings)
 
 
 def check_plugins(settings: Settings, pm: pluggy.PluginManager) -> None:

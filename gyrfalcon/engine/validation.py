@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind
 from gyrfalcon.errors import RequestError
+from gyrfalcon.engine_api.lengths import context_message, context_overflow, min_tokens_problem
 from gyrfalcon.engine_api.vocabulary import first_outside_vocabulary, outside_vocabulary
 from gyrfalcon.policies import LogitsProcessor, LogprobGatherer
 
@@ -60,22 +61,18 @@ def validate_request(
     if not 1 <= params.n <= info.max_request_seqs:
         raise RequestError(f"n must be between 1 and {info.max_request_seqs}", "n")
     prompt_only = params.max_tokens == 0 and params.prompt_logprobs is not None  # logprob path: prefill only
-    if len(prompt) > info.max_model_len or (len(prompt) == info.max_model_len and not prompt_only):
-        raise RequestError(
-            f"this model's maximum context length is {info.max_model_len} tokens; the prompt has "
-            f"{len(prompt)} tokens and leaves no room for a generated one",
-            "prompt",
-        )
+    # a request that must generate asks for at least one token, whatever max_tokens it gave
+    asked = params.max_tokens if prompt_only else max(params.max_tokens, 1)
+    overflow = context_overflow(len(prompt), asked, info.max_model_len)
+    if overflow == "prompt":
+        raise RequestError(context_message(overflow, len(prompt), asked, info.max_model_len), "prompt")
     if params.max_tokens < 1 and not prompt_only:
         raise RequestError("max_tokens must be at least 1 (0 only with prompt_logprobs)", "max_tokens")
-    if len(prompt) + params.max_tokens > info.max_model_len:
-        raise RequestError(
-            f"this model's maximum context length is {info.max_model_len} tokens; the prompt has "
-            f"{len(prompt)} tokens and max_tokens asks for {params.max_tokens} more",
-            "max_tokens",
-        )
-    if not 0 <= params.min_tokens <= params.max_tokens:
-        raise RequestError("min_tokens must be between 0 and max_tokens", "min_tokens")
+    if overflow is not None:
+        raise RequestError(context_message(overflow, len(prompt), params.max_tokens, info.max_model_len), "max_tokens")
+    problem = min_tokens_problem(params.min_tokens, params.max_tokens)
+    if problem is not None:
+        raise RequestError(problem, "min_tokens")
     if any(not s for s in params.stop):
         raise RequestError("stop strings must not be empty", "stop")
     for policy in [*processors, *gatherers]:

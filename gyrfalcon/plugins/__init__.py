@@ -47,6 +47,12 @@ def plugin_manager(allow: list[str] | None = None, block: list[str] | tuple[str,
     return pm
 
 
+def settings_plugin_manager(settings: Any) -> pluggy.PluginManager:
+    """The plugin manager a :class:`gyrfalcon.config.Settings` names (``--plugins-allow`` /
+    ``--plugins-block``): what every process that serves builds (:func:`gyrfalcon.compose.plugins`)."""
+    return plugin_manager(settings.plugins_allow, settings.plugins_block)
+
+
 def merged_dict(results: list[dict[str, Any] | None], what: str) -> dict[str, Any]:
     """Merge the dicts returned by a hook's implementations; a key offered twice is an error."""
     merged: dict[str, Any] = {}

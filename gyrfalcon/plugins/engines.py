@@ -31,9 +31,9 @@ def create_transformers_engine(
 
         model_path = resolve_model(settings.model, settings.cache_dir)
     if pm is None:
-        from gyrfalcon.plugins import plugin_manager
+        from gyrfalcon.plugins import settings_plugin_manager
 
-        pm = plugin_manager(settings.plugins_allow, settings.plugins_block)
+        pm = settings_plugin_manager(settings)
     core = TransformersEngine(EngineConfig.from_settings(settings, model_path), pm, start=start)
     return EngineClient(core, core.tokenizer, model_name=settings.served_names()[0])
 

@@ -20,6 +20,7 @@ import jsonschema
 
 from gyrfalcon import generated
 from gyrfalcon.engine_api.interface import Engine
+from gyrfalcon.engine_api.lengths import context_message, context_overflow, min_tokens_problem
 from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.capabilities import check_supported
@@ -343,18 +344,13 @@ class Translator:
             name, max_tokens = None, context - prompt_len
         if name is None and "max_tokens" in self.info.default_sampling:  # the model's max_new_tokens caps it
             max_tokens = min(max_tokens, self.info.default_sampling["max_tokens"])
-        if prompt_len > context or (max_tokens > 0 and prompt_len >= context):
-            raise RequestError(
-                f"The prompt has {prompt_len} tokens; this model's context is {context} tokens", f.param(prompt_param)
-            )
-        if prompt_len + max_tokens > context:
-            raise RequestError(
-                f"This model's context is {context} tokens, but {prompt_len} prompt tokens + {max_tokens} "
-                f"completion tokens were requested",
-                f.param(name) if name else f.param(prompt_param),
-            )
-        if sampling.min_tokens > max_tokens:
-            raise f.error("min_tokens", f"'min_tokens' ({sampling.min_tokens}) must not exceed 'max_tokens' ({max_tokens})")
+        overflow = context_overflow(prompt_len, max_tokens, context)
+        if overflow is not None:
+            param = prompt_param if overflow == "prompt" or name is None else name
+            raise RequestError(context_message(overflow, prompt_len, max_tokens, context), f.param(param))
+        problem = min_tokens_problem(sampling.min_tokens, max_tokens)
+        if problem is not None:
+            raise f.error("min_tokens", problem)
         return dataclasses.replace(sampling, max_tokens=max_tokens)
 
 
