@@ -11,6 +11,7 @@ from gyrfalcon.engine_api.types import EngineInfo
 from gyrfalcon.openapi.limits import ServedLimits, walk_schemas
 from gyrfalcon.openapi.served import bundle, request_field_names, served_spec
 from gyrfalcon.protocol.capabilities import unsupported_fields
+from gyrfalcon.protocol.runtime_rules import served_table
 
 #: a plugin marks an integer schema of its extension fragment as a token id with this key
 TOKEN_ID_MARK = "x-token-id"
@@ -157,7 +158,7 @@ def deployment_spec(
         extensions=bounded_extensions(extensions, info),
         max_prompts=max_prompts,
     )
-    spec = served_spec(limits)
+    spec = served_spec(limits, served_table())
     if chat is None:
         _without_chat(spec)
     if chat is not None:

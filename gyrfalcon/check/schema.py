@@ -64,6 +64,7 @@ def builtin_spec(target: Target) -> dict:
     what OpenAI requires (:data:`OPENAI_REQUIRED`)."""
     from gyrfalcon.openapi.limits import ServedLimits
     from gyrfalcon.openapi.served import bundle, request_field_names, served_spec
+    from gyrfalcon.protocol.runtime_rules import served_table
     from gyrfalcon.protocol.capabilities import capability_of
 
     served = target.get("/openapi.json")
@@ -72,7 +73,7 @@ def builtin_spec(target: Target) -> dict:
         if "x-limits" in document and "x-runtime-rules" in document:
             return document
     pinned = {f for f in request_field_names(bundle()) if capability_of(f) in PINNED}
-    spec = served_spec(ServedLimits(model_names=[target.model], unsupported=pinned, **ASSUMED))
+    spec = served_spec(ServedLimits(model_names=[target.model], unsupported=pinned, **ASSUMED), served_table())
     spec["x-limits"] = {"chat": None, "kv_cache": None, **ASSUMED}
     for name, required in OPENAI_REQUIRED.items():
         spec["components"]["schemas"][name]["required"] = required

@@ -14,7 +14,6 @@ from gyrfalcon.openapi.limits import FIELD_LIMITS, ServedLimits
 from gyrfalcon.openapi.served import (
     DOCUMENTS,
     OPENAPI_DIR,
-    RUNTIME_RULES,
     bundle,
     request_field_names,
     request_schema_names,
@@ -27,7 +26,6 @@ __all__ = [
     "DOCUMENTS",
     "FIELD_LIMITS",
     "OPENAPI_DIR",
-    "RUNTIME_RULES",
     "ServedLimits",
     "bundle",
     "request_field_names",

@@ -4,7 +4,8 @@
 document (cross-file ``$ref``s rewritten to local ones). ``served_spec(limits)`` lays a
 :class:`ServedLimits` over it (the field bounds of :data:`gyrfalcon.openapi.limits.FIELD_LIMITS`, which the
 translator enforces too) so that a fuzzer's "valid" request is valid for this server, and adds
-``x-runtime-rules``: the rules JSON Schema cannot state (:data:`RUNTIME_RULES`).
+``x-runtime-rules``: the rules JSON Schema cannot state, from the protocol's registry
+(:mod:`gyrfalcon.protocol.runtime_rules`), which the caller passes in.
 
 Pure Python (PyYAML only): importable by the HTTP frontend without torch.
 """
@@ -15,6 +16,7 @@ import copy
 import json
 from functools import lru_cache
 from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -25,163 +27,6 @@ OPENAPI_DIR = Path(__file__).resolve().parent
 #: The source documents, in bundling order (shared components first).
 DOCUMENTS = ("common.yaml", "generate.yaml", "openai.yaml")
 _COMPONENT_SECTIONS = ("schemas", "responses", "headers", "parameters", "requestBodies", "securitySchemes")
-
-#: Rules the protocol layer enforces in code that the served spec cannot state as ``if``/``then``
-#: (each is a 400 carrying ``param``). The cross-field rules stated in the spec carry ``x-rule`` ids
-#: (see :func:`rule_ids`); together the two lists cover every protocol rule.
-RUNTIME_RULES: tuple[dict[str, str], ...] = (
-    {
-        "id": "min_tokens_le_max_tokens",
-        "param": "min_tokens",
-        "description": "min_tokens must not exceed the effective max_tokens "
-        "(max_completion_tokens on chat wins over max_tokens; completions default 16).",
-    },
-    {
-        "id": "prompt_fits_context",
-        "param": "prompt",
-        "description": "prompt tokens + max_tokens <= max_model_len. param is the prompt field of the "
-        "endpoint: token_ids (generate), prompt (completions), messages (chat, batch chat). An omitted "
-        "max_tokens on chat, batch chat and generate means up to the context, so there the prompt alone "
-        "must leave room for one token.",
-    },
-    {
-        "id": "request_fits_kv_cache",
-        "param": "max_tokens",
-        "description": "n x (prompt + max_tokens), in whole blocks, fits the server's KV cache (x-limits "
-        "kv_cache), so that the request can run even alone; param is the prompt field when the prompt "
-        "alone does not fit.",
-    },
-    {
-        "id": "continue_final_message_alone",
-        "param": "continue_final_message",
-        "description": "continue_final_message: true needs add_generation_prompt: false (vLLM's rule).",
-    },
-    {
-        "id": "request_seqs_le_limit",
-        "param": "n",
-        "description": "prompts (or conversations) x n <= the server's max_request_seqs (x-limits), so "
-        "that one request cannot hold the server for long.",
-    },
-    {
-        "id": "prompt_not_empty_after_tokenization",
-        "param": "prompt",
-        "description": "A non-empty prompt string must tokenize to at least one token (byte-level "
-        "tokenizers always do; others may drop some text).",
-    },
-    {
-        "id": "constraint_compiles",
-        "param": "structured_outputs",
-        "description": "A structured_outputs constraint sets exactly one kind, not together with a "
-        "response_format other than text, and its JSON schema, regex or grammar compiles; param names "
-        "the field (structured_outputs.<kind>, or response_format.json_schema.schema).",
-    },
-    {
-        "id": "tools_consistent",
-        "param": "tool_choice",
-        "description": "tool_choice other than none needs tools; a named function must be among them; tool "
-        "names are distinct (param tools); required or a named function cannot join response_format or "
-        "structured_outputs, and the called tools' parameters schemas must compile (param tools); every tool's "
-        "parameters is a valid JSON Schema (its draft's meta-schema, 2020-12 by default), whatever tool_choice is "
-        "(param tools.<i>.function.parameters).",
-    },
-    {
-        "id": "constraints_leave_a_token",
-        "param": "structured_outputs",
-        "description": "The request's token-excluding constraints together (structured_outputs, "
-        "response_format or a required tool call; allowed_token_ids; bad_words; min_tokens) leave at least "
-        "one token at every step. Whether they do is known only while generating: a row left with no token "
-        "ends with a 400 naming the most specific of them (in band when it is not the first token). A constraint "
-        "holding a character with a byte no token holds (x-limits unspellable_bytes) may meet this rule.",
-    },
-    {
-        "id": "message_name_rendered",
-        "param": "messages",
-        "description": "A message name is refused when the model's chat template does not render it "
-        "(it would be accepted and ignored).",
-    },
-    {
-        "id": "message_fields_match_role",
-        "param": "messages",
-        "description": "content is required except on assistant turns; tool_calls and reasoning_content "
-        "belong to assistant turns; tool_call_id is required on tool turns and only there. param names the "
-        "message field (messages.<i>.<field>).",
-    },
-    {
-        "id": "tool_call_arguments_json",
-        "param": "messages",
-        "description": "A tool call's function.arguments is a JSON text (the template receives it parsed).",
-    },
-    {
-        "id": "message_tool_calls_rendered",
-        "param": "messages",
-        "description": "Assistant tool_calls are refused when the model's chat template does not render "
-        "them (they would be ignored); the served spec then states tool_calls as null.",
-    },
-    {
-        "id": "logit_bias_ids_in_vocab",
-        "param": "logit_bias",
-        "description": "Every logit_bias key is a token id below the vocabulary size "
-        "(the served spec also narrows its propertyNames pattern).",
-    },
-    {
-        "id": "chat_template_renders",
-        "param": "messages",
-        "description": "The model's chat template renders the conversation (e.g. role order it accepts).",
-    },
-    {
-        "id": "token_ids_in_vocab",
-        "param": "token_ids",
-        "description": "Every token id (token_ids, prompt ids, stop_token_ids, allowed_token_ids, "
-        "logprob_token_ids) is below the vocabulary size; param names the field. Stated in the served "
-        "spec as maximum, enforced in code because the generated models carry no deployment limits.",
-    },
-    {
-        "id": "logprob_token_ids_unique",
-        "param": "logprob_token_ids",
-        "description": "No duplicate ids (uniqueItems in the spec; the generated models do not check it).",
-    },
-    {
-        "id": "logprobs_le_max_logprobs",
-        "param": "logprobs",
-        "description": "logprobs, top_logprobs and prompt_logprobs <= the server's max_logprobs "
-        "(stated in the served spec as maximum); param names the field.",
-    },
-    {
-        "id": "model_served",
-        "param": "model",
-        "description": "model, when given, is a served model name (404 otherwise; enum in the served spec).",
-    },
-    {
-        "id": "field_supported",
-        "param": "<field>",
-        "description": "A field the engine cannot honour is rejected unless it holds its wire default "
-        "(const/not in the served spec); checked after schema and cross-field rules.",
-    },
-    {
-        "id": "extensions_valid",
-        "param": "extensions",
-        "description": "Each extensions property is validated by the plugin that declared it.",
-    },
-    {
-        "id": "previous_response_stored",
-        "param": "previous_response_id",
-        "description": "previous_response_id names a response this server stores (stored with store true, not "
-        "deleted, within x-limits responses_store: size and ttl_s); else a 404 naming it, which says when the "
-        "response was evicted.",
-    },
-    {
-        "id": "background_stored_not_streamed",
-        "param": "background",
-        "description": "background true needs store true (param background) and stream false (param stream).",
-    },
-    {
-        "id": "responses_supported",
-        "param": "<field>",
-        "description": "On /v1/responses, reasoning (no reasoning template), truncation auto, hosted tools "
-        "(param tools.<i>.type) and every include but message.output_text.logprobs (param include.<i>) are refused.",
-    },
-)
-
 
 def _load(name: str) -> dict[str, Any]:
     with (OPENAPI_DIR / name).open() as f:
@@ -308,8 +153,10 @@ def _is_nullable(schema: dict[str, Any]) -> bool:
     return any(isinstance(v, dict) and v.get("type") == "null" for v in schema.get("oneOf", []) + schema.get("anyOf", []))
 
 
-def served_spec(limits: ServedLimits) -> dict[str, Any]:
-    """The bundle with ``limits`` laid over every request schema, plus ``x-runtime-rules``.
+def served_spec(limits: ServedLimits, runtime_rules: Sequence[Mapping[str, str]] = ()) -> dict[str, Any]:
+    """The bundle with ``limits`` laid over every request schema, plus ``x-runtime-rules``: the
+    rules JSON Schema cannot state, as the protocol's registry lists them
+    (:func:`gyrfalcon.protocol.runtime_rules.served_table`).
 
     - ``model``: ``enum`` of the served names; ``n``: ``maximum`` max_request_seqs (batch chat stays 1);
       ``max_tokens``/``max_completion_tokens``: ``maximum`` max_model_len - 1;
@@ -330,7 +177,7 @@ def served_spec(limits: ServedLimits) -> dict[str, Any]:
             props[prop] = _overlay_property(prop, props[prop], limits)
     if limits.extensions:
         schemas["Extensions"]["properties"] = copy.deepcopy(limits.extensions)
-    spec["x-runtime-rules"] = [dict(rule) for rule in RUNTIME_RULES]
+    spec["x-runtime-rules"] = [dict(rule) for rule in runtime_rules]
     return spec
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from gyrfalcon.engine_api.types import GREEDY_TEMPERATURE
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.endpoints import Endpoint, endpoint_of
+from gyrfalcon.protocol.runtime_rules import translation_rule_ids
 
 
 @dataclass(frozen=True)
@@ -149,21 +150,9 @@ RULES: dict[str, Rule] = {
     "stop_requires_detokenize": stop_requires_detokenize,
 }
 
-#: Runtime-only rule ids, enforced during translation because they need the resolved ``max_tokens``,
-#: the tokenizer or the engine's limits (``gyrfalcon.protocol.translate``).
-TRANSLATION_RULES = (
-    "min_tokens_le_max_tokens",
-    "prompt_fits_context",
-    "request_seqs_le_limit",
-    "prompt_not_empty_after_tokenization",
-    "message_name_rendered",
-    "message_fields_match_role",
-    "tool_call_arguments_json",
-    "message_tool_calls_rendered",
-    "logit_bias_ids_in_vocab",
-    "chat_template_renders",
-    "continue_final_message_alone",
-)
+#: The runtime rules checked while a request is translated (their texts and homes:
+#: :mod:`gyrfalcon.protocol.runtime_rules`).
+TRANSLATION_RULES = translation_rule_ids()
 
 
 def check_rules(fields: RequestFields) -> None:

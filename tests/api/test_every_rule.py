@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from gyrfalcon.openapi import RUNTIME_RULES
 from gyrfalcon.protocol.rules import RULES, TRANSLATION_RULES
+from gyrfalcon.protocol.runtime_rules import RUNTIME_RULES
 
 CHAT, BATCH = "/v1/chat/completions", "/v1/chat/completions/batch"
 COMPLETIONS, GENERATE, RESPONSES = "/v1/completions", "/inference/v1/generate", "/v1/responses"
@@ -69,7 +69,7 @@ UNREACHABLE = {
 
 
 def _registered() -> set[str]:
-    return set(RULES) | set(TRANSLATION_RULES) | {rule["id"] for rule in RUNTIME_RULES}
+    return set(RULES) | set(TRANSLATION_RULES) | {rule.id for rule in RUNTIME_RULES}
 
 
 def test_every_registered_rule_has_a_case():

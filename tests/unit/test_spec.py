@@ -14,7 +14,6 @@ from gyrfalcon import codegen
 from gyrfalcon.openapi import (
     DOCUMENTS,
     OPENAPI_DIR,
-    RUNTIME_RULES,
     ServedLimits,
     bundle,
     request_field_names,
@@ -24,6 +23,7 @@ from gyrfalcon.openapi import (
     x_rules,
 )
 from gyrfalcon.openapi.limits import decimal_range_pattern, walk_schemas
+from gyrfalcon.protocol.runtime_rules import served_table
 
 REQUESTS = ("GenerateRequest", "CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest")
 UNSUPPORTED = {"presence_penalty", "logprobs", "top_logprobs", "use_beam_search", "logit_bias", "logprob_token_ids"}
@@ -65,7 +65,7 @@ def spec() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def served() -> dict[str, Any]:
     limits = ServedLimits(**{**LIMITS.__dict__, "unsupported": set(UNSUPPORTED), "extensions": {"demo": PLUGIN}})
-    return served_spec(limits)
+    return served_spec(limits, served_table())
 
 
 # --- the documents ------------------------------------------------------------------------------
@@ -354,7 +354,7 @@ def test_overlay_limits(served: dict[str, Any]) -> None:
     assert len(ids) == len(set(ids))
     assert {"min_tokens_le_max_tokens", "prompt_fits_context", "logit_bias_ids_in_vocab", "chat_template_renders"} <= set(ids)
     assert all(set(r) == {"id", "param", "description"} for r in runtime)
-    assert runtime == [dict(r) for r in RUNTIME_RULES]
+    assert runtime == served_table()
     assert not set(ids) & rule_ids(served)
 
 
