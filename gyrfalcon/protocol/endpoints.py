@@ -115,10 +115,20 @@ class Endpoint:
         return body.get(self.nested, body) if self.nested is not None else body
 
     def param(self, name: str) -> str:
-        """A flattened field's name as the client wrote it (``sampling_params.top_k`` on generate)."""
-        if self.nested is not None and name not in self.top_level:
+        """A flattened field's name as the client wrote it (``sampling_params.top_k`` on generate); a
+        dotted name is placed by its first part (``extensions.demo`` stays at the top level)."""
+        head = name.partition(".")[0]
+        if self.nested is not None and head not in self.top_level:
             return f"{self.nested}.{name}"
         return name
+
+    def wire_param(self, param: str | None) -> str | None:
+        """An engine-side ``param`` (``SamplingParams`` names, ``prompt``) as the client wrote it."""
+        if param is None:
+            return None
+        if param.partition(".")[0] == "prompt":
+            return self.prompt_param
+        return self.param(param)
 
     def __repr__(self) -> str:
         return f"Endpoint({self.name!r})"

@@ -22,6 +22,33 @@ class ToolUse:
     parser: Any
 
 
+@dataclass(frozen=True)
+class WireNames:
+    """Where one request's fields are on the wire: an engine-side ``param`` (``SamplingParams`` names,
+    ``prompt``, ``structured_outputs.*``) → the field as its client wrote it.
+
+    Decided once, when the request is translated, and used for every refusal that names a field
+    after the rules: the validation hooks', a refused submit's, an in-band error's.
+    """
+
+    endpoint: Endpoint
+    #: the field a constraint came from when it is not ``structured_outputs``: ``response_format`` or
+    #: ``tools`` (a call the request forces)
+    constraint: str | None = None
+    #: a request turned into a chat request: chat's field names → the client's (None: the same)
+    names: Callable[[str | None], str | None] | None = None
+
+    def __call__(self, param: str | None) -> str | None:
+        if param is None:
+            return None
+        if self.constraint is not None and param.partition(".")[0] == "structured_outputs":
+            schema = self.constraint == "response_format" and param == "structured_outputs.json"
+            param = "response_format.json_schema.schema" if schema else self.constraint
+        else:
+            param = self.endpoint.wire_param(param)
+        return self.names(param) if self.names is not None else param
+
+
 @dataclass
 class ServingRequest:
     """One HTTP request, translated: its engine requests and how to present their outputs.
@@ -57,13 +84,10 @@ class ServingRequest:
     #: fields that change nothing in the output, recorded in the access log (``metadata``,
     #: ``service_tier``, ``safety_identifier``, ``prompt_cache_key``)
     recorded: dict[str, Any] = field(default_factory=dict)
-    #: the field the constraint came from when it is not ``structured_outputs`` (``response_format``,
-    #: ``tools``): the ``param`` of the errors the constraint causes in the engine
-    constraint_param: str | None = None
+    #: where its fields are on the wire: every engine-side ``param`` is named through it
+    wire_names: WireNames | None = None
     #: chat with tools (and tool_choice other than none): calls in the answer become ``tool_calls``
     tools: ToolUse | None = None
-    #: a request turned into a chat request: chat's field names → the client's (None: the same)
-    names: Callable[[str | None], str | None] | None = None
     #: the Responses request's own fields, echoed in the response object
     response_fields: dict[str, Any] = field(default_factory=dict)
     #: the conversation before this request's input (``previous_response_id``'s), as chat turns
@@ -75,13 +99,10 @@ class ServingRequest:
 
     def __post_init__(self) -> None:
         self.endpoint = endpoint_of(self.endpoint)
+        if self.wire_names is None:
+            self.wire_names = WireNames(self.endpoint)
 
     def wire_param(self, param: str | None) -> str | None:
         """An engine-side ``param`` (an in-band error's, a refused submit's) as this client wrote it."""
-        from gyrfalcon.protocol.rules import wire_param
-
-        if param is not None and self.constraint_param is not None and param.partition(".")[0] == "structured_outputs":
-            param = self.constraint_param
-        else:
-            param = wire_param(self.endpoint, param)
-        return self.names(param) if self.names is not None else param
+        assert self.wire_names is not None
+        return self.wire_names(param)

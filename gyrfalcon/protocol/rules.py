@@ -52,13 +52,8 @@ class RequestFields:
 Rule = Callable[[RequestFields], None]
 
 def wire_param(endpoint: Endpoint | str, param: str | None) -> str | None:
-    """An engine-side ``param`` (``SamplingParams`` names, ``prompt``) as the client wrote it."""
-    if param is None:
-        return None
-    endpoint = endpoint_of(endpoint)
-    if param.partition(".")[0] == "prompt":
-        return endpoint.prompt_param
-    return endpoint.param(param)
+    """An engine-side ``param`` as the client of ``endpoint`` wrote it (:meth:`Endpoint.wire_param`)."""
+    return endpoint_of(endpoint).wire_param(param)
 
 
 def stream_options_requires_stream(f: RequestFields) -> None:

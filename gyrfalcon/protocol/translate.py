@@ -26,7 +26,7 @@ from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.capabilities import check_supported
 from gyrfalcon.protocol.chat import ChatRenderer, ChatRendering
 from gyrfalcon.protocol.endpoints import Endpoint, Prompts, endpoint_of
-from gyrfalcon.protocol.requests import ServingRequest, ToolUse
+from gyrfalcon.protocol.requests import ServingRequest, ToolUse, WireNames
 from gyrfalcon.protocol.responses import as_chat, input_items, refuse_unsupported
 from gyrfalcon.protocol.rules import RequestFields, check_rules
 from gyrfalcon.protocol.tools import tool_constraint, tool_use
@@ -130,7 +130,8 @@ class Translator:
         except RequestError as exc:
             exc.param = names(exc.param)
             raise
-        serving.names, serving.history = names, list(history or [])
+        serving.wire_names = dataclasses.replace(serving.wire_names, names=names)
+        serving.history = list(history or [])
         serving.input_turns = [m for m, (origin, _) in zip(chat["messages"], names.messages) if origin == "input"]
         serving.response_fields = {k: v for k, v in sent.items() if k != "input"}
         serving.input_items = input_items(sent, lambda prefix: f"{prefix}_{uuid.uuid4().hex}")
@@ -177,7 +178,7 @@ class Translator:
                 for request in requests:
                     self._validate_hook(endpoint=fields.endpoint.name, request=request, info=self.info)
             except RequestError as exc:
-                exc.param = hook_param(fields, exc.param)
+                exc.param = wire_names(fields)(exc.param)
                 raise
         return requests
 
@@ -186,10 +187,6 @@ class Translator:
         """How the engine requests' outputs are presented."""
         sampling = requests[0].sampling
         stream_options = fields.get("stream_options") or {}
-        # kept only where it differs from structured_outputs' own wire name (whose sub-fields it would hide)
-        constraint_param = hook_param(fields, "structured_outputs") if sampling.structured_outputs is not None else None
-        if constraint_param == fields.param("structured_outputs"):
-            constraint_param = None
         echo = bool(fields.get("echo", False))
         prompt_only = fields.endpoint.echoes_prompt_alone and echo and sampling.max_tokens == 0
         return ServingRequest(
@@ -204,7 +201,7 @@ class Translator:
             continuous_usage=bool(stream_options.get("include_usage")) and bool(stream_options.get("continuous_usage_stats")),
             echo=echo,
             prompt_texts=prompt_texts,
-            constraint_param=constraint_param,
+            wire_names=wire_names(fields),
             return_token_ids=bool(fields.get("return_token_ids", False)),
             return_tokens_as_token_ids=bool(fields.get("return_tokens_as_token_ids", False)),
             logprobs=fields.get("logprobs"),
@@ -370,13 +367,12 @@ def structured_constraint(f: RequestFields, body: dict[str, Any]) -> dict[str, A
     return None
 
 
-def hook_param(f: RequestFields, param: str | None) -> str | None:
-    """A validation hook's engine-side ``param`` as the client wrote it: a constraint that came
-    from ``response_format`` is named there."""
-    if param is None or not param.startswith("structured_outputs"):
-        return param
+def wire_names(f: RequestFields) -> WireNames:
+    """Where the request's fields are on the wire; a constraint is named after the field it came
+    from: the tools when the request forces a call, else a response_format other than text."""
+    constraint = None
     if f.has("tools") and f.get("tool_choice") not in (None, "none", "auto"):
-        return "tools"  # the calls' grammar: a tool's parameters schema does not compile
-    if f.has("response_format"):
-        return "response_format.json_schema.schema" if param == "structured_outputs.json" else "response_format"
-    return f.param(param)
+        constraint = "tools"  # the calls' grammar: a tool's parameters schema does not compile
+    elif (f.get("response_format") or {"type": "text"})["type"] != "text":
+        constraint = "response_format"
+    return WireNames(f.endpoint, constraint)

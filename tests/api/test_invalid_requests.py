@@ -232,6 +232,26 @@ def test_wire_param_mapping():
     assert wire_param("chat", None) is None
 
 
+def test_a_field_is_named_where_the_client_wrote_it():
+    """One mapping names every engine-side param: a dotted top-level field stays at the top level on
+    generate, and a constraint is named after the field it came from (a text response_format is none)."""
+    from gyrfalcon.protocol.rules import RequestFields, wire_param
+    from gyrfalcon.protocol.translate import wire_names
+
+    assert wire_param("generate", "extensions.demo.x") == "extensions.demo.x"
+    assert wire_param("generate", "top_k") == "sampling_params.top_k"
+    assert wire_param("generate", "sampling_params.top_k") == "sampling_params.top_k"
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}
+    chat = RequestFields.from_body("chat", {"messages": [], "response_format": schema})
+    assert wire_names(chat)("structured_outputs.json") == "response_format.json_schema.schema"
+    assert wire_names(chat)("structured_outputs") == "response_format"
+    text = RequestFields.from_body("chat", {"messages": [], "response_format": {"type": "text"}})
+    assert wire_names(text)("structured_outputs.regex") == "structured_outputs.regex"
+    generate = RequestFields.from_body("generate", {"token_ids": [1], "sampling_params": {"top_k": 2}})
+    assert wire_names(generate)("top_k") == "sampling_params.top_k"
+    assert wire_names(generate)("prompt") == "token_ids"
+
+
 def test_deep_nesting_is_a_400_not_a_500(client):
     """Nesting below orjson's own limit (1024) used to overflow the Python walk: a 500 and a long
     traceback per request."""
