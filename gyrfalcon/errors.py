@@ -4,13 +4,15 @@ from __future__ import annotations
 
 
 class RequestError(Exception):
-    """A request the server refuses, with the HTTP status and the offending field.
+    """A request the server refuses, with the offending field.
 
     ``param`` names the request field (dotted for nested ones, e.g. ``sampling_params.top_k``);
     ``type`` is the OpenAI-style error type; ``retry_after``: seconds after which a retry may
-    succeed (a 503). The API layer (``api/errors.py``, the one place that speaks HTTP) turns this
-    into the error envelope ``{"error": {"message", "type", "param", "code"}}`` with ``code`` =
-    ``status``, and ``retry_after`` into a ``Retry-After`` header.
+    succeed (a 503). ``status`` is the HTTP status a refusal asks for (a plugin may choose one; 400
+    by default); None leaves it to the error's ``type`` (an engine's in-band error, which speaks no
+    HTTP). The API layer (``api/errors.py``, the one place that speaks HTTP) turns this into the
+    error envelope ``{"error": {"message", "type", "param", "code"}}`` with ``code`` = the status,
+    and ``retry_after`` into a ``Retry-After`` header.
     """
 
     def __init__(
@@ -18,7 +20,7 @@ class RequestError(Exception):
         message: str,
         param: str | None = None,
         *,
-        status: int = 400,
+        status: int | None = 400,
         type: str = "invalid_request_error",
         retry_after: float | None = None,
     ) -> None:

@@ -14,6 +14,7 @@ import falcon.asgi
 import orjson
 
 from gyrfalcon.engine_api.errors import EngineUnavailable, retry_after_s
+from gyrfalcon.engine_api.types import EngineError
 from gyrfalcon.errors import RequestError
 
 log = logging.getLogger("gyrfalcon.api")
@@ -33,6 +34,22 @@ _TYPES = {
 }
 
 
+#: the HTTP status of an error that names none, by its kind (``type``); any other kind is a 500
+_STATUS_OF_KIND = {
+    "invalid_request_error": 400,
+    "NotFoundError": 404,
+    "server_overloaded": 503,
+    "server_shutting_down": 503,
+}
+
+
+def http_status(error: RequestError | EngineError) -> int:
+    """The HTTP status of a refusal or an engine's in-band error: the one it asks for, else its
+    kind's (an :class:`EngineError` names none: the engine speaks no HTTP)."""
+    status = getattr(error, "status", None)
+    return status if status is not None else _STATUS_OF_KIND.get(error.type, 500)
+
+
 def error_body(status: int, message: str, type: str | None = None, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type or _TYPES.get(status, "error"), "param": param, "code": status}}
 
@@ -48,7 +65,7 @@ class APIError(falcon.HTTPError):
 
     @classmethod
     def from_request_error(cls, error: RequestError) -> APIError:
-        return cls(error.status, error.message, envelope_type(error), error.param, _retry_after(error.retry_after))
+        return cls(http_status(error), error.message, envelope_type(error), error.param, _retry_after(error.retry_after))
 
 
 def _retry_after(seconds: float | None) -> dict[str, str] | None:
@@ -63,7 +80,7 @@ def envelope_type(error: RequestError) -> str | None:
 
 def request_error_body(error: RequestError) -> dict[str, Any]:
     """The envelope of a refusal, at submit time (the response's body) or inside a stream (an event)."""
-    return error_body(error.status, error.message, envelope_type(error), error.param)
+    return error_body(http_status(error), error.message, envelope_type(error), error.param)
 
 
 def serialize_error(req: falcon.Request, resp: falcon.Response, exception: falcon.HTTPError) -> None:

@@ -73,7 +73,7 @@ def _decode_logprobs(data: list[Any] | None) -> TokenLogprobs | None:
 def encode_error(error: EngineError | None) -> list[Any] | None:
     if error is None:
         return None
-    return [error.message, error.type, error.param, error.status, error.retry_after]
+    return [error.message, error.type, error.param, error.retry_after]
 
 
 def decode_error(data: list[Any] | None) -> EngineError | None:

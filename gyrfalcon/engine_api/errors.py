@@ -45,5 +45,4 @@ class ShuttingDown(EngineUnavailable):
 
 
 #: what a request still queued or running when the server stops ends with (see ``EngineCore.drain``)
-SHUTTING_DOWN = EngineError("The server is shutting down; retry the request", type=ShuttingDown.type,
-                            status=503, retry_after=1.0)  # fmt: skip
+SHUTTING_DOWN = EngineError("The server is shutting down; retry the request", type=ShuttingDown.type, retry_after=1.0)

@@ -195,12 +195,17 @@ class CompletionOutput:
 
 @dataclass
 class EngineError:
-    """An error reported in-band on an output stream (the request ends with it)."""
+    """An error reported in-band on an output stream (the request ends with it).
+
+    ``type`` is its kind: ``invalid_request_error`` (the request cannot be served as asked, naming
+    its ``param``), ``server_shutting_down`` or ``server_overloaded`` (a retry may succeed), anything
+    else a failure of the server. The engine speaks no HTTP: :func:`gyrfalcon.api.errors.http_status`
+    alone turns a kind into a status.
+    """
 
     message: str
     type: str = "engine_error"
     param: str | None = None
-    status: int = 500
     #: seconds after which a retry may succeed (a 503's ``Retry-After``); None: no such header
     retry_after: float | None = None
 

@@ -162,7 +162,7 @@ class RemoteEngineCore(EngineCore):
         deadline = time.monotonic() + max(grace, 0.0)
         while self._streams and time.monotonic() < deadline and self._gone is None:
             time.sleep(0.01)
-        self._cut(EngineError("the server shut down", type=ShuttingDown.type, status=503, retry_after=1.0))
+        self._cut(EngineError("the server shut down", type=ShuttingDown.type, retry_after=1.0))
         self._post(b"bye", None)  # the engine aborts what is left of ours
         self._stop.set()
         self._wake.notify()
@@ -266,7 +266,7 @@ class RemoteEngineCore(EngineCore):
                     call.done.set()
             elif kind == b"reset":  # the engine took this worker for dead and dropped its requests
                 self._cut(EngineError("the engine dropped this request (it lost contact with this worker)",
-                                      type=ShuttingDown.type, status=503, retry_after=1.0))  # fmt: skip
+                                      type=ShuttingDown.type, retry_after=1.0))  # fmt: skip
             elif kind == b"beat":
                 self._health = codec.decode_health(data[0])
                 if self._health.decode_path and self._info.decode_path != self._health.decode_path:
@@ -303,7 +303,7 @@ class RemoteEngineCore(EngineCore):
         for call in list(self._calls.values()):
             call.value = _GONE
             call.done.set()
-        self._cut(EngineError(why, type=ShuttingDown.type, status=503, retry_after=1.0))
+        self._cut(EngineError(why, type=ShuttingDown.type, retry_after=1.0))
 
     def _close_sockets(self) -> None:
         self._socket.disable_monitor()

@@ -215,14 +215,15 @@ class EngineServer:
             log.warning("the process that started the engine is gone: stopping")
             self._stop.set()
 
-    def _end(self, worker: _Worker, local_id: str, message: str, batch: list[Any], status: int = 500) -> None:
-        """End one of ``worker``'s streams with an error (appended to ``batch``) and abort its request."""
+    def _end(self, worker: _Worker, local_id: str, message: str, batch: list[Any], unavailable: bool = False) -> None:
+        """End one of ``worker``'s streams with an error (appended to ``batch``) and abort its request;
+        ``unavailable``: the engine dropped it, and a retry may succeed."""
         stream = worker.streams.pop(local_id, None)
         if stream is not None:
             stream.set_waker(None)
             self.core.abort(self._engine_id(worker, local_id))
-        error = EngineError(message, type="server_error" if status == 500 else ShuttingDown.type, status=status,
-                            retry_after=None if status == 500 else 1.0)  # fmt: skip
+        error = EngineError(message, type=ShuttingDown.type if unavailable else "server_error",
+                            retry_after=1.0 if unavailable else None)  # fmt: skip
         batch += [[local_id, codec.encode_output(RequestOutput(local_id, [], finished=True, error=error))], [local_id, None]]
 
     def _forget(self, worker: _Worker, why: str) -> None:
@@ -236,7 +237,7 @@ class EngineServer:
             log.info("API worker %s %s", name, why)
         batch: list[Any] = []
         for local_id in list(worker.streams):
-            self._end(worker, local_id, f"the engine dropped this API worker's requests: it was {why}", batch, status=503)
+            self._end(worker, local_id, f"the engine dropped this API worker's requests: it was {why}", batch, unavailable=True)
         if batch:
             self._send(worker.identity, b"out", batch)
 

@@ -123,7 +123,7 @@ class RayEngineCore(EngineCore):
         while self._calls and time.monotonic() < deadline:
             time.sleep(0.01)
         if self._loop.is_running():
-            error = EngineError("the server shut down", type=ShuttingDown.type, status=503, retry_after=1.0)
+            error = EngineError("the server shut down", type=ShuttingDown.type, retry_after=1.0)
             try:
                 asyncio.run_coroutine_threadsafe(self._close(error), self._loop).result(5.0)
             finally:
@@ -175,7 +175,7 @@ class RayEngineCore(EngineCore):
             log.warning("request %s lost its engine replica: %s", request_id, exc)
             stream.put(RequestOutput(request_id, [], finished=True, error=EngineError(
                 f"the engine replica running this request failed ({type(exc).__name__})",
-                type=ShuttingDown.type, status=503, retry_after=1.0)))  # fmt: skip
+                type=ShuttingDown.type, retry_after=1.0)))  # fmt: skip
         finally:
             self._calls.pop(request_id, None)
         stream.finish()

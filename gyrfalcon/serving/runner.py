@@ -125,7 +125,8 @@ class OutputReader:
         return output
 
     def _request_error(self, error: EngineError) -> RequestError:
-        return RequestError(error.message, self.serving.wire_param(error.param), status=error.status,
+        # no status here: the error's kind decides it where errors become HTTP (gyrfalcon.api.errors)
+        return RequestError(error.message, self.serving.wire_param(error.param), status=None,
                             type=error.type, retry_after=error.retry_after)  # fmt: skip
 
     async def started(self) -> None:

@@ -26,6 +26,7 @@ from gyrfalcon.engine_process import codec
 from gyrfalcon.engine_process.remote import RemoteEngineCore
 from gyrfalcon.engine_process.server import EngineServer
 from gyrfalcon.errors import RequestError
+from gyrfalcon.api.errors import http_status
 
 
 @pytest.fixture
@@ -56,7 +57,7 @@ def _request(engine, request_id: str, kind=OutputKind.FINAL_ONLY, **sampling) ->
 def test_codec_round_trips_every_field():
     lp = TokenLogprobs([5, 6], [-0.5, None], [[1, 2], [3]], [[-1.0, -2.0], [-3.0]], [1, None], [[1, 2], [1]])
     out = RequestOutput("r", [CompletionOutput(1, "hé", [5, 6], lp, "stop", "\n"), CompletionOutput(0)], True,
-                        [1, 2], lp, 7, EngineError("boom", "t", "p", 503, 1.5), 0.25)  # fmt: skip
+                        [1, 2], lp, 7, EngineError("boom", "t", "p", 1.5), 0.25)  # fmt: skip
     assert codec.decode_output("r", codec.unpack(codec.pack(codec.encode_output(out)))) == out
     request = EngineRequest("id", [1, 2], SamplingParams(n=3, seed=2**63, logit_bias={7: -1.5}, stop=["x"],
                             logprob_token_ids=[4]), OutputKind.DELTA, {"ext": {"a": [1]}}, "salt", 2)  # fmt: skip
@@ -149,7 +150,7 @@ def test_a_gone_engine_ends_every_open_stream_at_once(served, remote):
     started = time.monotonic()
     for stream in streams:
         last = list(stream)[-1]
-        assert last.finished and last.error is not None and last.error.status == 503
+        assert last.finished and last.error is not None and http_status(last.error) == 503
     assert time.monotonic() - started < 2.0
     while remote.health().ready and time.monotonic() - started < 2.0:  # the socket's close, seen by its monitor
         time.sleep(0.01)
@@ -165,7 +166,7 @@ def test_worker_drain_refuses_new_and_cuts_what_is_left(remote):
     with pytest.raises(ShuttingDown):
         remote.submit(_request(remote, "late", max_tokens=2))
     last = list(stream)[-1]
-    assert last.error is not None and last.error.status == 503 and last.error.retry_after == 1.0
+    assert last.error is not None and http_status(last.error) == 503 and last.error.retry_after == 1.0
 
 
 @pytest.mark.parametrize("slow_engine", [0.6], indirect=True)

@@ -10,6 +10,7 @@ from gyrfalcon.config import Settings
 from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
 from gyrfalcon.models.default import resolve_model
 from gyrfalcon.plugins.engines import create_transformers_engine
+from gyrfalcon.api.errors import http_status
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -267,7 +268,7 @@ def test_a_constraint_this_vocabulary_cannot_spell_is_refused_not_left(engine, t
     params = SamplingParams(max_tokens=6, temperature=temperature, seed=5, structured_outputs=constraint)
     last = list(engine.submit(EngineRequest(f"unspellable-{temperature}-{len(str(constraint))}", prompt, params, OutputKind.FINAL_ONLY)))[-1]
     assert last.error is not None, last.outputs[0].text
-    assert last.error.status == 400 and last.error.param == "structured_outputs", last.error
+    assert http_status(last.error) == 400 and last.error.param == "structured_outputs", last.error
 
 
 def test_the_served_spec_names_the_bytes_no_token_holds(engine):

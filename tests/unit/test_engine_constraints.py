@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gyrfalcon.errors import RequestError
+from gyrfalcon.api.errors import http_status
 from tests.unit.test_batching import PROMPTS, alone, finals, request, run, stepped  # noqa: F401 - fixture
 
 EOS = 2  # the tiny model's
@@ -43,7 +44,7 @@ def test_allowed_ids_with_a_token_left_are_accepted(tiny_engine, params):
 
 def _assert_excluded(item, tokens):
     assert item.finished and item.error is not None
-    assert (item.error.status, item.error.type, item.error.param) == (400, "invalid_request_error", "allowed_token_ids")
+    assert (http_status(item.error), item.error.type, item.error.param) == (400, "invalid_request_error", "allowed_token_ids")
     assert "every token is excluded by the request's constraints" in item.error.message
     assert "bad_words" in item.error.message
     assert [c.token_ids for c in item.outputs] == tokens

@@ -14,6 +14,7 @@ from gyrfalcon.engine_api.errors import ShuttingDown
 
 from gyrfalcon.policies import LogitsProcessor
 from gyrfalcon.plugins.engines import create_transformers_engine
+from gyrfalcon.api.errors import http_status
 from tests.conftest import tiny_settings
 from tests.unit.test_batching import PROMPTS, alone, finals, request, run, stepped  # noqa: F401 - fixture
 
@@ -120,7 +121,7 @@ def test_a_fault_sampling_the_first_token_fails_that_request_only(stepped):
     engine.core.batcher.step()  # the running request's decode and the victim's prefill share the step
     assert calls["first_token"] == 2 and engine.core.batcher.prefilling_requests() == 0
     last = _one_error(victim)
-    assert "processor exploded" in last.error.message and last.error.status == 500
+    assert "processor exploded" in last.error.message and http_status(last.error) == 500
     assert [c.finish_reason for c in last.outputs] == ["abort", "abort"]
     assert engine.core.batcher.running_sequences == 1  # the decoding request is still there
     _assert_engine_goes_on(engine, running, expected, victim)
@@ -152,7 +153,7 @@ def test_a_processor_that_cannot_take_a_row_fails_that_request_only(stepped):
     victim = engine.submit(request(PROMPTS[2], temperature=0.9, seed=3, max_tokens=8, ignore_eos=True))
     engine.core.batcher.step()
     last = _one_error(victim)
-    assert "add_row exploded" in last.error.message and last.error.status == 500
+    assert "add_row exploded" in last.error.message and http_status(last.error) == 500
     assert len(engine.core.batcher.batch) == 1  # only the decoding request holds a slot
     _assert_engine_goes_on(engine, running, expected, victim)
 

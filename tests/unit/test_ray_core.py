@@ -14,6 +14,7 @@ from gyrfalcon.engine_api.types import CompletionOutput, EngineHealth, EngineInf
 from gyrfalcon.engine_process import codec
 from gyrfalcon.errors import RequestError
 from gyrfalcon.ray.core import RayEngineCore, add_stats
+from gyrfalcon.api.errors import http_status
 
 INFO = EngineInfo(model_path="m", vocab_size=100, max_model_len=64, eos_token_ids=[0], max_logprobs=5, max_num_seqs=4,
                   capabilities=frozenset())  # fmt: skip
@@ -155,7 +156,7 @@ def test_a_dead_pick_is_placed_again_and_back_pressure_is_a_503(make_core):
 def test_a_replica_dying_mid_stream_ends_the_stream_with_a_503(make_core):
     core = make_core([Call([ACCEPTED, _out("a"), ActorDiedError("killed")])])
     outputs = list(core.submit(_request()))
-    assert outputs[-1].finished and outputs[-1].error.status == 503
+    assert outputs[-1].finished and http_status(outputs[-1].error) == 503
     assert outputs[-1].error.type == ShuttingDown.type
 
 

@@ -19,6 +19,7 @@ from gyrfalcon.plugins.sampling import (
     gyrfalcon_logits_processors,
 )
 from gyrfalcon.policies import BatchRows, LogprobGatherer
+from gyrfalcon.api.errors import http_status
 
 V = 16
 INFO = EngineInfo("m", V, 64, [2], 20, 8, frozenset())
@@ -267,11 +268,11 @@ def test_rows_with_no_token_left_get_an_error_not_a_token(temperature):
     out = sampler.sample(logits.clone(), rows_for(params, sampler, seeds=[1, 2, 3, 4]))
     assert sorted(out.errors) == [1, 2, 3]
     # row 1: nothing named the cause; row 2: allowed_token_ids = [eos] while min_tokens bans eos
-    assert (out.errors[1].status, out.errors[1].type, out.errors[1].param) == (400, "invalid_request_error", None)
-    assert (out.errors[2].status, out.errors[2].param) == (400, "allowed_token_ids")
+    assert (http_status(out.errors[1]), out.errors[1].type, out.errors[1].param) == (400, "invalid_request_error", None)
+    assert (http_status(out.errors[2]), out.errors[2].param) == (400, "allowed_token_ids")
     message = out.errors[2].message
     assert "every token is excluded by the request's constraints (allowed_token_ids, min_tokens)" in message
-    assert out.errors[3].status == 500 and "NaN" in out.errors[3].message
+    assert http_status(out.errors[3]) == 500 and "NaN" in out.errors[3].message
     # the healthy row samples as it would alone
     lone = make_sampler()
     alone = lone.sample(logits[:1].clone(), rows_for(params[:1], lone, seeds=[1]))

@@ -55,7 +55,6 @@ def excluded_error(params: SamplingParams, generated: int) -> EngineError:
         f"every token is excluded by the request's constraints{detail}: nothing can be generated",
         type="invalid_request_error",
         param=next((name for name in _EXCLUDING_FIELDS if getattr(params, name)), None),
-        status=400,
     )
 
 
