@@ -82,12 +82,23 @@ class NewRow(NamedTuple):
     device: Any
 
 
+class RowList(list):
+    """Rows of a step (distinct, ascending), as :attr:`BatchRows.selected` lists them; in the engine's
+    steps ``on_device`` holds the same rows on the device already, sent with the step's inputs, so
+    that :func:`row_index` makes no copy of its own."""
+
+    on_device: torch.Tensor | None = None
+
+
 def row_index(selected: list[int], logits: torch.Tensor) -> torch.Tensor | None:
     """The rows listed in ``selected`` (distinct, ascending) as an index tensor on the logits'
     device, or None when that is every row (then no gather or scatter is needed): pass it to
     :func:`take_rows` and :func:`put_rows`, which understand both."""
     if len(selected) == logits.shape[0]:  # ``selected`` lists distinct rows in ascending order
         return None
+    sent = getattr(selected, "on_device", None)
+    if sent is not None and sent.device == logits.device and sent.shape[0] == len(selected):
+        return sent
     return to_device(selected, logits.device)
 
 

@@ -28,8 +28,9 @@ import torch
 
 from gyrfalcon.engine.kv.blocks import NoFreeBlocks
 from gyrfalcon.engine.model.runner import ModelRunner, Work
+from gyrfalcon.engine.model.work import StepWorks
 from gyrfalcon.engine.request_state import RequestState
-from gyrfalcon.engine.sample.persistent_batch import PersistentBatch
+from gyrfalcon.engine.sample.persistent_batch import PersistentBatch, StagedRows
 from gyrfalcon.engine.sample.sampler import Sampler, SamplerOutput
 from gyrfalcon.engine.scheduler import Scheduled, Scheduler
 from gyrfalcon.engine.sequence import Sequence
@@ -111,7 +112,10 @@ class Batcher:
         plan = self.scheduler.schedule()
         if not plan:
             return False
-        works = [self._work(item) for item in plan]
+        ends = [item.reaches_end for item in plan]
+        draws = self._draws(plan, ends)
+        staged = self._stage(plan, draws)
+        works = StepWorks([self._work(item) for item in plan], staged.rider if staged is not None else None)
         try:
             logits, spans = self.runner.forward(works)
         except Exception:  # noqa: BLE001 - find the request(s) at fault; the others go on
@@ -119,17 +123,18 @@ class Batcher:
             plan, works, logits, spans = self._forward_apart(plan, works)
             if not plan:
                 return True
+            ends = [item.reaches_end for item in plan]
+            draws, staged = self._draws(plan, ends), None
         self._count_forward(plan)
-        ends = [item.reaches_end for item in plan]
         for item in plan:
             item.seq.computed += item.count
             self.scheduler.register_full_blocks(item.state, item.seq)
         rows: list[int] = []
         sampled: list[tuple[Sequence, RequestState]] = []
         running = set(self.scheduler.running)
-        for item, work, (first, count), reaches_end in zip(plan, works, spans, ends):
+        for item, work, (first, count), reaches_end, drawing in zip(plan, works, spans, ends, draws):
             state = item.state
-            if state.closed or state.abort_requested or state not in running:
+            if state.closed or state.abort_requested or state not in running:  # it ended during the forward
                 continue
             if work.logits == "all":
                 try:
@@ -137,28 +142,50 @@ class Batcher:
                 except Exception as exc:  # noqa: BLE001 - the request's own gather failed
                     self._fail_states([state], exc)
                     continue
-            if not reaches_end:
+            if reaches_end and not state.forked and state.request.sampling.max_tokens == 0:
+                for seq in state.sequences:  # prompt logprobs only: nothing to generate
+                    seq.finish("length")
                 continue
-            row = first + count - 1
-            if not state.forked:
-                if state.request.sampling.max_tokens == 0:  # prompt logprobs only: nothing to generate
-                    for seq in state.sequences:
-                        seq.finish("length")
-                    continue
-                for seq in state.sequences:
-                    rows.append(row)
-                    sampled.append((seq, state))
-            else:
-                rows.append(row)
-                sampled.append((item.seq, state))
+            for seq in drawing:
+                rows.append(first + count - 1)
+                sampled.append((seq, state))
         if rows:
             if rows == list(range(logits.shape[0])):  # a decode step: every row drawn, in order
-                self._sample(logits, sampled)
+                self._sample(logits, sampled, staged)
             else:
                 index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-                self._sample(logits.index_select(0, index), sampled)
+                self._sample(logits.index_select(0, index), sampled, staged)
         self._settle(plan)
         return True
+
+    def _draws(self, plan: list[Scheduled], ends: list[bool]) -> list[list[Sequence]]:
+        """Per item, the sequences that draw a token from its last row this step: its request's
+        every choice at the end of the prompt, its own sequence after the fork; none while the
+        request is ending or asks for prompt logprobs only."""
+        running = set(self.scheduler.running)
+        draws: list[list[Sequence]] = []
+        for item, end in zip(plan, ends):
+            state = item.state
+            if not end or state.closed or state.abort_requested or state not in running:
+                draws.append([])
+            elif state.forked:
+                draws.append([item.seq])
+            else:
+                draws.append([] if state.request.sampling.max_tokens == 0 else list(state.sequences))
+        return draws
+
+    def _stage(self, plan: list[Scheduled], draws: list[list[Sequence]]) -> StagedRows | None:
+        """Before the forward: the rows the step will draw, staged in the persistent batch so that
+        what they need on the device travels with the step's inputs (None when no row draws, or a
+        policy refuses a row: the sampling then finds whose request it is and fails only that)."""
+        sequences = [seq for drawing in draws for seq in drawing]
+        if not sequences:
+            return None
+        extensions = [item.state.request.extensions for item, drawing in zip(plan, draws) for _ in drawing]
+        try:
+            return self.batch.stage(sequences, extensions)
+        except Exception:  # noqa: BLE001 - a policy's add_row raised: _sample retries request by request
+            return None
 
     def _forward_apart(self, plan: list[Scheduled], works: list[Work]):
         """Run each request's part of a failed forward on its own (rewriting a slot with the same
@@ -220,13 +247,14 @@ class Batcher:
         state.prompt_logprobs.extend(part)
         state.prompt_logprobs_done = min(start + len(logits), len(state.request.prompt_token_ids))
 
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[Sequence, RequestState]]) -> None:
-        """Sample every row; if the sampler raises, retry request by request and fail only those
-        whose rows raise again."""
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[Sequence, RequestState]], staged: StagedRows | None) -> None:
+        """Sample every row (with what :meth:`_stage` sent of them, where they are still the same
+        rows); if the sampler raises, retry request by request and fail only those whose rows raise
+        again."""
         sequences = [seq for seq, _ in rows]
         owners = [state for _, state in rows]
         try:
-            batch_rows = self.batch.rows(sequences, [state.request.extensions for state in owners])
+            batch_rows = self.batch.rows(sequences, [state.request.extensions for state in owners], staged)
             result = self.sampler.sample(logits.clone(), batch_rows)
         except Exception:  # noqa: BLE001 - find the request(s) at fault
             log.exception("sampling a batch failed; retrying request by request")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from tests.unit.test_batching import finals, request, run, stepped  # noqa: F401 - fixture
 
 _rng = random.Random(11)
@@ -127,3 +129,49 @@ def test_n_beyond_max_num_seqs_decodes_its_choices_in_turns(stepped):
     assert got == expected and len(got[0]) == 10
     assert decode_rows and max(decode_rows) == 4
     assert len(narrow.core.batcher.batch) == 0
+
+
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_a_decode_step_makes_one_copy_to_the_device_and_one_back(stepped, monkeypatch, path):
+    """The step's inputs, its rows' slots and draw positions, and the rows of each policy that only
+    some rows want (greedy and sampled rows, top-k, top-p, a penalty, logprobs on one row) go to the
+    device in one copy; the sampled ids, the rows' largest logits and the logprobs come back in one."""
+    import torch
+
+    from gyrfalcon import policies
+    from gyrfalcon.engine.model import staging
+    from gyrfalcon.engine.model.captured import DecodeSteps
+    from gyrfalcon.engine.sample import persistent_batch, sampler
+    from gyrfalcon.plugins import logprobs, penalties
+
+    engine = stepped()
+    if path == "static":
+        engine.core.runner.decode_steps = DecodeSteps(engine.core.runner, 8, 128, mode="static")
+    asks = [dict(temperature=0.0), dict(temperature=0.8, seed=1, top_k=20), dict(temperature=0.0, logprobs=2),
+            dict(temperature=1.0, seed=2, top_p=0.9, frequency_penalty=0.5)]  # fmt: skip
+    streams = [engine.submit(request(LONG[i][:12], max_tokens=12, ignore_eos=True, **a)) for i, a in enumerate(asks)]
+    for _ in range(3):  # the prompts' prefills and the first tokens
+        engine.core.batcher.step()
+    assert all(len(state.sequences[0].token_ids) >= 1 for state in engine.core.scheduler.running)
+    copies = {"to the device": 0, "to the host": 0}
+
+    def counted(function, direction):
+        def wrapper(*args, **kwargs):
+            copies[direction] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(staging, "upload", counted(staging.upload, "to the device"))
+    for module in (policies, persistent_batch, sampler, penalties, logprobs):
+        monkeypatch.setattr(module, "to_device", counted(policies.to_device, "to the device"))
+    monkeypatch.setattr(torch.Tensor, "tolist", counted(torch.Tensor.tolist, "to the host"))
+    forwards = engine.core.runner.forwards
+    for _ in range(4):
+        assert engine.core.batcher.step()
+    monkeypatch.undo()
+    assert engine.core.runner.forwards - forwards == 4 and engine.core.batcher.running_sequences == 4
+    assert copies == {"to the device": 4, "to the host": 4}
+    if path == "static":
+        assert sum(b.runs for b in engine.core.runner.decode_steps._buckets.values()) >= 4
+    run(engine, streams)
+    assert [len(c[0]) for c in finals(streams)] == [12] * 4

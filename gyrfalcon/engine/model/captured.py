@@ -13,10 +13,10 @@ blocks; their logits are dropped. The fast path replays them:
 - ``compiled``: ``torch.compile`` (inductor) of the step on the CPU, the context width its one
   dynamic size, for the batch buckets of :data:`COMPILED_BATCHES`, compiled on a thread of its own while
   steps run eagerly and adopted between two steps (:meth:`DecodeSteps.poll`) (measured on the default model, direct
-  forward: at batch 1 the compiled step takes about 13 ms against 18 eager, after a 35–50 s
-  compile; a dynamic batch size compiled slower than eager, 135 ms against 70 at batch 16, so each
-  bucket is its own static graph, about 40 s of compiling each); larger batches take the runner's
-  unpadded eager step;
+  forward: at batch 1 the compiled step takes about 7.2 ms against 13 eager; a dynamic batch size
+  compiled slower than eager, 135 ms against 70 at batch 16, so each bucket is its own static
+  graph; the first start compiles the five for about 6 minutes on 2 cores, later starts load them
+  from the cache folder in seconds); larger batches take the runner's unpadded eager step;
 - ``static``: the same buffers run eagerly (what a fast step computes, on any device: tests).
 
 Every fast step is checked against the eager step on the same synthetic inputs before it serves
@@ -29,8 +29,10 @@ Why bit for bit on the CPU: a request's decode steps take the compiled path alon
 one beside other requests (larger batches, steps that carry a prefill, steps before the compile ends),
 so the two must agree exactly for a seeded request to get the same tokens alone and in any batch.
 They do on the direct forward (:mod:`~gyrfalcon.engine.model.decoder`): cos/sin are looked up,
-not computed, RMSNorm's mean of squares is an opaque operator (a C kernel of ours), attention takes the same shapes compiled and
-eager; before that they rounded apart from position 1 on (up to 0.08 nats on the default model).
+not computed, RMSNorm's mean of squares is summed in one fixed order (by a C kernel of ours
+eagerly, by the same elementwise operations inside a compiled step), attention takes the same
+shapes compiled and eager; before that they rounded apart from position 1 on (up to 0.08 nats on
+the default model).
 Transformers' forward computes all three inside the step, so it is not compiled.
 """
 
@@ -54,7 +56,7 @@ from gyrfalcon.engine.model.fast_check import (
     one_line,
     paired_medians_s,
 )
-from gyrfalcon.engine.model.work import Work, block_tables
+from gyrfalcon.engine.model.work import Work, block_tables, riding
 
 if TYPE_CHECKING:  # pragma: no cover
     from gyrfalcon.engine.model.runner import ModelRunner
@@ -376,7 +378,13 @@ class DecodeSteps:
         values += [w.blocks[w.start // bs] * bs + w.start % bs for w in works] + pad
         values += positions
         values += block_tables([w.blocks for w in works] + [[]] * len(pad), bucket.step.decode_blocks.shape[1])
-        staging.upload(values, self.runner.device, into=bucket.flat)  # the step's one host-to-device copy
+        rider = riding(works)
+        if rider is None:
+            staging.upload(values, self.runner.device, into=bucket.flat)  # the step's one host-to-device copy
+        else:  # the sampler's values ride along; the bucket's part is then copied on the device
+            sent = staging.upload(values + rider.values, self.runner.device)
+            bucket.flat.copy_(sent[: len(values)], non_blocking=True)
+            rider.tensor = sent[len(values) :]
         bucket.runs += 1
         if bucket.graph is not None:
             bucket.graph.replay()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from gyrfalcon.engine.model.attention import STEP_KWARG, Segment, StepMetadata, 
 from gyrfalcon.engine.model.captured import DecodeSteps
 from gyrfalcon.engine.model.fast_check import FAST_STEP_RTOL, check_fast_step
 from gyrfalcon.engine.model.decoder import DirectDecoder, unsupported
-from gyrfalcon.engine.model.work import Work, block_tables, slots_of
+from gyrfalcon.engine.model.work import Work, block_tables, riding, slots_of
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +171,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, works: list[Work]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """Run one step; returns fp32 logits and, per work item, its ``(first row, row count)``."""
+        """Run one step; returns fp32 logits and, per work item, its ``(first row, row count)``.
+        The values of a :class:`~gyrfalcon.engine.model.work.StepWorks`'s rider (the sampler's) go
+        to the device in the same copy as the step's inputs."""
         self.forwards += 1
+        rider = riding(works)
         if self.decode_steps is not None and all(len(w.tokens) == 1 and w.logits == "last" for w in works):
             logits = self.decode_steps.run(works)
             if logits is not None:
@@ -201,7 +205,11 @@ class ModelRunner:
             parts += [[o for o, _ in decode], [w.start for _, w in decode], block_tables([w.blocks for _, w in decode], decode_blocks)]
         tables = [work.blocks[: -(-(work.start + len(work.tokens)) // bs)] for _, work in prefill]
         parts += tables
-        views = staging.split(staging.upload([v for part in parts for v in part], self.device), [len(p) for p in parts])
+        if rider is not None:
+            parts.append(rider.values)
+        views = staging.split(staging.upload(list(chain.from_iterable(parts)), self.device), [len(p) for p in parts])
+        if rider is not None:
+            rider.tensor = views.pop()
         step = StepMetadata(self.cache, views[2], attention=self.attention, rows_in_place=self.rows_in_place)
         if decode:
             step.decode_rows, step.decode_positions = views[4], views[5]

@@ -1,11 +1,24 @@
-"""A step's integer inputs — token ids, positions, KV slots, block tables, kept rows — sent to the
-device in one copy: laid side by side in one host tensor (pinned on CUDA, from torch's caching host
-allocator, so the copy is queued without waiting), then read through views of the one device tensor.
+"""A step's integer inputs — token ids, positions, KV slots, block tables, kept rows, and what the
+sampler needs of its rows (a :class:`Rider`) — sent to the device in one copy: laid side by side in
+one host tensor (pinned on CUDA, from torch's caching host allocator, so the copy is queued without
+waiting), then read through views of the one device tensor.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class Rider:
+    """Integers that travel with a step's inputs in their one host-to-device copy: ``values`` on the
+    host, and ``tensor``, their view on the device, once the step that carried them has run (None
+    when it did not: the owner then sends them itself)."""
+
+    values: list[int]
+    tensor: torch.Tensor | None = None
 
 
 def upload(values: list[int], device: torch.device, into: torch.Tensor | None = None) -> torch.Tensor:

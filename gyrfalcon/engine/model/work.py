@@ -4,6 +4,10 @@ layout of block tables and KV slots the runner and the static decode buckets sha
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gyrfalcon.engine.model.staging import Rider
 
 
 @dataclass
@@ -18,6 +22,21 @@ class Work:
     start: int
     blocks: list[int]
     logits: str = "last"
+
+
+class StepWorks(list):
+    """The work items of one step (a list of :class:`Work`), with the sampler's ``rider``: integers
+    that go to the device in the same copy as the step's inputs (None: none). Whatever wraps the
+    runner's ``forward(works)`` passes the rider on with the list."""
+
+    def __init__(self, works: list[Work], rider: Rider | None = None) -> None:
+        super().__init__(works)
+        self.rider = rider
+
+
+def riding(works: list[Work]) -> Rider | None:
+    """The rider of a step's works (None for a plain list)."""
+    return getattr(works, "rider", None)
 
 
 def slots_of(blocks: list[int], start: int, stop: int, block_size: int) -> list[int]:

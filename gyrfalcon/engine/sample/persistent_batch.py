@@ -5,26 +5,52 @@ back when its KV is released (:meth:`PersistentBatch.leave`: it finished, its re
 was preempted — a preempted sequence joins again, with the tokens it has, when it next draws).
 Joining decides once which policies the row wants and tells each of them (``add_row``), writes the
 row's seed and, where a processor counts generated tokens, its counts; leaving tells them again
-(``remove_row``). A step then only looks rows up by slot (:meth:`PersistentBatch.rows`): one small
-host-to-device copy of the slots and positions, no per-row tensors rebuilt from Python lists.
+(``remove_row``). A step then only looks rows up by slot: :meth:`PersistentBatch.stage` lists,
+before the forward, what the rows need on the device (their slots and draw positions, the rows of
+each policy that only some rows want), which travels with the step's inputs in their one
+host-to-device copy, and :meth:`PersistentBatch.rows` reads it back; no per-row tensors are rebuilt
+from Python lists.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gyrfalcon.engine.sample.noise import DrawGenerators, as_int64, draw_uniforms
 from gyrfalcon.engine.sequence import Sequence
-from gyrfalcon.policies import BatchRows, LogitsProcessor, LogprobGatherer, NewRow, SlotTensor, to_device
+from gyrfalcon.engine.model.staging import Rider
+from gyrfalcon.policies import BatchRows, LogitsProcessor, LogprobGatherer, NewRow, RowList, SlotTensor, to_device
 
 log = logging.getLogger(__name__)
 
 #: ``BatchRows.selected`` keys of the rows the sampler itself treats apart (besides policies' ids)
 SAMPLING_ROWS = "sampling"
 MIN_TOKENS_ROWS = "min_tokens"
+
+
+@dataclass
+class StagedRows:
+    """A step's rows as :meth:`PersistentBatch.stage` saw them before the forward, and what of them
+    rides to the device with the step's inputs."""
+
+    sequences: list[Sequence]
+    slot_list: list[int]
+    positions: list[int]
+    selected: dict[Any, list[int]]
+    rider: Rider
+    #: how many sequences had left the batch when these rows were staged
+    departures: int
+
+    def still(self, sequences: list[Sequence], departures: int) -> bool:
+        """Whether the step draws for these very rows, each still in the slot it had when staged
+        (none has left since: a request that ended during the step, or a retried forward, makes
+        them differ)."""
+        return (departures == self.departures and len(sequences) == len(self.sequences)
+                and all(a is b for a, b in zip(sequences, self.sequences)))  # fmt: skip
 
 
 class PersistentBatch:
@@ -46,6 +72,7 @@ class PersistentBatch:
         self._seeds = SlotTensor((), "long", 0)
         self._counts = SlotTensor((vocab_size,), "int32", 0)
         self._counted: set[int] = set()
+        self._departures = 0  # sequences that left: a staged row's slot may have been given again
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -107,6 +134,7 @@ class PersistentBatch:
         slot = self._slot_of.pop(seq, None)
         if slot is None:
             return
+        self._departures += 1
         keys = self._joined[slot]
         for key in keys:
             self._wanted[key].discard(slot)
@@ -125,16 +153,41 @@ class PersistentBatch:
 
     # ----------------------------------------------------------------- a step's view
 
-    def rows(self, sequences: list[Sequence], extensions: list[dict[str, Any]]) -> BatchRows:
-        """The :class:`BatchRows` of a step drawing one token for each of ``sequences`` (in order),
-        joining those that hold no slot yet."""
+    def stage(self, sequences: list[Sequence], extensions: list[dict[str, Any]]) -> StagedRows:
+        """What a step drawing one token for each of ``sequences`` will need on the device — each
+        row's slot and draw position, and the rows of every policy that only some rows want —,
+        joining those that hold no slot yet: its :class:`~gyrfalcon.engine.model.staging.Rider`
+        travels with the step's inputs, and :meth:`rows` reads it back."""
         slot_list = [self.join(seq, ext) for seq, ext in zip(sequences, extensions)]
         positions = [len(seq.token_ids) for seq in sequences]
-        slots, position_tensor = to_device([slot_list, positions], self.device)
         selected: dict[Any, list[int]] = {}
         for key, wanted in self._wanted.items():
             if wanted:
                 selected[key] = [i for i, slot in enumerate(slot_list) if slot in wanted]
+        partial = [rows for rows in selected.values() if 0 < len(rows) < len(sequences)]
+        values = [*slot_list, *positions, *(i for rows in partial for i in rows)]
+        return StagedRows(list(sequences), slot_list, positions, selected, Rider(values), self._departures)
+
+    def rows(self, sequences: list[Sequence], extensions: list[dict[str, Any]],
+             staged: StagedRows | None = None) -> BatchRows:  # fmt: skip
+        """The :class:`BatchRows` of a step drawing one token for each of ``sequences`` (in order),
+        joining those that hold no slot yet. With ``staged`` (:meth:`stage` of the same rows, its
+        rider carried by the step) nothing more goes to the device; otherwise the rows' slots,
+        positions and policies' rows are sent in one copy of their own."""
+        if staged is None or not staged.still(sequences, self._departures):
+            staged = self.stage(sequences, extensions)
+        sent = staged.rider.tensor
+        if sent is None:
+            sent = to_device(staged.rider.values, self.device)
+        count = len(sequences)
+        slots, position_tensor = sent[:count], sent[count : 2 * count]
+        selected: dict[Any, list[int]] = {}
+        offset = 2 * count
+        for key, rows in staged.selected.items():
+            listed = selected[key] = RowList(rows)
+            if 0 < len(rows) < count:
+                listed.on_device = sent[offset : offset + len(rows)]
+                offset += len(rows)
         sampling = selected.get(SAMPLING_ROWS)
         uniforms = None
         if sampling:
@@ -150,7 +203,7 @@ class PersistentBatch:
             generators=DrawGenerators(keys, self.device),
             uniforms=uniforms,
             slots=slots,
-            slot_list=slot_list,
+            slot_list=staged.slot_list,
             output_counts=self._counts.tensor if self._counted else None,
             selected=selected,
         )
