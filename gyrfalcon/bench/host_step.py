@@ -1,7 +1,7 @@
 """``python -m gyrfalcon.bench.host_step``: what one decode step costs the host, the model left out.
 
-The engine's step loop (scheduling, block bookkeeping, the runner's inputs, sampling, stop checks,
-the outputs) around a stub model that returns fixed logits at once: on a GPU this host work is what
+The engine's step loop (scheduling, block bookkeeping, the runner's inputs and their one copy to the
+device, sampling, stop checks, the outputs) around a stub model that returns fixed logits at once: on a GPU this host work is what
 must hide behind the device's forward. A tiny random model (its vocabulary is small, so the stub's
 logits cost the sampler next to nothing) serves ``--batch`` greedy sequences decoding together; the
 median of ``--steps`` steps is printed per batch size, against the targets of the issue "A GPU step
@@ -19,22 +19,17 @@ import time
 TARGETS_MS = {1: 0.3, 64: 1.0}
 
 
-def _stub_forward(runner, vocab: int):
-    """A ``ModelRunner.forward`` that runs no model: fixed fp32 logits, one row per wanted position."""
+def _stub_model(runner, vocab: int):
+    """A ``ModelRunner.run_model`` that runs no model: fixed fp32 logits, one row per kept position.
+    The runner's own ``forward`` still builds the step's inputs and sends them to the device."""
     import torch
 
     fixed = torch.randn(4096, vocab, generator=torch.Generator().manual_seed(0))
 
-    def forward(works):
-        spans, rows = [], 0
-        for work in works:
-            count = {"last": 1, "all": len(work.tokens)}.get(work.logits, 0)
-            spans.append((rows, count))
-            rows += count
-        runner.forwards += 1
-        return fixed[:rows], spans
+    def run_model(input_ids, positions, step, keep):
+        return fixed[: keep.shape[0]]
 
-    return forward
+    return run_model
 
 
 def measure(model_dir: str, batch: int, steps: int) -> float:
@@ -49,7 +44,7 @@ def measure(model_dir: str, batch: int, steps: int) -> float:
     try:
         assert engine.core.prepare()
         core = engine.core
-        core.runner.forward = _stub_forward(core.runner, core.runner.logits_width)
+        core.runner.run_model = _stub_model(core.runner, core.runner.logits_width)
         params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
         streams = [engine.submit(EngineRequest(f"host-{batch}-{i}", [5, 6, 7, 8], params, OutputKind.DELTA))
                    for i in range(batch)]  # fmt: skip

@@ -49,7 +49,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(seq.finish_reason is not None for seq in self.sequences)
+        for seq in self.sequences:  # a loop, not all() over a generator: read several times a step per request
+            if seq.finish_reason is None:
+                return False
+        return True
 
     def num_generated_tokens(self) -> int:
         return sum(len(seq.token_ids) for seq in self.sequences)

@@ -233,25 +233,34 @@ class Scheduler:
         plan: list[Scheduled] = []
         preemptions = self.preemptions
         rows = 0  # decode rows: at most max_num_seqs (a request with more choices runs them in turns)
-        for decoding in (True, False):
-            for state in list(self.running):
-                if state not in self.running:  # preempted by an older request in this pass
+        decode: list[tuple[RequestState, Sequence]] = []
+        prefill: list[tuple[RequestState, Sequence]] = []
+        for state in self.running:  # one look at every sequence: decode rows first, then prefill chunks
+            for seq in state.live_sequences():
+                want = seq.num_tokens - seq.computed
+                if want == 1:
+                    decode.append((state, seq))
+                elif want > 1:
+                    prefill.append((state, seq))
+        for decoding, pending in ((True, decode), (False, prefill)):
+            stopped = None  # a request preempted while its own sequences were being scheduled
+            for state, seq in pending:
+                if budget <= 0:
+                    break
+                if state is stopped or (self.preemptions != preemptions and state not in self.running):
+                    continue  # preempted by an older request in this step
+                if decoding:
+                    if rows >= self.max_num_seqs:
+                        continue
+                    rows += 1
+                count = self._chunk(seq, budget)
+                if count <= 0:
                     continue
-                for seq in state.live_sequences():
-                    want = seq.num_tokens - seq.computed
-                    if (want == 1) != decoding or want <= 0 or budget <= 0:
-                        continue
-                    if decoding:
-                        if rows >= self.max_num_seqs:
-                            continue
-                        rows += 1
-                    count = self._chunk(seq, budget)
-                    if count <= 0:
-                        continue
-                    if not self._make_room(seq, count, state, plan):
-                        break  # this request itself was preempted
-                    plan.append(Scheduled(state, seq, count))
-                    budget -= count
+                if not self._make_room(seq, count, state, plan):
+                    stopped = state
+                    continue
+                plan.append(Scheduled(state, seq, count))
+                budget -= count
         if self.preemptions == preemptions:  # no admission while blocks are short
             self._admit(plan, budget)
         return plan
