@@ -9,8 +9,10 @@ Each :meth:`Batcher.step`:
 4. gathers prompt logprobs from the chunks that asked (their logits are dropped at once), samples
    a token for every sequence whose chunk reached its end — a request's prompt is prefilled once
    and its first token drawn ``n`` times from the same logits, after which its children fork:
-   they share the prompt's full blocks and copy only the last partial one —, emits, and releases
-   the blocks of finished sequences.
+   they share the prompt's full blocks and copy only the last partial one —, releases the blocks
+   of finished sequences, and emits every request's progress in one call: at once on a CPU; on a
+   GPU once the next step's forward is launched, so that sending overlaps the device's work
+   (:attr:`Batcher.overlap`).
 
 A fault in the forward fails the requests that were in it (their KV state is unknown); requests
 that were not scheduled in that step go on. A fault while sampling (a plugin processor) is retried
@@ -63,13 +65,13 @@ class Batcher:
         runner: ModelRunner,
         sampler: Sampler,
         scheduler: Scheduler,
-        emit: Callable[[RequestState], None],
+        emit: Callable[[list[RequestState]], None],
         count: Callable[[str, int], None],
         fail: Callable[[RequestState, EngineError], None],
         prompt_logprobs: Callable[[EngineRequest, torch.Tensor, int], TokenLogprobs] | None = None,
     ) -> None:
-        """``emit`` sends a request's progress; ``fail`` ends a request in-band with an error (a
-        no-op for a request already closed); ``prompt_logprobs(request, logits, start)`` returns
+        """``emit`` sends what a step changed, every request's progress in one call; ``fail`` ends a
+        request in-band with an error (a no-op for a request already closed); ``prompt_logprobs(request, logits, start)`` returns
         the prompt logprobs of the positions that ``[c, V]`` logits starting at ``start`` predict.
         The sampling state of the sequences lives in a :class:`PersistentBatch` that they join
         when they first draw and leave when the scheduler releases their KV."""
@@ -79,6 +81,11 @@ class Batcher:
         self.batch = PersistentBatch(sampler.processors, sampler.gatherers, runner.logits_width, runner.cache.device)
         scheduler.release_listeners.append(self.batch.leave)
         self.emit = emit
+        #: a step's outputs are sent once the next step's forward is launched, so that on a GPU the
+        #: host's work of sending them overlaps the device's of computing the next step (on a CPU
+        #: the forward runs on the host, and waiting for it would only delay the outputs)
+        self.overlap = runner.device.type == "cuda"
+        self._unsent: list[RequestState] = []
         self.count = count
         self.fail = fail
         self.prompt_logprobs = prompt_logprobs
@@ -111,6 +118,7 @@ class Batcher:
         self._reap_aborted()
         plan = self.scheduler.schedule()
         if not plan:
+            self.send()
             return False
         ends = [item.reaches_end for item in plan]
         draws = self._draws(plan, ends)
@@ -125,6 +133,7 @@ class Batcher:
                 return True
             ends = [item.reaches_end for item in plan]
             draws, staged = self._draws(plan, ends), None
+        self.send()  # the previous step's outputs, while the device computes this step (overlap)
         self._count_forward(plan)
         for item in plan:
             item.seq.computed += item.count
@@ -317,8 +326,18 @@ class Batcher:
                 child.computed = parent.computed
         self.runner.cache.copy_blocks(copies)
 
+    def send(self) -> None:
+        """Emit the outputs not sent yet, in one call."""
+        if self._unsent:
+            states, self._unsent = list(dict.fromkeys(self._unsent)), []
+            self.emit(states)
+
+    def _queue(self, state: RequestState) -> None:
+        self._unsent.append(state)
+
     def _settle(self, plan: list[Scheduled]) -> None:
-        """Emit the step's progress; release finished sequences and requests."""
+        """Queue the step's progress (sent now, or with :attr:`overlap` after the next step's forward
+        is launched); release finished sequences and requests."""
         self.count("steps", 1)
         for state in dict.fromkeys(item.state for item in plan):
             if state.closed:
@@ -328,9 +347,11 @@ class Batcher:
             for seq in state.sequences:
                 if seq.finished and (seq.blocks or self.batch.slot(seq) is not None):
                     self.scheduler.release(seq)
-            self.emit(state)
+            self._queue(state)
             if state.finished:
                 self.scheduler.finish_request(state)
+        if not self.overlap:
+            self.send()
         if not self.scheduler.running and len(self.scheduler) == 0:
             _release_memory()
 
@@ -341,9 +362,12 @@ class Batcher:
         for state in self.states():
             state.abort_requested = True
         self._reap_aborted()
+        self.send()
 
     def clear(self) -> list[RequestState]:
-        """Forget every running request (after a failed step); return them, their blocks released."""
+        """Forget every running request (after a failed step); return them, their blocks released.
+        What earlier steps left unsent is sent first."""
+        self.send()
         states = self.states()
         for state in states:
             self.scheduler.finish_request(state)
@@ -371,4 +395,6 @@ class Batcher:
                 self.scheduler.release(seq)
             if state.finished:
                 self.scheduler.finish_request(state)
-                self.emit(state)
+                self._queue(state)
+        if not self.overlap:
+            self.send()

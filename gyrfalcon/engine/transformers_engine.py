@@ -241,8 +241,14 @@ class TransformersEngine(EngineCore):
             sequences.append(Sequence(index, params, request.prompt_token_ids, stopper, seed))
         return sequences
 
+    def _emit_step(self, states: list[RequestState]) -> None:
+        """Send what a step produced, for every request it changed."""
+        for state in states:
+            self._emit(state)
+
     def _emit(self, state: RequestState) -> None:
-        """Send what a step produced; end the stream and forget the request once it has finished."""
+        """Send what a step produced for one request; end the stream and forget the request once it
+        has finished."""
         output = state.make_output()
         # read before the output goes out: a client that closes its stream once it has the final
         # output (an abort of a finished request) must not turn it into an aborted one
@@ -283,7 +289,7 @@ class TransformersEngine(EngineCore):
                 self._fail(state, f"model failed to load: {exc}")
             return False
         assert self.runner is not None
-        self.batcher = Batcher(self.runner, self.sampler, self.scheduler, self._emit, self._count, self._fail,
+        self.batcher = Batcher(self.runner, self.sampler, self.scheduler, self._emit_step, self._count, self._fail,
                                self._prompt_logprobs)  # fmt: skip
         self._health = EngineHealth(ready=True, message="", decode_path=self.decode_path.describe())
         return True

@@ -175,3 +175,46 @@ def test_a_decode_step_makes_one_copy_to_the_device_and_one_back(stepped, monkey
         assert sum(b.runs for b in engine.core.runner.decode_steps._buckets.values()) >= 4
     run(engine, streams)
     assert [len(c[0]) for c in finals(streams)] == [12] * 4
+
+
+def test_with_overlap_a_steps_outputs_go_out_once_the_next_forward_is_launched(stepped):
+    """On a GPU a step's outputs are sent after the next step's forward is launched (the host's work
+    overlaps the device's): one step later than at once, in one emit per step, the last ones when
+    the loop finds nothing left to run, and the same tokens as sending at once."""
+    import queue
+
+    from gyrfalcon.engine_api.types import OutputKind
+    from tests.unit.test_batching import make_requests
+
+    plain = stepped()
+    streams = [plain.submit(r) for r in make_requests()]
+    run(plain, streams)
+    expected = finals(streams)
+
+    late = stepped()
+    late.core.batcher.overlap = True
+    emits = []
+    emit = late.core.batcher.emit
+    late.core.batcher.emit = lambda states: (emits.append(len(states)), emit(states))
+    stream = late.submit(request(LONG[0][:10], kind=OutputKind.DELTA, max_tokens=3, ignore_eos=True))
+    seen = []
+
+    def drain():
+        try:
+            while (item := stream.get(timeout=0)) is not None:
+                seen.append(item)
+        except queue.Empty:
+            pass
+
+    for step in range(1, 4):  # a prefill with the first token, then two decode steps
+        assert late.core.batcher.step()
+        drain()
+        assert sum(len(item.outputs[0].token_ids) for item in seen) == step - 1, (step, seen)
+    assert not late.core.batcher.step()  # nothing left to run: the last output goes out
+    drain()
+    assert seen[-1].finished and sum(len(item.outputs[0].token_ids) for item in seen) == 3
+    assert stream.get(timeout=0) is None  # the stream ended
+    assert emits == [1, 1, 1]
+    streams = [late.submit(r) for r in make_requests()]
+    run(late, streams)
+    assert finals(streams) == expected
