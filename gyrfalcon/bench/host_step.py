@@ -32,13 +32,14 @@ def _stub_model(runner, vocab: int):
     return run_model
 
 
-def measure(model_dir: str, batch: int, steps: int) -> float:
-    """The median seconds of a decode step of ``batch`` sequences around the stub."""
+def measure(model_dir: str, batch: int, steps: int, prompt_tokens: int = 4) -> float:
+    """The median seconds of a decode step of ``batch`` sequences of ``prompt_tokens``-token prompts
+    around the stub."""
     from gyrfalcon.config import Settings
     from gyrfalcon.engine_api.types import EngineRequest, OutputKind, SamplingParams
     from gyrfalcon.plugins.engines import create_transformers_engine
 
-    settings = Settings(model=model_dir, max_model_len=steps + 64, max_num_seqs=batch, max_queue_len=batch, dtype="float32",
+    settings = Settings(model=model_dir, max_model_len=steps + prompt_tokens + 60, max_num_seqs=batch, max_queue_len=batch, dtype="float32",
                         device="cpu", seed=0, num_threads=1, enforce_eager=True)  # fmt: skip
     engine = create_transformers_engine(settings, start=False)
     try:
@@ -46,7 +47,8 @@ def measure(model_dir: str, batch: int, steps: int) -> float:
         core = engine.core
         core.runner.run_model = _stub_model(core.runner, core.runner.logits_width)
         params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-        streams = [engine.submit(EngineRequest(f"host-{batch}-{i}", [5, 6, 7, 8], params, OutputKind.DELTA))
+        prompt = [5 + t % 200 for t in range(prompt_tokens)]
+        streams = [engine.submit(EngineRequest(f"host-{batch}-{i}", [i % 5, *prompt[1:]], params, OutputKind.DELTA))
                    for i in range(batch)]  # fmt: skip
         while core.batcher.running_sequences < batch or core.batcher.prefilling_requests():
             core.batcher.step()
@@ -70,14 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gyrfalcon.bench.host_step", description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--prompt-tokens", type=int, default=4, help="each sequence's prompt (its context grows from there)")
     args = p.parse_args(argv)
     from gyrfalcon.models.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="gyrfalcon-host-step-") as folder:
-        model_dir = str(build_tiny_model(folder, positions=args.steps + 64))
+        model_dir = str(build_tiny_model(folder, positions=args.steps + args.prompt_tokens + 60))
+        print(f"contexts of {args.prompt_tokens} to {args.prompt_tokens + args.steps} tokens")
         print("| batch | host time per decode step (median) | target |\n|---|---|---|")
         for batch in args.batch:
-            ms = measure(model_dir, batch, args.steps) * 1000
+            ms = measure(model_dir, batch, args.steps, args.prompt_tokens) * 1000
             target = TARGETS_MS.get(batch)
             verdict = f"≤ {target} ms: {'met' if ms <= target else 'missed'}" if target else ""
             print(f"| {batch} | {ms:.3f} ms | {verdict} |", flush=True)

@@ -80,6 +80,7 @@ class Batcher:
         self.scheduler = scheduler
         self.batch = PersistentBatch(sampler.processors, sampler.gatherers, runner.logits_width, runner.cache.device)
         scheduler.release_listeners.append(self.batch.leave)
+        scheduler.release_listeners.append(runner.block_table.release)
         self.emit = emit
         #: a step's outputs are sent once the next step's forward is launched, so that on a GPU the
         #: host's work of sending them overlaps the device's of computing the next step (on a CPU
@@ -231,7 +232,7 @@ class Batcher:
             and seq.computed <= state.prompt_logprobs_done
         )
         kind = "all" if wants_prompt_logprobs else ("last" if item.reaches_end else "none")
-        return Work(seq.tokens(seq.computed, stop), seq.computed, list(seq.blocks), kind)
+        return Work(seq.tokens(seq.computed, stop), seq.computed, seq.blocks, kind, owner=seq)
 
     def _count_forward(self, plan: list[Scheduled]) -> None:
         prompt_tokens = 0
@@ -332,9 +333,6 @@ class Batcher:
             states, self._unsent = list(dict.fromkeys(self._unsent)), []
             self.emit(states)
 
-    def _queue(self, state: RequestState) -> None:
-        self._unsent.append(state)
-
     def _settle(self, plan: list[Scheduled]) -> None:
         """Queue the step's progress (sent now, or with :attr:`overlap` after the next step's forward
         is launched); release finished sequences and requests."""
@@ -347,7 +345,7 @@ class Batcher:
             for seq in state.sequences:
                 if seq.finished and (seq.blocks or self.batch.slot(seq) is not None):
                     self.scheduler.release(seq)
-            self._queue(state)
+            self._unsent.append(state)
             if state.finished:
                 self.scheduler.finish_request(state)
         if not self.overlap:
@@ -395,6 +393,6 @@ class Batcher:
                 self.scheduler.release(seq)
             if state.finished:
                 self.scheduler.finish_request(state)
-                self._queue(state)
+                self._unsent.append(state)
         if not self.overlap:
             self.send()

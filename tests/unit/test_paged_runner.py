@@ -148,7 +148,48 @@ def test_a_step_sends_its_inputs_to_the_device_in_one_copy(monkeypatch):
     for s in seqs:
         s.tokens.append(9)
     static.forward([s.work(1) for s in seqs])  # a decode batch in bucket 4
-    assert len(uploads) == 3 and uploads[-1] == 4 * 4 + 4 * static.decode_steps.get(4, 64).step.decode_blocks.shape[1]
+    # the bucket's inputs, its rows of the persistent block table, and the table's new entries (row,
+    # column, block): work built by hand holds a row for one step, so every block of it is new
+    assert len(uploads) == 3 and uploads[-1] == 4 * 4 + 4 + 3 * sum(len(s.blocks) for s in seqs)
+
+
+def test_a_sequence_keeps_its_block_table_row_and_a_step_sends_only_its_new_blocks(monkeypatch):
+    """Work that names its sequence (``owner``, with its own block list) keeps a row of the runner's
+    persistent block table: a decode step whose sequences gained no block sends no table entry, one
+    where a sequence gained a block sends that entry alone, and the logits are those of work built
+    by hand (a row for one step, its table sent whole), plain and in a static bucket."""
+    from gyrfalcon.engine.model import staging
+
+    _, model = _models("llama")
+    real = staging.upload
+    for capture in ("off", "static"):
+        kept, kept_pool = _runner(model, capture=capture)
+        whole, whole_pool = _runner(model, capture=capture)
+        owned = [Seq([5 + n for n in range(length)], kept_pool) for length in (3, 9, 14)]
+        plain = [Seq([5 + n for n in range(length)], whole_pool) for length in (3, 9, 14)]
+        uploads = []
+        monkeypatch.setattr(staging, "upload", lambda values, device, into=None: uploads.append(len(values)) or real(values, device, into))
+
+        def step(count: int | None = None) -> None:
+            mine = []
+            for seq in owned:
+                work = seq.work(count or len(seq.tokens))
+                mine.append(Work(work.tokens, work.start, seq.blocks, work.logits, owner=seq))
+            got = kept.forward(mine)[0]
+            assert torch.equal(got, whole.forward([seq.work(count or len(seq.tokens)) for seq in plain])[0]), capture
+            for seq in (*owned, *plain):
+                seq.tokens.append(int(got[0].argmax()))
+
+        step()  # the prompts: 1, 3 and 4 blocks of 4 tokens
+        step(1)  # 4, 10 and 15 tokens: no sequence gains a block
+        step(1)  # 5, 11 and 16 tokens: the first gains its second block
+        monkeypatch.undo()
+        inputs = 4 * 4 + 4 if capture == "static" else 7 * 3  # a bucket of 4 rows, or the plain step's
+        assert uploads[2::2] == [inputs, inputs + 3], (capture, uploads)  # (row, column, block) of one entry
+        assert [len(seq.blocks) for seq in owned] == [2, 3, 4]
+        for seq in owned:
+            kept.block_table.release(seq)
+        assert sorted(kept.block_table._free) == list(range(1, kept.block_table.tensor.shape[0]))
 
 
 def _warm_up_steps(pool):

@@ -2,9 +2,9 @@
 
 A decode step of ``B`` sequences whose longest context is ``W`` tokens runs in the bucket
 ``(B', L)``: ``B'`` the smallest batch bucket ≥ ``B``, ``L`` the smallest context bucket ≥ ``W``
-(powers of two from 64, up to the context length; one, the context length, where attention reads
-the blocks in place: its shapes do not depend on the context). Each bucket owns static input buffers — token
-ids, positions, KV slots, the block table of every row's first ``L`` tokens — and its output logits.
+(powers of two from 64, up to the context length; one where attention reads the blocks in place).
+Each bucket owns static input buffers — token ids, positions, KV slots, its rows of the runner's
+persistent block table (first ``L`` tokens) — and its output logits.
 Padding rows write their KV to the scratch block and read only it, so they touch no sequence's
 blocks; their logits are dropped. The fast path replays them:
 
@@ -56,7 +56,7 @@ from gyrfalcon.engine.model.fast_check import (
     one_line,
     paired_medians_s,
 )
-from gyrfalcon.engine.model.work import Work, block_tables, riding
+from gyrfalcon.engine.model.work import Work, riding
 
 if TYPE_CHECKING:  # pragma: no cover
     from gyrfalcon.engine.model.runner import ModelRunner
@@ -164,10 +164,9 @@ class DecodeSteps:
     @torch.inference_mode()
     def _new(self, batch: int, width: int) -> _Bucket:
         """A bucket's inputs — ids, positions, KV slots, the rows' positions, the block table — as
-        views of one device buffer, which each step fills with one copy. Always inference tensors:
-        a compiled graph guards on its inputs' dispatch keys, and a bucket made outside inference
-        mode (the background compiles' were) recompiled the step at its first serving step, some
-        5 s with every request waiting."""
+        views of one device buffer, filled each step on the device. Always inference tensors: a
+        compiled graph guards on its inputs' dispatch keys (buckets made outside inference mode
+        recompiled the step at its first serving step, some 5 s with every request waiting)."""
         blocks = -(-width // self.runner.cache.block_size)
         flat = torch.zeros(4 * batch + batch * blocks, dtype=torch.long, device=self.runner.device)
         ids, positions, slots, rows_at, table = staging.split(flat, [batch] * 4 + [batch * blocks])
@@ -362,29 +361,34 @@ class DecodeSteps:
 
     def run(self, works: list[Work]) -> torch.Tensor | None:
         """The ``[len(works), V]`` fp32 next-token logits of a decode step (None: no bucket fits,
-        or the step is one the compiled mode does not compile or would pad too much — the runner's
-        unpadded step is then the faster eager one: a padded eager bucket computed up to 7 rows and
-        60 columns more; 0.82 of the eager ceiling at c=16 against 1.0 before)."""
+        or the step is one the compiled mode does not compile or would pad too much: the runner's
+        unpadded eager step is then faster; a padded eager bucket gave 0.82 of the eager ceiling at
+        c=16)."""
         key = self.bucket(len(works), max(w.start + 1 for w in works))
         if key is None or (self.mode == "compiled" and (key[0] not in self._compiled_batches
                                                          or len(works) < COMPILED_MIN_FILL * key[0])):  # fmt: skip
             return None
         bucket = self.get(*key)
         n, bs = len(works), self.runner.cache.block_size
-        pad = [0] * (bucket.batch - n)  # padding rows: token 0 at position 0 in the scratch slot 0
+        table = self.runner.block_table
+        pad = [0] * (bucket.batch - n)  # padding rows: token 0 at position 0 in the scratch slot 0, the scratch row
         positions = [w.start for w in works] + pad
         values = [w.tokens[0] for w in works] + pad
         values += positions
         values += [w.blocks[w.start // bs] * bs + w.start % bs for w in works] + pad
         values += positions
-        values += block_tables([w.blocks for w in works] + [[]] * len(pad), bucket.step.decode_blocks.shape[1])
+        head = len(values)
+        values += [table.place(w.owner, w.blocks) for w in works] + pad
+        pending = table.take_pending()
         rider = riding(works)
-        if rider is None:
-            staging.upload(values, self.runner.device, into=bucket.flat)  # the step's one host-to-device copy
-        else:  # the sampler's values ride along; the bucket's part is then copied on the device
-            sent = staging.upload(values + rider.values, self.runner.device)
-            bucket.flat.copy_(sent[: len(values)], non_blocking=True)
-            rider.tensor = sent[len(values) :]
+        # the step's one host-to-device copy, then into the buffers the graph reads, on the device
+        sent = staging.upload(values + pending + (rider.values if rider is not None else []), self.runner.device)
+        bucket.flat[:head].copy_(sent[:head], non_blocking=True)
+        table.apply(sent[head + bucket.batch : head + bucket.batch + len(pending)])
+        table.rows(sent[head : head + bucket.batch], out=bucket.step.decode_blocks)
+        if rider is not None:
+            rider.tensor = sent[head + bucket.batch + len(pending) :]
+        table.settle()
         bucket.runs += 1
         if bucket.graph is not None:
             bucket.graph.replay()

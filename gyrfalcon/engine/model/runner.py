@@ -18,12 +18,13 @@ from pathlib import Path
 import torch
 
 from gyrfalcon.engine.kv.cache import PagedKVCache
+from gyrfalcon.engine.kv.table import BlockTable
 from gyrfalcon.engine.model import flex, one_query, staging
 from gyrfalcon.engine.model.attention import STEP_KWARG, Segment, StepMetadata, register
 from gyrfalcon.engine.model.captured import DecodeSteps
 from gyrfalcon.engine.model.fast_check import FAST_STEP_RTOL, check_fast_step
 from gyrfalcon.engine.model.decoder import DirectDecoder, unsupported
-from gyrfalcon.engine.model.work import Work, block_tables, riding, slots_of
+from gyrfalcon.engine.model.work import Work, riding, slots_of
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ class ModelRunner:
         self.rows_in_place = one_query.applies(self.device, model.dtype, shape.dtype,
                                                getattr(model.config, "num_attention_heads", shape.num_kv_heads),
                                                shape.num_kv_heads, shape.head_dim)  # fmt: skip
+        #: every running sequence's blocks, kept on the device between steps
+        self.block_table = BlockTable(-(-max_model_len // cache.block_size), self.device)
         self.decode_steps = None
         if capture != "off":
             self.decode_steps = DecodeSteps(self, max_batch, max_model_len, mode=capture)
@@ -197,24 +200,24 @@ class ModelRunner:
             rows = {"last": [offset + count - 1], "all": list(range(offset, offset + count))}.get(work.logits, [])
             spans.append((len(keep), len(rows)))
             keep.extend(rows)
-        # every input of the forward in one host-to-device copy, then views of it
-        parts = [ids, positions, slots, keep]
-        decode_blocks = 0
-        if decode:
-            decode_blocks = -(-max(w.start + 1 for _, w in decode) // bs)
-            parts += [[o for o, _ in decode], [w.start for _, w in decode], block_tables([w.blocks for _, w in decode], decode_blocks)]
-        tables = [work.blocks[: -(-(work.start + len(work.tokens)) // bs)] for _, work in prefill]
-        parts += tables
-        if rider is not None:
-            parts.append(rider.values)
+        # every input of the forward in one host-to-device copy, then views of it; the block tables
+        # are rows of the persistent table, of which only the new entries travel
+        table = self.block_table
+        decode_rows = [table.place(w.owner, w.blocks) for _, w in decode]
+        prefill_rows = [table.place(w.owner, w.blocks) for _, w in prefill]
+        parts = [ids, positions, slots, keep, [o for o, _ in decode], [w.start for _, w in decode], decode_rows,
+                 table.take_pending(), rider.values if rider is not None else []]  # fmt: skip
         views = staging.split(staging.upload(list(chain.from_iterable(parts)), self.device), [len(p) for p in parts])
+        table.apply(views[7])
         if rider is not None:
-            rider.tensor = views.pop()
+            rider.tensor = views[8]
         step = StepMetadata(self.cache, views[2], attention=self.attention, rows_in_place=self.rows_in_place)
         if decode:
             step.decode_rows, step.decode_positions = views[4], views[5]
-            step.decode_blocks = views[6].view(len(decode), decode_blocks)
-        for (offset, work), table in zip(prefill, views[len(views) - len(tables):]):
-            step.prefills.append(Segment(offset, work.start, len(work.tokens), table))
+            step.decode_blocks = table.rows(views[6], -(-max(w.start + 1 for _, w in decode) // bs))
+        for (offset, work), row in zip(prefill, prefill_rows):
+            blocks = -(-(work.start + len(work.tokens)) // bs)
+            step.prefills.append(Segment(offset, work.start, len(work.tokens), table.tensor[row, :blocks]))
+        table.settle()
         logits = self.run_model(views[0].unsqueeze(0), views[1].unsqueeze(0), step, views[3])
         return logits.float(), spans

@@ -1,10 +1,11 @@
-"""What one step asks of the model runner: a :class:`Work` item per scheduled sequence, and the
-layout of block tables and KV slots the runner and the static decode buckets share."""
+"""What one step asks of the model runner: a :class:`Work` item per scheduled sequence (with the
+sampler's :class:`~gyrfalcon.engine.model.staging.Rider`, :class:`StepWorks`), and the KV slots of
+a sequence's positions, which the runner and the static decode buckets share."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from gyrfalcon.engine.model.staging import Rider
@@ -15,13 +16,17 @@ class Work:
     """Feed ``tokens`` at positions ``start ..`` of a sequence whose block table is ``blocks``.
 
     ``logits``: ``"last"`` (the next-token logits after the last one), ``"all"`` (one row per fed
-    token: prompt logprobs) or ``"none"`` (a prefill chunk that does not reach the end).
+    token: prompt logprobs) or ``"none"`` (a prefill chunk that does not reach the end). ``owner``:
+    the sequence, which keeps its row of the runner's persistent block table from step to step
+    (``blocks`` is then its own list, only ever appended to); None for work built by hand, whose
+    row lasts one step.
     """
 
     tokens: list[int]
     start: int
     blocks: list[int]
     logits: str = "last"
+    owner: Any = None
 
 
 class StepWorks(list):
@@ -42,14 +47,3 @@ def riding(works: list[Work]) -> Rider | None:
 def slots_of(blocks: list[int], start: int, stop: int, block_size: int) -> list[int]:
     """The cache slots of positions ``start .. stop - 1`` of a sequence whose block table is ``blocks``."""
     return [blocks[p // block_size] * block_size + p % block_size for p in range(start, stop)]
-
-
-def block_tables(tables: list[list[int]], blocks: int) -> list[int]:
-    """Each table's first ``blocks`` blocks, padded with the scratch block (0), whose columns lie
-    past every row's position and are masked: ``len(tables) * blocks`` ids, row after row."""
-    flat: list[int] = []
-    for table in tables:
-        head = table[:blocks]
-        flat.extend(head)
-        flat.extend([0] * (blocks - len(head)))
-    return flat
