@@ -33,7 +33,7 @@ from gyrfalcon.api.resources import (
 )
 from gyrfalcon.config import Settings
 from gyrfalcon.engine_api.interface import Engine
-from gyrfalcon.protocol.endpoints import ENDPOINTS
+from gyrfalcon.protocol.endpoints import DETOKENIZE, ENDPOINTS, TOKENIZE
 
 #: routes that answer without an API key
 PUBLIC_ROUTES = frozenset({"/health", "/version", "/openapi.json", "/metrics"})
@@ -107,7 +107,7 @@ def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager, *, 
     app.add_route("/v1/responses/{response_id}", StoredResponseResource(ctx))
     app.add_route("/v1/responses/{response_id}/input_items", ResponseInputItemsResource(ctx))
     app.add_route("/v1/responses/{response_id}/cancel", CancelResponseResource(ctx))
-    app.add_route("/tokenize", TokenizeResource(ctx))
-    app.add_route("/detokenize", DetokenizeResource(ctx))
+    app.add_route(TOKENIZE.route, TokenizeResource(ctx))
+    app.add_route(DETOKENIZE.route, DetokenizeResource(ctx))
     pm.hook.gyrfalcon_add_routes(app=app, engine=engine, settings=settings)
     return WatchedApp(app, drain=lambda: engine.drain(settings.drain_timeout))

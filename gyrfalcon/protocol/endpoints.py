@@ -156,6 +156,26 @@ RESPONSES = Endpoint("responses", "/v1/responses", generated.ResponsesRequest, "
 ENDPOINTS: dict[str, Endpoint] = {e.name: e for e in (GENERATE, COMPLETIONS, CHAT, CHAT_BATCH, RESPONSES)}
 
 
+@dataclass(frozen=True, eq=False)
+class TokenizerEndpoint:
+    """A route of the tokenizer, beside the inference endpoints: its wire model, and its chat form's
+    (a body with ``messages`` is tokenized as chat renders it; None: no such form)."""
+
+    name: str
+    route: str
+    wire_model: type[pydantic.BaseModel]
+    chat_model: type[pydantic.BaseModel] | None = None
+
+    def model_of(self, body: Any) -> type[pydantic.BaseModel]:
+        """The wire model a body is read with: the chat form's when it has ``messages``."""
+        chat = self.chat_model is not None and isinstance(body, dict) and "messages" in body
+        return self.chat_model if chat and self.chat_model is not None else self.wire_model
+
+
+TOKENIZE = TokenizerEndpoint("tokenize", "/tokenize", generated.TokenizeCompletionRequest, generated.TokenizeChatRequest)
+DETOKENIZE = TokenizerEndpoint("detokenize", "/detokenize", generated.DetokenizeRequest)
+
+
 def endpoint_of(endpoint: Endpoint | str) -> Endpoint:
     """The endpoint object (given one, or its name)."""
     return endpoint if isinstance(endpoint, Endpoint) else ENDPOINTS[endpoint]

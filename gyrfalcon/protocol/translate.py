@@ -18,14 +18,13 @@ from typing import Any
 
 import jsonschema
 
-from gyrfalcon import generated
 from gyrfalcon.engine_api.interface import Engine
 from gyrfalcon.engine_api.lengths import context_message, context_overflow, min_tokens_problem
 from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.capabilities import check_supported
 from gyrfalcon.protocol.chat import ChatRenderer, ChatRendering
-from gyrfalcon.protocol.endpoints import Endpoint, Prompts, endpoint_of
+from gyrfalcon.protocol.endpoints import DETOKENIZE, TOKENIZE, Endpoint, Prompts, endpoint_of
 from gyrfalcon.protocol.requests import ServingRequest, ToolUse, WireNames
 from gyrfalcon.protocol.responses import as_chat, input_items, refuse_unsupported
 from gyrfalcon.protocol.rules import RequestFields, check_rules
@@ -266,8 +265,8 @@ class Translator:
     def tokenize(self, body: Any) -> tuple[list[int], list[str] | None]:
         """``POST /tokenize``: the token ids of a prompt (as completions tokenize it) or of messages
         (as chat renders them), and their strings when ``return_token_strs`` asks (else None)."""
-        chat = isinstance(body, dict) and "messages" in body
-        model = generated.TokenizeChatRequest if chat else generated.TokenizeCompletionRequest
+        model = TOKENIZE.model_of(body)
+        chat = model is TOKENIZE.chat_model
         sent = sent_fields(validate(model, body))
         self._model_name(sent.get("model"))
         if chat:
@@ -278,7 +277,7 @@ class Translator:
 
     def detokenize(self, body: Any) -> str:
         """``POST /detokenize``: the text of token ids inside the vocabulary."""
-        sent = sent_fields(validate(generated.DetokenizeRequest, body))
+        sent = sent_fields(validate(DETOKENIZE.model_of(body), body))
         self._model_name(sent.get("model"))
         self._check_field("tokens", sent["tokens"], "tokens")
         return self.engine.detokenize(sent["tokens"])
