@@ -11,6 +11,7 @@ from gyrfalcon.engine_api.types import EngineInfo
 from gyrfalcon.openapi.limits import ServedLimits, walk_schemas
 from gyrfalcon.openapi.served import bundle, request_field_names, served_spec
 from gyrfalcon.protocol.capabilities import unsupported_fields
+from gyrfalcon.protocol.endpoints import ENDPOINTS
 from gyrfalcon.protocol.runtime_rules import served_table
 
 #: a plugin marks an integer schema of its extension fragment as a token id with this key
@@ -118,13 +119,12 @@ def kv_cache_limits(stats: dict[str, Any]) -> dict[str, int] | None:
     return {"blocks": int(stats["kv_blocks_total"]), "block_size": int(stats["kv_block_size"])}
 
 
-CHAT_PATHS = ("/v1/chat/completions", "/v1/chat/completions/batch")
-
-
 def _without_chat(spec: dict[str, Any]) -> None:
-    """A model without a chat template serves no chat: drop the chat routes and tokenize's chat form."""
-    for path in CHAT_PATHS:
-        spec["paths"].pop(path, None)
+    """A model without a chat template serves no chat: drop the routes of the endpoints that render
+    conversations (chat, batch chat, the Responses API) and tokenize's chat form."""
+    for endpoint in ENDPOINTS.values():
+        if endpoint.chat:
+            spec["paths"].pop(endpoint.route, None)
     schemas = spec["components"]["schemas"]
     schemas["TokenizeRequest"] = {"$ref": "#/components/schemas/TokenizeCompletionRequest"}
 

@@ -92,3 +92,12 @@ def test_an_extension_nobody_honours_must_be_absent(tiny_engine):
     bounded = bounded_extensions({"orphan": fragment, "ids": {"type": "array", "items": fragment}}, info)
     assert bounded["orphan"]["not"] == {}
     assert "ids" not in info.capabilities and bounded["ids"]["not"] == {}
+
+
+def test_no_chat_template_means_no_responses_api_in_the_spec(base_model_client):
+    """The Responses API renders its input as a conversation: without a chat template it is refused
+    loudly, and the served spec does not offer it (a fuzzer's valid request must be servable)."""
+    spec = base_model_client.simulate_get("/openapi.json").json
+    assert "/v1/responses" not in spec["paths"]
+    r = base_model_client.simulate_post("/v1/responses", json={"input": "x", "max_output_tokens": 16})
+    assert r.status_code == 400 and r.json["error"]["param"] == "input", r.text

@@ -188,6 +188,20 @@ def test_four_equal_samples_fail_only_where_the_models_logprobs_make_them_unlike
     assert unknown.outcome is Outcome.INCONCLUSIVE
 
 
+def test_a_server_that_refuses_the_responses_api_loudly_does_not_offer_it():
+    """A model without a chat template cannot render a Responses request's input: its 400 naming
+    input is a loud refusal (unsupported), not a broken promise."""
+    from gyrfalcon.check import run_check
+
+    def base_model(path, body):
+        return 400, {"error": {"message": "The chat template cannot render these messages", "param": "input"}}
+
+    checks = [c for c in selected(["responses"]) if "refusals_name_their_field" not in c.name]
+    assert checks
+    for one in checks:
+        assert run_check(Answering(base_model), one).outcome is Outcome.UNSUPPORTED, one.name
+
+
 def test_token_ids_come_from_the_server():
     from gyrfalcon.check.semantics.ids import server_ids
 
