@@ -368,3 +368,31 @@ def test_a_prefills_one_row_groups_and_the_decode_rows_read_the_blocks_in_place(
     whole.tokens.append(5), other.tokens.append(6)  # each one more token, decoded side by side
     runner.forward([other.work(1), whole.work(1)])
     assert seen == [[9, 17]] * model.config.num_hidden_layers
+
+
+def test_a_block_table_row_given_to_another_sequence_holds_only_its_blocks():
+    """A released row's next owner reads its own blocks and, past them, the scratch block (0), never
+    the earlier owner's; an entry queued twice before it reached the device keeps its last value."""
+    from gyrfalcon.engine.kv.table import BlockTable
+
+    table = BlockTable(max_blocks=6, device="cpu", rows=2)
+    first, second = object(), object()
+    long_blocks = [7, 8, 9, 10]
+    row = table.place(first, long_blocks)
+    table.apply(torch.tensor(table.take_pending()))
+    assert table.tensor[row].tolist() == [7, 8, 9, 10, 0, 0]
+    table.release(first)
+    assert table.place(second, [3]) == row  # the same row, taken again
+    table.apply(torch.tensor(table.take_pending()))
+    assert table.tensor[row].tolist() == [3, 0, 0, 0, 0, 0]
+    grown = [3]
+    table.place(second, grown)
+    grown.append(4)  # a step that did not reach the device, then the row reused: duplicates resolve to the last
+    table.place(second, grown)
+    table.release(second)
+    third = object()
+    table.place(third, [5, 6])
+    table.apply(torch.tensor(table.take_pending()))
+    assert table.tensor[row].tolist() == [5, 6, 0, 0, 0, 0]
+    rows = [table.place(object(), [1]) for _ in range(3)]  # more owners than rows: the table grows
+    assert len(set(rows)) == 3 and 0 not in rows and table.tensor.shape[0] >= 4

@@ -70,8 +70,10 @@ class BlockTable:
         columns, then block ids; :meth:`apply` reads them back)."""
         rows, columns, ids = self.pending
         self.pending = ([], [], [])
-        if len(rows) > 1 and len(set(zip(rows, columns))) < len(rows):  # one entry written twice (a row reused before a
-            latest = dict(zip(zip(rows, columns), ids))  # failed step's entries went out): the last wins
+        if len(rows) > 1 and len(set(zip(rows, columns))) < len(rows):
+            # one entry written twice (a row reused before a failed step's entries went out): the
+            # last wins, as the device would not promise for duplicates in one write
+            latest = dict(zip(zip(rows, columns), ids))
             rows, columns, ids = [r for r, _ in latest], [c for _, c in latest], list(latest.values())
         return [*rows, *columns, *ids]
 
