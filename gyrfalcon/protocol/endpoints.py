@@ -168,8 +168,9 @@ class TokenizerEndpoint:
 
     def model_of(self, body: Any) -> type[pydantic.BaseModel]:
         """The wire model a body is read with: the chat form's when it has ``messages``."""
-        chat = self.chat_model is not None and isinstance(body, dict) and "messages" in body
-        return self.chat_model if chat and self.chat_model is not None else self.wire_model
+        if self.chat_model is not None and isinstance(body, dict) and "messages" in body:
+            return self.chat_model
+        return self.wire_model
 
 
 TOKENIZE = TokenizerEndpoint("tokenize", "/tokenize", generated.TokenizeCompletionRequest, generated.TokenizeChatRequest)

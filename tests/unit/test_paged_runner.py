@@ -136,7 +136,7 @@ def test_a_step_sends_its_inputs_to_the_device_in_one_copy(monkeypatch):
     static = ModelRunner(model, plain.cache, capture="static", max_batch=8, max_model_len=256)
     uploads = []
     real = staging.upload
-    monkeypatch.setattr(staging, "upload", lambda values, device, into=None: uploads.append(len(values)) or real(values, device, into))
+    monkeypatch.setattr(staging, "upload", lambda values, device: uploads.append(len(values)) or real(values, device))
     seqs = [Seq([5 + n for n in range(length)], pool) for length in (3, 9, 14)]
     plain.forward([seqs[0].work(3), seqs[1].work(9, "all"), seqs[2].work(6, "none")])  # three prefills
     assert len(uploads) == 1
@@ -168,7 +168,7 @@ def test_a_sequence_keeps_its_block_table_row_and_a_step_sends_only_its_new_bloc
         owned = [Seq([5 + n for n in range(length)], kept_pool) for length in (3, 9, 14)]
         plain = [Seq([5 + n for n in range(length)], whole_pool) for length in (3, 9, 14)]
         uploads = []
-        monkeypatch.setattr(staging, "upload", lambda values, device, into=None: uploads.append(len(values)) or real(values, device, into))
+        monkeypatch.setattr(staging, "upload", lambda values, device: uploads.append(len(values)) or real(values, device))
 
         def step(count: int | None = None) -> None:
             mine = []

@@ -38,7 +38,8 @@ class BlockTable:
 
     def place(self, owner: Any, blocks: list[int]) -> int:
         """``owner``'s row (taken on its first step), its new blocks queued in :attr:`pending`.
-        ``owner`` None: a row for this step only (work built by hand), given back by :meth:`settle`."""
+        ``owner`` None: a row for this step only (work built by hand), given back by the next
+        :meth:`settle`."""
         if len(blocks) > self.max_blocks:
             raise ValueError(f"a sequence holds {len(blocks)} blocks; the table has {self.max_blocks} columns")
         if owner is None:
@@ -99,7 +100,8 @@ class BlockTable:
         self._free.append(row)  # its entries stay until the row's next owner overwrites or clears them
 
     def settle(self) -> None:
-        """After a step: give back the rows of work built by hand."""
+        """Before a step: give back the rows of the last step's work built by hand (they stay valid
+        while that step runs)."""
         for owner in self._temporary:
             self.release(owner)
         self._temporary.clear()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from itertools import chain
 from pathlib import Path
 
 import torch
@@ -178,6 +177,7 @@ class ModelRunner:
         The values of a :class:`~gyrfalcon.engine.model.work.StepWorks`'s rider (the sampler's) go
         to the device in the same copy as the step's inputs."""
         self.forwards += 1
+        self.block_table.settle()  # the rows of the last step's work built by hand
         rider = riding(works)
         if self.decode_steps is not None and all(len(w.tokens) == 1 and w.logits == "last" for w in works):
             logits = self.decode_steps.run(works)
@@ -207,7 +207,7 @@ class ModelRunner:
         prefill_rows = [table.place(w.owner, w.blocks) for _, w in prefill]
         parts = [ids, positions, slots, keep, [o for o, _ in decode], [w.start for _, w in decode], decode_rows,
                  table.take_pending(), rider.values if rider is not None else []]  # fmt: skip
-        views = staging.split(staging.upload(list(chain.from_iterable(parts)), self.device), [len(p) for p in parts])
+        views = staging.send(parts, self.device)
         table.apply(views[7])
         if rider is not None:
             rider.tensor = views[8]
@@ -218,6 +218,5 @@ class ModelRunner:
         for (offset, work), row in zip(prefill, prefill_rows):
             blocks = -(-(work.start + len(work.tokens)) // bs)
             step.prefills.append(Segment(offset, work.start, len(work.tokens), table.tensor[row, :blocks]))
-        table.settle()
         logits = self.run_model(views[0].unsqueeze(0), views[1].unsqueeze(0), step, views[3])
         return logits.float(), spans

@@ -7,6 +7,7 @@ waiting), then read through views of the one device tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -21,17 +22,18 @@ class Rider:
     tensor: torch.Tensor | None = None
 
 
-def upload(values: list[int], device: torch.device, into: torch.Tensor | None = None) -> torch.Tensor:
-    """``values`` as one long tensor on ``device``, in one host-to-device copy: into ``into`` when
-    given (a fixed buffer of the same length: a captured step's inputs keep their addresses),
-    else into a new tensor."""
+def upload(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as one long tensor on ``device``, in one host-to-device copy (a captured step then
+    copies its part on the device into the buffers its graph reads)."""
     host = torch.tensor(values, dtype=torch.long)
     if device.type == "cuda":
         host = host.pin_memory()
-    if into is None:
-        return host.to(device, non_blocking=True)
-    into.copy_(host, non_blocking=True)
-    return into
+    return host.to(device, non_blocking=True)
+
+
+def send(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """``parts`` laid side by side and sent in one :func:`upload`; returns each part's view."""
+    return split(upload(list(chain.from_iterable(parts)), device), [len(part) for part in parts])
 
 
 def split(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:

@@ -39,7 +39,6 @@ class StagedRows:
 
     sequences: list[Sequence]
     slot_list: list[int]
-    positions: list[int]
     selected: dict[Any, list[int]]
     rider: Rider
     #: how many sequences had left the batch when these rows were staged
@@ -166,7 +165,7 @@ class PersistentBatch:
                 selected[key] = [i for i, slot in enumerate(slot_list) if slot in wanted]
         partial = [rows for rows in selected.values() if 0 < len(rows) < len(sequences)]
         values = [*slot_list, *positions, *(i for rows in partial for i in rows)]
-        return StagedRows(list(sequences), slot_list, positions, selected, Rider(values), self._departures)
+        return StagedRows(list(sequences), slot_list, selected, Rider(values), self._departures)
 
     def rows(self, sequences: list[Sequence], extensions: list[dict[str, Any]],
              staged: StagedRows | None = None) -> BatchRows:  # fmt: skip
