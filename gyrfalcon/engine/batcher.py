@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from gyrfalcon.engine.kv.blocks import NoFreeBlocks
+from gyrfalcon.engine.model.heads import StepHeads
 from gyrfalcon.engine.model.runner import ModelRunner, Work
 from gyrfalcon.engine.model.work import StepWorks
 from gyrfalcon.engine.request_state import RequestState
@@ -126,15 +127,16 @@ class Batcher:
         staged = self._stage(plan, draws)
         works = StepWorks([self._work(item) for item in plan], staged.rider if staged is not None else None)
         try:
-            logits, spans = self.runner.forward(works)
+            heads, spans = self.runner.step(works)
         except Exception:  # noqa: BLE001 - find the request(s) at fault; the others go on
             log.exception("a forward of %d sequence(s) failed; retrying request by request", len(plan))
-            plan, works, logits, spans = self._forward_apart(plan, works)
+            plan, works, heads, spans = self._forward_apart(plan, works)
             if not plan:
                 return True
             ends = [item.reaches_end for item in plan]
             draws, staged = self._draws(plan, ends), None
         self.send()  # the previous step's outputs, while the device computes this step (overlap)
+        logits = heads.logits
         self._count_forward(plan)
         for item in plan:
             item.seq.computed += item.count
@@ -161,10 +163,10 @@ class Batcher:
                 sampled.append((seq, state))
         if rows:
             if rows == list(range(logits.shape[0])):  # a decode step: every row drawn, in order
-                self._sample(logits, sampled, staged)
+                self._sample(heads, sampled, staged)
             else:
                 index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-                self._sample(logits.index_select(0, index), sampled, staged)
+                self._sample(StepHeads(logits.index_select(0, index)), sampled, staged)
         self._settle(plan)
         return True
 
@@ -200,7 +202,7 @@ class Batcher:
     def _forward_apart(self, plan: list[Scheduled], works: list[Work]):
         """Run each request's part of a failed forward on its own (rewriting a slot with the same
         token's KV is harmless); requests whose part fails again end in-band. Returns what
-        succeeded as ``(plan, works, logits, spans)``, with one logits tensor as a whole forward."""
+        succeeded as ``(plan, works, heads, spans)``, with one logits tensor as a whole forward."""
         kept_plan: list[Scheduled] = []
         kept_works: list[Work] = []
         parts: list[torch.Tensor] = []
@@ -209,17 +211,16 @@ class Batcher:
         for state in dict.fromkeys(item.state for item in plan):
             mine = [i for i, item in enumerate(plan) if item.state is state]
             try:
-                logits, own = self.runner.forward([works[i] for i in mine])
+                part, own = self.runner.step([works[i] for i in mine])
             except Exception as exc:  # noqa: BLE001
                 self._fail_states([state], exc)
                 continue
             kept_plan.extend(plan[i] for i in mine)
             kept_works.extend(works[i] for i in mine)
             spans.extend((rows + first, count) for first, count in own)
-            parts.append(logits)
-            rows += logits.shape[0]
-        logits = torch.cat(parts) if parts else torch.empty(0)
-        return kept_plan, kept_works, logits, spans
+            parts.append(part.logits)
+            rows += part.logits.shape[0]
+        return kept_plan, kept_works, StepHeads(torch.cat(parts) if parts else torch.empty(0)), spans
 
     def _work(self, item: Scheduled) -> Work:
         seq, state = item.seq, item.state
@@ -257,7 +258,7 @@ class Batcher:
         state.prompt_logprobs.extend(part)
         state.prompt_logprobs_done = min(start + len(logits), len(state.request.prompt_token_ids))
 
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[Sequence, RequestState]], staged: StagedRows | None) -> None:
+    def _sample(self, heads: StepHeads, rows: list[tuple[Sequence, RequestState]], staged: StagedRows | None) -> None:
         """Sample every row (with what :meth:`_stage` sent of them, where they are still the same
         rows); if the sampler raises, retry request by request and fail only those whose rows raise
         again."""
@@ -265,15 +266,15 @@ class Batcher:
         owners = [state for _, state in rows]
         try:
             batch_rows = self.batch.rows(sequences, [state.request.extensions for state in owners], staged)
-            result = self.sampler.sample(logits.clone(), batch_rows)
+            result = self.sampler.sample(heads.logits, batch_rows, heads)
         except Exception:  # noqa: BLE001 - find the request(s) at fault
             log.exception("sampling a batch failed; retrying request by request")
             for state in dict.fromkeys(owners):
                 mine = [i for i, owner in enumerate(owners) if owner is state]
-                index = torch.tensor(mine, dtype=torch.long, device=logits.device)
+                index = torch.tensor(mine, dtype=torch.long, device=heads.logits.device)
                 try:
                     own_rows = self.batch.rows([sequences[i] for i in mine], [state.request.extensions] * len(mine))
-                    part = self.sampler.sample(logits.index_select(0, index), own_rows)
+                    part = self.sampler.sample(heads.logits.index_select(0, index), own_rows)
                 except Exception as exc:  # noqa: BLE001
                     self._fail_states([state], exc)
                     continue

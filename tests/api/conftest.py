@@ -33,12 +33,12 @@ def slow_engine(tiny_model_dir, request):
     delay = getattr(request, "param", 0.004)
     engine = create_transformers_engine(tiny_settings(tiny_model_dir, max_model_len=256))
     assert engine.wait_ready(60).ready
-    forward = engine.core.runner.forward
+    forward = engine.core.runner.step
 
     def slowed(*args, **kwargs):
         time.sleep(delay)
         return forward(*args, **kwargs)
 
-    engine.core.runner.forward = slowed
+    engine.core.runner.step = slowed
     yield engine
     engine.shutdown(0)

@@ -75,13 +75,13 @@ def test_close_from_another_thread_frees_a_running_request(tiny_model_dir):
     engine = create_transformers_engine(tiny_settings(tiny_model_dir, max_model_len=256))
     try:
         assert engine.wait_ready(60).ready
-        slow = engine.core.runner.forward
+        slow = engine.core.runner.step
 
         def forward(*args, **kwargs):  # slow the steps down so the request is surely running
             time.sleep(0.005)
             return slow(*args, **kwargs)
 
-        engine.core.runner.forward = forward
+        engine.core.runner.step = forward
         other = engine.submit(request(PROMPTS[3], temperature=0.0, max_tokens=30, ignore_eos=True))
         victim = engine.submit(request(PROMPTS[1], n=2, temperature=1.0, max_tokens=200, ignore_eos=True))
         deadline = time.monotonic() + 10
@@ -154,13 +154,13 @@ def test_a_reader_wakes_on_outputs_from_the_step_thread_and_stops_when_the_clien
 def test_abort_during_the_last_prefill_forward_still_ends_the_request(stepped):
     engine = stepped()
     stream = engine.submit(request(PROMPTS[0], n=2, temperature=1.0, max_tokens=5))
-    forward = engine.core.runner.forward
+    forward = engine.core.runner.step
 
     def abort_meanwhile(*args, **kwargs):  # the client leaves while the prompt is being prefilled
         engine.abort(stream.request_id)
         return forward(*args, **kwargs)
 
-    engine.core.runner.forward = abort_meanwhile
+    engine.core.runner.step = abort_meanwhile
     engine.core.batcher.step()
     last = stream.get(timeout=5)  # without the fix the request leaked and this timed out
     assert last.finished and [c.finish_reason for c in last.outputs] == ["abort", "abort"]

@@ -23,14 +23,14 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir)
     engine = create_transformers_engine(tiny_settings(tiny_model_dir))
     try:
         assert engine.wait_ready(60).ready
-        forward = engine.core.runner.forward
+        forward = engine.core.runner.step
 
         def flaky(works):  # the victim's third decode position (PROMPTS[0] has 5 tokens)
             if any(w.start == 7 for w in works):
                 raise RuntimeError("boom")
             return forward(works)
 
-        engine.core.runner.forward = flaky
+        engine.core.runner.step = flaky
         (last,) = list(engine.submit(request(PROMPTS[0], n=2, temperature=1.0, max_tokens=10, ignore_eos=True)))
         assert last.finished and last.error is not None and "boom" in last.error.message
         assert engine.stats()["requests_failed"] == 1 and not engine.core._live
@@ -110,11 +110,11 @@ def test_a_fault_sampling_the_first_token_fails_that_request_only(stepped):
     sample = engine.core.sampler.sample
     calls = {"first_token": 0}
 
-    def flaky(logits, rows):
+    def flaky(logits, rows, *heads):
         if any(p == PROMPTS[2] and not out for p, out in zip(rows.prompt_token_ids, rows.output_token_ids)):
             calls["first_token"] += 1
             raise RuntimeError("processor exploded")
-        return sample(logits, rows)
+        return sample(logits, rows, *heads)
 
     engine.core.sampler.sample = flaky
     victim = engine.submit(request(PROMPTS[2], n=2, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
@@ -182,7 +182,7 @@ def test_an_oom_in_a_shared_forward_fails_only_the_request_that_needs_the_memory
     victim's (its whole prompt) does not: the victim fails, the batch keeps its tokens."""
     engine = stepped()
     running, expected = _decoding(engine)
-    forward = engine.core.runner.forward
+    forward = engine.core.runner.step
     calls = {"n": 0}
 
     def flaky(works):
@@ -191,7 +191,7 @@ def test_an_oom_in_a_shared_forward_fails_only_the_request_that_needs_the_memory
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return forward(works)
 
-    engine.core.runner.forward = flaky
+    engine.core.runner.step = flaky
     victim = engine.submit(request(PROMPTS[2], temperature=0.0, max_tokens=8, ignore_eos=True))
     engine.core.batcher.step()
     assert calls["n"] == 2 and "out of memory" in _one_error(victim).error.message
@@ -207,7 +207,7 @@ def test_a_failed_prefill_chunk_spares_the_running_batch(stepped):
     engine = stepped()
     running, expected = _decoding(engine)
     engine.core.scheduler.prefill_chunk_tokens = 8
-    forward = engine.core.runner.forward
+    forward = engine.core.runner.step
     calls = {"prefill": 0}
 
     def flaky(works):
@@ -216,7 +216,7 @@ def test_a_failed_prefill_chunk_spares_the_running_batch(stepped):
             raise RuntimeError("prefill forward failed")
         return forward(works)
 
-    engine.core.runner.forward = flaky
+    engine.core.runner.step = flaky
     victim = engine.submit(request(PROMPTS[4], temperature=0.0, max_tokens=8))  # 30 tokens: 4 chunks
     waiting = engine.submit(request(PROMPTS[1], temperature=0.0, max_tokens=5, ignore_eos=True))
     engine.core.batcher.step()
@@ -236,7 +236,7 @@ def test_the_threaded_loop_survives_a_prefill_fault_while_another_request_decode
         assert engine.wait_ready(60).ready
         req = dict(temperature=0.0, max_tokens=60, ignore_eos=True)
         (reference,) = list(engine.submit(request(PROMPTS[0], **req)))
-        forward = engine.core.runner.forward
+        forward = engine.core.runner.step
         started = threading.Event()
         calls = {"prefill": 0}
 
@@ -248,7 +248,7 @@ def test_the_threaded_loop_survives_a_prefill_fault_while_another_request_decode
                 started.set()
             return forward(works)
 
-        engine.core.runner.forward = flaky
+        engine.core.runner.step = flaky
         keeper = engine.submit(request(PROMPTS[0], **req))
         assert started.wait(30)
         engine.core.scheduler.prefill_chunk_tokens = 8

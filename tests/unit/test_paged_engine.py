@@ -89,6 +89,49 @@ def test_the_static_decode_path_gives_the_engines_tokens(stepped):
     assert sum(b.runs for b in static.core.runner.decode_steps._buckets.values()) > 10
 
 
+def test_a_steps_own_reductions_serve_the_rows_no_processor_touches(stepped):
+    """The static path computes what a captured graph does: the logits' argmax, largest values,
+    log-softmax and the argmax's logprob with the logits (engine/model/heads.py). A step whose
+    rows are all greedy and unprocessed takes them (its tokens are the step's own argmax); a step
+    with a penalised or sampled row computes its own. Either way every request gets, bit for bit,
+    the tokens and log-probabilities of the same steps sampled without them, and the eager
+    engine's tokens (the tiny model is fp32, whose padded batches round apart in the last bits)."""
+    from gyrfalcon.engine.model.captured import DecodeSteps
+
+    def outputs(streams):
+        finished = [list(stream)[-1] for stream in streams]
+        return [[(c.token_ids, c.logprobs.logprobs, c.logprobs.top_token_ids, c.logprobs.top_logprobs)
+                 for c in f.outputs] for f in finished]  # fmt: skip
+
+    def served(asks, with_heads: bool, path: str = "static"):
+        engine = stepped()
+        if path == "static":
+            engine.core.runner.decode_steps = DecodeSteps(engine.core.runner, 8, 128, mode="static")
+        sample, taken = engine.core.sampler.sample, []
+
+        def watched(logits, rows, heads=None):
+            result = sample(logits, rows, heads if with_heads else None)
+            taken.append(heads is not None and heads.reduced and result.device_ids is heads.argmax)
+            return result
+
+        engine.core.sampler.sample = watched
+        streams = [engine.submit(request(LONG[i][:10], max_tokens=8, ignore_eos=True, **a)) for i, a in enumerate(asks)]
+        run(engine, streams)
+        return outputs(streams), taken
+
+    greedy = [dict(temperature=0.0, logprobs=2), dict(temperature=0.0, logprobs=0, logprob_token_ids=[5, 9]),
+              dict(temperature=0.0, logprobs=1)]  # fmt: skip
+    mixed = [*greedy[:2], dict(temperature=0.0, logprobs=1, frequency_penalty=0.5),
+             dict(temperature=0.9, seed=3, logprobs=1)]  # fmt: skip
+    for asks in (greedy, mixed):
+        got, taken = served(asks, with_heads=True)
+        without, _ = served(asks, with_heads=False)
+        eager, _ = served(asks, with_heads=True, path="eager")
+        assert got == without
+        assert [[c[0] for c in r] for r in got] == [[c[0] for c in r] for r in eager]
+        assert sum(taken) >= 6 if asks is greedy else not any(taken)
+
+
 def test_penalised_and_plain_rows_share_steps_at_any_slot(stepped):
     """Generated-token counts are kept for every slot a step draws for, not only the penalised ones."""
     engine = stepped(max_num_seqs=16, max_queue_len=16)
@@ -114,7 +157,7 @@ def test_n_beyond_max_num_seqs_decodes_its_choices_in_turns(stepped):
     run(wide, streams)
     expected = finals(streams)
     narrow = stepped(max_num_seqs=4)
-    forward = narrow.core.runner.forward
+    forward = narrow.core.runner.step
     decode_rows = []
 
     def counting(works):
@@ -122,7 +165,7 @@ def test_n_beyond_max_num_seqs_decodes_its_choices_in_turns(stepped):
             decode_rows.append(len(works))
         return forward(works)
 
-    narrow.core.runner.forward = counting
+    narrow.core.runner.step = counting
     streams = [narrow.submit(request(LONG[2], **ask))]
     run(narrow, streams)
     got = finals(streams)

@@ -4,12 +4,14 @@ A decode step of ``B`` sequences whose longest context is ``W`` tokens runs in t
 ``(B', L)``: ``B'`` the smallest batch bucket ≥ ``B``, ``L`` the smallest context bucket ≥ ``W``
 (powers of two from 64, up to the context length; one where attention reads the blocks in place).
 Each bucket owns static input buffers — token ids, positions, KV slots, its rows of the runner's
-persistent block table (first ``L`` tokens) — and its output logits.
+persistent block table (first ``L`` tokens) — and what its step outputs: the logits and, for a
+CUDA graph and the static path, the sampler's reductions of them (:mod:`~gyrfalcon.engine.model.heads`).
 Padding rows write their KV to the scratch block and read only it, so they touch no sequence's
 blocks; their logits are dropped. The fast path replays them:
 
-- ``cuda-graphs``: each bucket's forward captured once as a CUDA graph (batch buckets of the
-  shortest contexts at start-up, the others the first time they are needed);
+- ``cuda-graphs``: each bucket's forward captured once as a CUDA graph (:mod:`~gyrfalcon.engine.model.graphs`):
+  every batch bucket at start-up, largest first (with gather attention, the wider context
+  buckets the first time they are needed);
 - ``compiled``: ``torch.compile`` (inductor) of the step on the CPU, the context width its one
   dynamic size, for the batch buckets of :data:`COMPILED_BATCHES`, compiled on a thread of its own while
   steps run eagerly and adopted between two steps (:meth:`DecodeSteps.poll`) (measured on the default model, direct
@@ -46,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gyrfalcon.engine.model import staging
+from gyrfalcon.engine.model import graphs, staging
 from gyrfalcon.engine.model.attention import StepMetadata
 from gyrfalcon.engine.model.fast_check import (
     FAST_STEP_RTOL,
@@ -56,6 +58,7 @@ from gyrfalcon.engine.model.fast_check import (
     one_line,
     paired_medians_s,
 )
+from gyrfalcon.engine.model.heads import StepHeads, empty_heads, heads_of
 from gyrfalcon.engine.model.work import Work, riding
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -105,7 +108,8 @@ class _Bucket:
     step: StepMetadata
     #: the one buffer ``ids``, ``positions`` and the step's tensors are views of
     flat: torch.Tensor
-    logits: torch.Tensor | None = None
+    #: what its captured graph writes at each replay
+    heads: StepHeads | None = None
     graph: Any = None
     #: why this bucket's captured graph was not kept (None: it was, or none was asked for)
     failure: str | None = None
@@ -141,8 +145,16 @@ class DecodeSteps:
         self._widths = [*widths, max_model_len]
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None
+        self._outputs: StepHeads | None = None
         #: seconds spent capturing graphs so far (start-up report, bench)
         self.capture_s = 0.0
+
+    @property
+    def outputs(self) -> StepHeads:
+        """The buffers the buckets' steps write their heads to (captured and static), made at first use."""
+        if self._outputs is None:
+            self._outputs = empty_heads(self.batch_buckets[-1], self.runner.logits_width, self.runner.device)
+        return self._outputs
 
     @property
     def width_buckets(self) -> list[int]:
@@ -321,19 +333,7 @@ class DecodeSteps:
 
     def _capture(self, bucket: _Bucket) -> None:
         start = time.perf_counter()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the graph (lazy kernel initialisation)
-            for _ in range(2):
-                self._eager(bucket)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        bucket.step._masks.clear()
-        # thread_local: another thread's CUDA call (the API's) during the capture does not break it
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            bucket.logits = self.runner.run_model(bucket.ids, bucket.positions, bucket.step, 0)
-        self._pool = graph.pool()
-        bucket.graph = graph
+        bucket.graph, bucket.heads, self._pool = graphs.capture(lambda: self._eager(bucket), self.outputs, self._pool)
         self.capture_s += time.perf_counter() - start
         log.info("captured decode step batch %d, context %d in %.2f s", bucket.batch, bucket.width,
                  time.perf_counter() - start)  # fmt: skip
@@ -356,11 +356,12 @@ class DecodeSteps:
     def _capture_and_replay(self, bucket: _Bucket) -> torch.Tensor:
         self._capture(bucket)
         bucket.graph.replay()
-        assert bucket.logits is not None
-        return bucket.logits.to(torch.float32, copy=True)
+        assert bucket.heads is not None
+        return bucket.heads.logits.clone()
 
-    def run(self, works: list[Work]) -> torch.Tensor | None:
-        """The ``[len(works), V]`` fp32 next-token logits of a decode step (None: no bucket fits,
+    def run(self, works: list[Work]) -> StepHeads | None:
+        """The ``[len(works), V]`` fp32 next-token logits of a decode step, with their reductions
+        where the step computes them (:mod:`~gyrfalcon.engine.model.heads`) (None: no bucket fits,
         or the step is one the compiled mode does not compile or would pad too much: the runner's
         unpadded eager step is then faster; a padded eager bucket gave 0.82 of the eager ceiling at
         c=16)."""
@@ -391,9 +392,8 @@ class DecodeSteps:
         bucket.runs += 1
         if bucket.graph is not None:
             bucket.graph.replay()
-            assert bucket.logits is not None
-            # a copy: the next replay (of any bucket: they share one memory pool) overwrites the output
-            return bucket.logits[:n].to(torch.float32, copy=True)
+            assert bucket.heads is not None
+            return bucket.heads.first(n)  # the graph's own outputs: read before the next replay
         if bucket.compiled:
-            return self._run_compiled(bucket)[:n].float()
-        return self._eager(bucket)[:n].float()
+            return StepHeads(self._run_compiled(bucket)[:n].float())
+        return heads_of(self._eager(bucket), self.outputs).first(n)  # what a captured graph computes

@@ -23,6 +23,7 @@ from gyrfalcon.engine.model.attention import STEP_KWARG, Segment, StepMetadata, 
 from gyrfalcon.engine.model.captured import DecodeSteps
 from gyrfalcon.engine.model.fast_check import FAST_STEP_RTOL, check_fast_step
 from gyrfalcon.engine.model.decoder import DirectDecoder, unsupported
+from gyrfalcon.engine.model.heads import StepHeads
 from gyrfalcon.engine.model.work import Work, riding, slots_of
 
 log = logging.getLogger(__name__)
@@ -171,18 +172,26 @@ class ModelRunner:
             self.direct, self.model_impl = None, f"transformers ({problem})"
         return self.model_impl
 
-    @torch.inference_mode()
     def forward(self, works: list[Work]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """Run one step; returns fp32 logits and, per work item, its ``(first row, row count)``.
-        The values of a :class:`~gyrfalcon.engine.model.work.StepWorks`'s rider (the sampler's) go
-        to the device in the same copy as the step's inputs."""
+        """Run one step; returns fp32 logits and, per work item, its ``(first row, row count)``
+        (:meth:`step` without the reductions)."""
+        heads, spans = self.step(works)
+        return heads.logits, spans
+
+    @torch.inference_mode()
+    def step(self, works: list[Work]) -> tuple[StepHeads, list[tuple[int, int]]]:
+        """Run one step; returns its fp32 logits (with their reductions where the step computed
+        them: :mod:`~gyrfalcon.engine.model.heads`; valid until the next step) and, per work item,
+        its ``(first row, row count)``. The values of a
+        :class:`~gyrfalcon.engine.model.work.StepWorks`'s rider (the sampler's) go to the device in
+        the same copy as the step's inputs."""
         self.forwards += 1
         self.block_table.settle()  # the rows of the last step's work built by hand
         rider = riding(works)
         if self.decode_steps is not None and all(len(w.tokens) == 1 and w.logits == "last" for w in works):
-            logits = self.decode_steps.run(works)
-            if logits is not None:
-                return logits, [(i, 1) for i in range(len(works))]
+            heads = self.decode_steps.run(works)
+            if heads is not None:
+                return heads, [(i, 1) for i in range(len(works))]
         bs = self.cache.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -219,4 +228,4 @@ class ModelRunner:
             blocks = -(-(work.start + len(work.tokens)) // bs)
             step.prefills.append(Segment(offset, work.start, len(work.tokens), table.tensor[row, :blocks]))
         logits = self.run_model(views[0].unsqueeze(0), views[1].unsqueeze(0), step, views[3])
-        return logits.float(), spans
+        return StepHeads(logits.float()), spans

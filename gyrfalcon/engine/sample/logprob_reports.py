@@ -93,13 +93,16 @@ def gather_pending(
     tokens: torch.Tensor,
     rows: BatchRows,
     selected: Sequence[list[int]],
+    own: torch.Tensor | None = None,
 ) -> PendingReports | None:
     """Run every gatherer on its rows (``selected[g]``) of ``logprobs`` (``[B, V]`` raw
     log-softmax), whose positions hold ``tokens`` (``[B]``: sampled, or the actual prompt token);
-    None when no gatherer wants any row. A gatherer that returns host pairs synchronises itself."""
+    None when no gatherer wants any row. ``own``: the tokens' logprobs, where the caller has them.
+    A gatherer that returns host pairs synchronises itself."""
     if not any(selected):
         return None
-    own = logprobs.gather(1, tokens.view(-1, 1).to(torch.long)).view(-1)
+    if own is None:
+        own = logprobs.gather(1, tokens.view(-1, 1).to(torch.long)).view(-1)
     parts = [gatherer.gather(logprobs, tokens, rows, selected[g]) for g, gatherer in enumerate(gatherers) if selected[g]]
     return PendingReports(len(rows), tokens, own, parts)
 

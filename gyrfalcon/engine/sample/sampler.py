@@ -18,6 +18,12 @@ each sequence joined):
    gathered logprob. A row left with no token to choose (every logit ``-inf``: the request's
    constraints exclude everything) or with NaN logits gets no token but an in-band error
    (:attr:`SamplerOutput.errors`); the other rows are sampled as usual.
+
+Processors and bans work on a copy of the step's logits, made only when some row has one. A step
+that computed its logits' reductions where it made them (a captured decode graph:
+:mod:`gyrfalcon.engine.model.heads`) hands them over; where no processor or ban changes a row,
+the greedy rows' argmax, every row's largest logit, the raw log-softmax and the argmax's own
+logprob are taken from there instead of being computed here.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gyrfalcon.engine.model.heads import StepHeads
 from gyrfalcon.engine.sample.logprob_reports import PendingReports, gather_pending, to_host
 from gyrfalcon.engine.sample.persistent_batch import MIN_TOKENS_ROWS, SAMPLING_ROWS
 from gyrfalcon.engine.sample.prompt_logprobs import compute_prompt_logprobs
@@ -99,7 +106,8 @@ class Sampler:
         extensions = rows.extensions or [{}] * len(rows)
         return [i for i in range(len(rows)) if policy.wants(rows.params[i], extensions[i])]
 
-    def _mask_min_tokens(self, logits: torch.Tensor, rows: BatchRows) -> None:
+    def _min_tokens_bans(self, rows: BatchRows) -> tuple[list[int], list[int]] | None:
+        """The ``(rows, token ids)`` that ``min_tokens`` bans this step (None: none)."""
         candidates = range(len(rows)) if rows.selected is None else rows.selected.get(MIN_TOKENS_ROWS, ())
         masked_rows: list[int] = []
         masked_ids: list[int] = []
@@ -112,8 +120,7 @@ class Sampler:
                 banned.extend(self.eos_token_ids)
             masked_rows.extend([i] * len(banned))
             masked_ids.extend(banned)
-        if masked_rows:
-            logits[to_device(masked_rows, logits.device), to_device(masked_ids, logits.device)] = -math.inf
+        return (masked_rows, masked_ids) if masked_rows else None
 
     def unsampleable(self, top: list[float], rows: BatchRows) -> dict[int, EngineError]:
         """The rows with nothing to choose, from each row's largest processed logit (``amax``,
@@ -136,13 +143,16 @@ class Sampler:
             values.append(float(torch.rand(1, generator=generator, device=generator.device, dtype=torch.float64)))
         return torch.tensor(values, dtype=torch.float64, device=device)
 
-    def choose(self, logits: torch.Tensor, rows: BatchRows) -> torch.Tensor:
-        """``[B]`` token ids from processed logits: argmax for greedy rows, inverse CDF otherwise."""
-        chosen = logits.argmax(dim=-1)
+    def choose(self, logits: torch.Tensor, rows: BatchRows, argmax: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B]`` token ids from processed logits: argmax for greedy rows (``argmax``: theirs, when
+        the step computed it; returned as it is when every row is greedy), inverse CDF otherwise."""
         if rows.selected is not None:
             random_rows = rows.selected.get(SAMPLING_ROWS, [])
         else:
             random_rows = [i for i, params in enumerate(rows.params) if not params.greedy]
+        if argmax is not None and not random_rows:
+            return argmax
+        chosen = logits.argmax(dim=-1) if argmax is None else argmax.clone()
         if random_rows:
             device = logits.device
             index = row_index(random_rows, logits)
@@ -154,19 +164,19 @@ class Sampler:
             put_rows(chosen, index, picked)
         return chosen
 
-    def gather_logprobs(
-        self, raw_logprobs: torch.Tensor | None, sampled: torch.Tensor, rows: BatchRows, selected: list[list[int]]
-    ) -> PendingReports | None:
+    def gather_logprobs(self, raw_logprobs: torch.Tensor | None, sampled: torch.Tensor, rows: BatchRows,
+                        selected: list[list[int]], own: torch.Tensor | None = None) -> PendingReports | None:  # fmt: skip
         """The logprob hook point: every gatherer on the rows it wants, results left on the device.
 
         ``raw_logprobs`` is the log-softmax of the step's unprocessed logits; ``selected[g]`` lists
         the rows gatherer ``g`` wants. A row's report will hold the sampled token and its logprob,
         then every gatherer's ids in gatherer order without duplicates (see
-        :class:`gyrfalcon.engine.sample.logprob_reports.PendingReports`); values are finite.
+        :class:`gyrfalcon.engine.sample.logprob_reports.PendingReports`); values are finite. ``own``:
+        the sampled tokens' logprobs where the step computed them.
         """
         if raw_logprobs is None:
             return None
-        return gather_pending(self.gatherers, raw_logprobs, sampled, rows, selected)
+        return gather_pending(self.gatherers, raw_logprobs, sampled, rows, selected, own)
 
     def gather_prompt_logprobs(self, logits: torch.Tensor, request: EngineRequest, start: int = 0) -> TokenLogprobs:
         """Prompt logprobs from a prefill chunk's ``[c, V]`` logits, prompt positions ``start ..``
@@ -174,18 +184,27 @@ class Sampler:
         return compute_prompt_logprobs(logits, request, self.prompt_gatherers, start)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: BatchRows) -> SamplerOutput:
-        """Sample one token per row of ``[B, V]`` logits (modified in place)."""
+    def sample(self, logits: torch.Tensor, rows: BatchRows, heads: StepHeads | None = None) -> SamplerOutput:
+        """Sample one token per row of ``[B, V]`` fp32 logits (left as they are: processors work on a
+        copy). ``heads``: the step's reductions of the same logits
+        (:mod:`~gyrfalcon.engine.model.heads`), taken where no processor or ban changes a row."""
         gathered = [self._selected(g, rows) for g in self.gatherers]
-        raw_logprobs = logits.float().log_softmax(dim=-1) if any(gathered) else None
-        self._mask_min_tokens(logits, rows)
-        for processor in self.processors:
-            selected = self._selected(processor, rows)
-            if selected:
+        applied = [(p, selected) for p in self.processors if (selected := self._selected(p, rows))]
+        banned = self._min_tokens_bans(rows)
+        reduced = heads if heads is not None and heads.reduced else None
+        raw_logprobs = None
+        if any(gathered):
+            raw_logprobs = reduced.logprobs if reduced is not None else logits.float().log_softmax(dim=-1)
+        if applied or banned is not None:
+            reduced, logits = None, logits.clone()  # the caller's logits serve again if this batch fails
+            if banned is not None:
+                logits[to_device(banned[0], logits.device), to_device(banned[1], logits.device)] = -math.inf
+            for processor, selected in applied:
                 logits = processor(logits, rows, selected)
-        top = logits.amax(dim=-1)
-        sampled = self.choose(logits, rows)
-        pending = self.gather_logprobs(raw_logprobs, sampled, rows, gathered)
+        top = logits.amax(dim=-1) if reduced is None else reduced.amax
+        sampled = self.choose(logits, rows, None if reduced is None else reduced.argmax)
+        own = reduced.own if reduced is not None and sampled is reduced.argmax else None
+        pending = self.gather_logprobs(raw_logprobs, sampled, rows, gathered, own)
         # the step's one host transfer: ids, each row's largest logit and the gathered logprobs
         host = to_host([sampled, top, *(pending.tensors if pending is not None else ())])
         ids, tops = host[0], host[1]
