@@ -15,6 +15,7 @@ import torch
 
 from gyrfalcon.engine.kv.blocks import BlockPool
 from gyrfalcon.engine.kv.cache import CachePlan, KVShape, PagedKVCache, plan_cache
+from gyrfalcon.engine.model.budget import measure_reserve
 from gyrfalcon.engine.model.fast_check import DecodePath
 from gyrfalcon.engine.model.runner import ModelRunner
 from gyrfalcon.engine.model.work import Work
@@ -98,8 +99,10 @@ class LoadedModel:
     decode_path: DecodePath
 
 
-def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization: str, capture: str) -> LoadedModel:
-    """Load the weights in their kernels, size and allocate the KV cache, warm up and prepare the
+def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization: str, capture: str,
+                prefill_chunk: int) -> LoadedModel:  # fmt: skip
+    """Load the weights in their kernels, size and allocate the KV cache (on CUDA, after measuring
+    what the steps take beside it: :mod:`~gyrfalcon.engine.model.budget`), warm up and prepare the
     decode path (capture or compile, checked against the eager step)."""
     if device == "cpu":
         torch.set_num_threads(cfg.num_threads)
@@ -107,14 +110,28 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
     log.warning("%s", weights.describe())
     kv_dtype = next(model.parameters()).dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, device)
     shape = KVShape.of(model.config, kv_dtype)
+
+    def runner_on(cache: PagedKVCache) -> ModelRunner:
+        return ModelRunner(model, cache, capture=capture, max_batch=cfg.max_num_seqs, max_model_len=max_model_len,
+                           model_impl=cfg.model_impl, attention=cfg.attention_backend,
+                           kernels=cache_root(cfg.cache_dir) / "kernels")  # fmt: skip
+
+    runner, reserve = None, 0
+    if device.startswith("cuda") and cfg.kv_cache_memory is None:  # sized by --gpu-memory-utilization
+        runner = runner_on(PagedKVCache(shape, 1, cfg.block_size, device))  # the scratch block alone
+        measured = measure_reserve(runner, cfg.max_num_batched_tokens, prefill_chunk, max_model_len)
+        torch.cuda.empty_cache()
+        log.warning("%s", measured.describe())
+        reserve = measured.total
     plan = plan_cache(shape, device, cfg.block_size, cfg.max_num_seqs, max_model_len, cfg.kv_cache_memory,
-                      cfg.gpu_memory_utilization)  # fmt: skip
+                      cfg.gpu_memory_utilization, reserve)  # fmt: skip
     log.warning("%s; %s", plan.describe(max_model_len), str(shape.dtype).removeprefix("torch."))
     cache = PagedKVCache(shape, plan.num_blocks, plan.block_size, device)
     pool = BlockPool(plan.num_blocks, plan.block_size, cfg.enable_prefix_caching)
-    runner = ModelRunner(model, cache, capture=capture, max_batch=cfg.max_num_seqs, max_model_len=max_model_len,
-                         model_impl=cfg.model_impl, attention=cfg.attention_backend,
-                         kernels=cache_root(cfg.cache_dir) / "kernels")  # fmt: skip
+    if runner is None:
+        runner = runner_on(cache)
+    else:
+        runner.use_cache(cache)
     # Warm-up through the same kernels as requests, on the scratch block only (no request's KV),
     # each step also checking the direct forward against transformers' and flex attention against gather.
     with torch.inference_mode():

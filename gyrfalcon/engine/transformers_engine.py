@@ -367,7 +367,8 @@ class TransformersEngine(EngineCore):
         self._forget(state, "requests_failed")
 
     def _load(self) -> None:
-        loaded = load_runner(self.engine_config, self._info.max_model_len, self.device, self.quantization, self.capture)
+        loaded = load_runner(self.engine_config, self._info.max_model_len, self.device, self.quantization, self.capture,
+                             PREFILL_CHUNK_TOKENS)  # fmt: skip
         self.cache_plan, self.decode_path = loaded.plan, loaded.decode_path
         self._info.decode_path = self.decode_path.describe()
         self.scheduler.pool = loaded.pool

@@ -396,3 +396,51 @@ def test_a_block_table_row_given_to_another_sequence_holds_only_its_blocks():
     assert table.tensor[row].tolist() == [5, 6, 0, 0, 0, 0]
     rows = [table.place(object(), [1]) for _ in range(3)]  # more owners than rows: the table grows
     assert len(set(rows)) == 3 and 0 not in rows and table.tensor.shape[0] >= 4
+
+
+def test_the_step_budget_is_measured_on_a_provisional_cache_before_the_real_one_is_sized(monkeypatch):
+    """On CUDA the KV cache is sized after measuring what steps take beside it: the largest eager
+    step (max_num_batched_tokens in prompt chunks, the first keeping every position's logits) and
+    the largest decode bucket's step (what capturing it takes from the graphs' pool), both on a
+    provisional cache of the scratch block alone. The runner then serves from the real cache with
+    the logits of a runner made on it, and the plan leaves the measured bytes out of the
+    --gpu-memory-utilization budget (the device's figures stand in: no GPU here)."""
+    from gyrfalcon.engine.kv.cache import plan_cache
+    from gyrfalcon.engine.model import budget
+
+    _, model = _models("llama")
+    shape = KVShape.of(model.config, torch.float32)
+    runner = ModelRunner(model, PagedKVCache(shape, 1, 4, "cpu"), capture="static", max_batch=8, max_model_len=256)
+    measured: list[tuple[int, int]] = []
+
+    def peak(fn):  # what ran: the runner's forwards and the tokens written to the provisional cache's one block
+        forwards = runner.forwards
+        keys = runner.cache.keys[0].clone()
+        fn()
+        measured.append((runner.forwards - forwards, int(not torch.equal(keys, runner.cache.keys[0]))))
+        return 1000 * len(measured)
+
+    reserve = budget.measure_reserve(runner, max_tokens=40, chunk=16, max_model_len=256, peak=peak)
+    assert measured == [(1, 1), (0, 1)]  # one eager forward of three chunks; then the bucket's own step
+    assert [len(w.tokens) for w in budget.prefill_works(40, 16, 256, 4)] == [16, 16, 8]
+    outputs = runner.decode_steps.outputs
+    assert reserve.total == 3000 and reserve.outputs == outputs.logits.numel() * 4 * 2 + 8 * (8 + 4 + 4)
+    assert runner.decode_steps._buckets == {}  # nothing kept that holds the provisional cache
+    real, pool = PagedKVCache(shape, 64, 4, "cpu"), BlockPool(64, 4)
+    runner.use_cache(real)
+    fresh, fresh_pool = _runner(model, capture="static")
+    seqs = [Seq([5, 9, 14, 2, 7], pool), Seq([5, 9, 14, 2, 7], fresh_pool)]
+    got, want = runner.forward([seqs[0].work(5)])[0], fresh.forward([seqs[1].work(5)])[0]
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="same shape"):
+        runner.use_cache(PagedKVCache(shape, 64, 8, "cpu"))
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10 * gib)
+    big = KVShape(num_layers=24, num_kv_heads=32, head_dim=64, dtype=torch.bfloat16)
+    per_block = big.bytes_per_token * 16
+    plain = plan_cache(big, "cuda:0", 16, 4096, 8192, gpu_memory_utilization=0.5)
+    kept = plan_cache(big, "cuda:0", 16, 4096, 8192, gpu_memory_utilization=0.5, reserve_bytes=3 * gib)
+    assert plain.num_blocks == (40 - 10) * gib // per_block
+    assert kept.num_blocks == (40 - 10 - 3) * gib // per_block and "3072 MiB set aside for steps" in kept.reason

@@ -88,10 +88,12 @@ def plan_cache(
     max_model_len: int,
     kv_cache_memory: int | None = None,
     gpu_memory_utilization: float = 0.9,
+    reserve_bytes: int = 0,
 ) -> CachePlan:
     """The block count: ``kv_cache_memory`` bytes when given; otherwise enough for ``max_num_seqs``
     full-length sequences, capped by what the device allows (CUDA: ``gpu_memory_utilization`` of
-    the device minus what is allocated now; CPU: 2 GiB and a quarter of the available memory)."""
+    the device minus what is allocated now and ``reserve_bytes``, what the steps will take beside
+    the cache (:mod:`gyrfalcon.engine.model.budget`); CPU: 2 GiB and a quarter of the available memory)."""
     per_block = shape.bytes_per_token * block_size
     wanted = max_num_seqs * math.ceil(max_model_len / block_size) + 1
     if kv_cache_memory is not None:
@@ -101,8 +103,11 @@ def plan_cache(
         if device.startswith("cuda"):
             free, total = torch.cuda.mem_get_info(torch.device(device))
             used_by_others = total - free - torch.cuda.memory_reserved(torch.device(device))
-            allowed = int(total * gpu_memory_utilization) - torch.cuda.memory_reserved(torch.device(device)) - max(used_by_others, 0)
+            allowed = (int(total * gpu_memory_utilization) - torch.cuda.memory_reserved(torch.device(device))
+                       - max(used_by_others, 0) - reserve_bytes)  # fmt: skip
             cap, why = max(allowed, 0) // per_block, f"--gpu-memory-utilization {gpu_memory_utilization}"
+            if reserve_bytes:
+                why += f", {reserve_bytes / 2**20:.0f} MiB set aside for steps"
         else:
             available = _available_cpu_bytes()
             limit = CPU_DEFAULT_BYTES if available is None else min(CPU_DEFAULT_BYTES, int(available * CPU_AVAILABLE_SHARE))

@@ -14,7 +14,7 @@ blocks; their logits are dropped. The fast path replays them:
   buckets the first time they are needed);
 - ``compiled``: ``torch.compile`` (inductor) of the step on the CPU, the context width its one
   dynamic size, for the batch buckets of :data:`COMPILED_BATCHES`, compiled on a thread of its own while
-  steps run eagerly and adopted between two steps (:meth:`DecodeSteps.poll`) (measured on the default model, direct
+  steps run eagerly and adopted between two steps (:mod:`~gyrfalcon.engine.model.compiled`) (measured on the default model, direct
   forward: at batch 1 the compiled step takes about 7.2 ms against 13 eager; a dynamic batch size
   compiled slower than eager, 135 ms against 70 at batch 16, so each bucket is its own static
   graph; the first start compiles the five for about 6 minutes on 2 cores, later starts load them
@@ -41,7 +41,6 @@ Transformers' forward computes all three inside the step, so it is not compiled.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -50,14 +49,8 @@ import torch
 
 from gyrfalcon.engine.model import graphs, staging
 from gyrfalcon.engine.model.attention import StepMetadata
-from gyrfalcon.engine.model.fast_check import (
-    FAST_STEP_RTOL,
-    DecodePath,
-    check_fast_step,
-    guards_on_the_inputs,
-    one_line,
-    paired_medians_s,
-)
+from gyrfalcon.engine.model.compiled import COMPILING, CompiledMode
+from gyrfalcon.engine.model.fast_check import FAST_STEP_RTOL, DecodePath, check_fast_step, paired_medians_s
 from gyrfalcon.engine.model.heads import StepHeads, empty_heads, heads_of
 from gyrfalcon.engine.model.work import Work, riding
 
@@ -79,24 +72,11 @@ COMPILED_BATCHES = (1, 2, 4, 8, 16)
 #: rows to 8 costs more than the compile saves (eager 5 rows about 21.5 ms against 23.6 compiled 8),
 #: 6 of 8 about breaks even
 COMPILED_MIN_FILL = 0.75
-#: the decode path's reason while a compile runs in the background (steps run eagerly meanwhile)
-COMPILING = "compiling the decode step in the background"
 #: the compiled step is kept only if its median time is at most this share of the eager step's
 COMPILED_MUST_TAKE = 0.9
 def _buckets(limit: int, candidates) -> list[int]:
     chosen = [c for c in candidates if c < limit]
     return [*chosen, limit]
-
-
-@dataclass
-class _PendingCompile:
-    """A compile running on its own thread, on a bucket of its own; ``result`` once it ends."""
-
-    thread: threading.Thread
-    bucket: _Bucket
-    #: the batch buckets to compile after this one
-    rest: list[int] = field(default_factory=list)
-    result: tuple[Any, float, str | None] = (None, 0.0, "the compile thread ended without a result")
 
 
 @dataclass
@@ -118,7 +98,7 @@ class _Bucket:
     runs: int = field(default=0)
 
 
-class DecodeSteps:
+class DecodeSteps(CompiledMode):
     """The static-shape decode path of a :class:`ModelRunner` (see the module docstring)."""
 
     def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int, mode: str = "static") -> None:
@@ -132,7 +112,7 @@ class DecodeSteps:
         #: the batch buckets it was compiled for and does not serve, and why (in the path's reason)
         self._eager_batches: dict[int, str] = {}
         #: a compile running in the background (:meth:`prepare`), until :meth:`poll` adopts it
-        self._pending: _PendingCompile | None = None
+        self._pending = None
         #: a compiled CPU step must give the eager step's bits (see the module docstring)
         self.rtol = 0.0 if self.mode == "compiled" else FAST_STEP_RTOL.get(runner.cache.shape.dtype, 1e-4)
         #: the path decode steps take (set by :meth:`prepare`)
@@ -148,6 +128,8 @@ class DecodeSteps:
         self._outputs: StepHeads | None = None
         #: seconds spent capturing graphs so far (start-up report, bench)
         self.capture_s = 0.0
+        #: the bytes the KV cache's sizing left for the graphs' pool (None: not measured)
+        self.pool_budget: int | None = None
 
     @property
     def outputs(self) -> StepHeads:
@@ -192,6 +174,14 @@ class DecodeSteps:
                 torch._dynamo.mark_static(tensor, dim)
         return _Bucket(batch, width, ids, positions, step, flat)
 
+    @torch.inference_mode()
+    def pool_peak(self, peak) -> int:
+        """What capturing the largest bucket takes from the graphs' pool: its step run eagerly on
+        synthetic rows, as ``peak`` (:data:`~gyrfalcon.engine.model.budget.PeakProbe`) measures it."""
+        bucket = self._new(self.batch_buckets[-1], self.width_buckets[-1])  # not kept: made on the provisional cache
+        self._fill_synthetic(bucket)
+        return peak(lambda: heads_of(self._eager(bucket), self.outputs))
+
     def _eager(self, bucket: _Bucket) -> torch.Tensor:
         bucket.step._masks.clear()  # computed anew from this step's buffers
         return self.runner.run_model(bucket.ids, bucket.positions, bucket.step, 0)
@@ -210,10 +200,6 @@ class DecodeSteps:
         bucket.step.slot_mapping.copy_(positions % bs)
         bucket.step.decode_positions.copy_(positions)
         bucket.step.decode_blocks.zero_()
-
-    def _run_compiled(self, bucket: _Bucket, compiled=None) -> torch.Tensor:
-        bucket.step._masks.clear()
-        return (compiled or self._compiled)(bucket.ids, bucket.positions, bucket.step, 0)
 
     @torch.inference_mode()
     def prepare(self, background: bool = False) -> DecodePath:
@@ -244,59 +230,17 @@ class DecodeSteps:
             for batch in reversed(self.batch_buckets):
                 self.get(batch, self.width_buckets[0])
             grown = (torch.cuda.memory_reserved(self.runner.device) - reserved) / 2**20
+            pool = None if self._pool is None else graphs.pool_bytes(self._pool)
             failed = [f"batch {b.batch}: {b.failure}" for b in self._buckets.values() if b.failure]
             if not failed:
-                self.path = DecodePath("captured", f"{len(self._buckets)} buckets in {self.capture_s:.1f} s, {grown:.0f} MiB")
+                budget = "" if self.pool_budget is None else f", {self.pool_budget / 2**20:.0f} measured beforehand"
+                size = "" if pool is None else f"pool {pool / 2**20:.0f} MiB{budget}; "
+                self.path = DecodePath("captured", f"{len(self._buckets)} buckets in {self.capture_s:.1f} s, "
+                                                   f"{size}device memory grew {grown:.0f} MiB")  # fmt: skip
             elif len(failed) == len(self._buckets):
                 self.path = DecodePath("eager", failed[0])
             else:
                 self.path = DecodePath("captured", f"eager for {'; '.join(failed)}")
-        return self.path
-
-    def _start_compile(self, batches: list[int]) -> None:
-        """Compile the step for ``batches[0]`` on a thread of its own, then (through :meth:`poll`) the rest."""
-        bucket = self._new(batches[0], self.width_buckets[0])  # never a serving bucket: the compile runs beside steps
-        self._pending = _PendingCompile(threading.Thread(target=self._compile_in_background, args=(bucket,),
-                                                         name="gyrfalcon-compile", daemon=True), bucket, batches[1:])  # fmt: skip
-        self._pending.thread.start()
-
-    def _compile(self, bucket: _Bucket) -> tuple[Any, float, str | None]:
-        """``torch.compile`` of the model's forward (the one already made, for a later bucket),
-        compiled for ``bucket``'s shapes by one run on its synthetic inputs: (the compiled step or
-        None, seconds, why it failed)."""
-        import torch._dynamo
-
-        self._fill_synthetic(bucket)
-        start = time.perf_counter()
-        try:
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-            # the model's forward (direct where it has one) with one dynamic size, the context width
-            # (each bucket's table is marked): dynamic=True made every size symbolic, and dynamo's
-            # symbolic reasoning took 219 s tracing the direct forward of the default model (4 s static)
-            compiled = self._compiled or torch.compile(self.runner.run_model,
-                                                       options={"guard_filter_fn": guards_on_the_inputs})
-            self._run_compiled(bucket, compiled)  # compiles
-        except Exception as exc:  # noqa: BLE001 - no compiler, an unsupported op: serve eagerly
-            return None, time.perf_counter() - start, f"compiling the decode step failed: {one_line(exc)}"
-        return compiled, time.perf_counter() - start, None
-
-    def _compile_in_background(self, bucket: _Bucket) -> None:
-        with torch.inference_mode():  # a thread's own mode
-            self._pending.result = self._compile(bucket)
-
-    def poll(self) -> DecodePath | None:
-        """Between two steps (the engine's thread): adopt a background compile that has finished —
-        checked and timed against the eager step here, where no step runs beside it — and return
-        the new path; None while there is nothing new."""
-        pending = self._pending
-        if pending is None or pending.thread.is_alive():
-            return None
-        self._pending = None
-        with torch.inference_mode():
-            self.path = self._adopt(pending.bucket, *pending.result)
-        if self._compiled_batches and pending.rest:  # the next batch bucket, while this one serves
-            self._start_compile(pending.rest)
-            self.path = DecodePath("compiled", f"{self.path.reason}; {COMPILING} for batch {pending.rest[0]}")
         return self.path
 
     def _adopt(self, bucket: _Bucket, compiled, compile_s: float, failure: str | None) -> DecodePath:

@@ -29,3 +29,13 @@ def capture(forward: Callable[[], torch.Tensor], into: StepHeads,
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         heads = heads_of(forward(), into)
     return graph, heads, graph.pool()
+
+
+def pool_bytes(pool: Any) -> int | None:
+    """The device memory the graphs' private pool ``pool`` holds, from the allocator's snapshot
+    (None where the snapshot does not say)."""
+    try:
+        segments = torch.cuda.memory_snapshot()
+        return sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) == tuple(pool))
+    except (KeyError, TypeError, RuntimeError):
+        return None

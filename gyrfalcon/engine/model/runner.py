@@ -117,13 +117,25 @@ class ModelRunner:
             for name, value in before.items():
                 setattr(self, name, value)
 
+    def eager(self):
+        """A ``with`` block whose steps all run eagerly (no decode bucket)."""
+        return self._set(decode_steps=None)
+
+    def use_cache(self, cache: PagedKVCache) -> None:
+        """Serve from ``cache`` from now on: the real cache, after the provisional one the step
+        budget was measured on (:mod:`~gyrfalcon.engine.model.budget`); before any decode bucket
+        is made (a bucket holds the cache it was made with)."""
+        if cache.shape != self.cache.shape or cache.device != self.cache.device or cache.block_size != self.cache.block_size:
+            raise ValueError("the runner's cache can only be replaced by one of the same shape, blocks and device")
+        self.cache = cache
+
     def _agree(self, steps: list[list[Work]], other: dict, names: tuple[str, str]) -> str | None:
         """Run each step of ``steps`` as the runner is set, then with the attributes ``other`` (the
         same KV slots are written twice; both eagerly: a captured bucket would replay one of the
         two): None when every step gives the same argmax and logits within the dtype's tolerance,
         else why not."""
         rtol = FAST_STEP_RTOL.get(self.model.dtype, 1e-4)
-        with self._set(decode_steps=None):
+        with self.eager():
             for works in steps:
                 def this_step(works=works):
                     return self.forward(works)[0]
@@ -161,7 +173,7 @@ class ModelRunner:
         gives the same argmax and logits within the dtype's tolerance. Returns :attr:`model_impl`;
         ``required`` (``--model-impl direct``) turns a disagreement into a ``ValueError``."""
         if self.direct is None:
-            with self._set(decode_steps=None):
+            with self.eager():
                 for works in steps:
                     self.forward(works)
             return self.model_impl
