@@ -218,7 +218,7 @@ class Batcher:
             kept_plan.extend(plan[i] for i in mine)
             kept_works.extend(works[i] for i in mine)
             spans.extend((rows + first, count) for first, count in own)
-            parts.append(part.logits)
+            parts.append(part.kept_logits())  # the next request's step may write the shared buffers
             rows += part.logits.shape[0]
         return kept_plan, kept_works, StepHeads(torch.cat(parts) if parts else torch.empty(0)), spans
 

@@ -259,3 +259,29 @@ def test_the_threaded_loop_survives_a_prefill_fault_while_another_request_decode
         assert engine.stats()["requests_failed"] == 1 and not engine.core._live
     finally:
         engine.shutdown(0)
+
+
+def test_a_decode_step_run_apart_through_the_static_buckets_keeps_each_requests_logits(stepped):
+    """A shared decode step fails once; run request by request, each part goes through a decode
+    bucket, whose outputs are buffers every step writes: each request's logits are kept before the
+    next one runs, so both requests get their alone tokens."""
+    from gyrfalcon.engine.model.captured import DecodeSteps
+
+    engine = stepped()
+    engine.core.runner.decode_steps = DecodeSteps(engine.core.runner, 8, 128, mode="static")
+    asks = [request(PROMPTS[i], temperature=0.0, max_tokens=12, ignore_eos=True) for i in (0, 1)]
+    expected = alone(engine, asks)
+    streams = [engine.submit(request(PROMPTS[i], temperature=0.0, max_tokens=12, ignore_eos=True)) for i in (0, 1)]
+    for _ in range(4):
+        engine.core.batcher.step()
+    step, failed = engine.core.runner.step, []
+
+    def flaky(works):
+        if len(works) == 2 and not failed:
+            failed.append(True)
+            raise RuntimeError("a shared step failed once")
+        return step(works)
+
+    engine.core.runner.step = flaky
+    run(engine, streams)
+    assert failed and finals(streams) == expected

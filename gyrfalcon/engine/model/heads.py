@@ -23,14 +23,15 @@ import torch
 class StepHeads:
     """A step's fp32 logits ``[n, V]`` and, where the step computed them, their reductions (each
     None otherwise): ``argmax`` and ``amax`` ``[n]``, ``logprobs`` (raw log-softmax) ``[n, V]``,
-    ``own`` ``[n]`` (the log-probability of each row's argmax). Tensors a captured graph wrote are
-    valid until the next step."""
+    ``own`` ``[n]`` (the log-probability of each row's argmax)."""
 
     logits: torch.Tensor
     argmax: torch.Tensor | None = None
     amax: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     own: torch.Tensor | None = None
+    #: whether the tensors are buffers every step writes (read them before the next step)
+    shared: bool = False
 
     @property
     def reduced(self) -> bool:
@@ -42,7 +43,12 @@ class StepHeads:
         if n == self.logits.shape[0]:
             return self
         return StepHeads(*(None if t is None else t[:n] for t in (self.logits, self.argmax, self.amax, self.logprobs,
-                                                                  self.own)))  # fmt: skip
+                                                                  self.own)), shared=self.shared)  # fmt: skip
+
+    def kept_logits(self) -> torch.Tensor:
+        """The logits, in a tensor of their own where the step's buffers are shared (to hold them
+        past the next step)."""
+        return self.logits.clone() if self.shared else self.logits
 
 
 def empty_heads(rows: int, width: int, device: torch.device) -> StepHeads:
@@ -70,4 +76,5 @@ def heads_of(logits: torch.Tensor, into: StepHeads | None = None) -> StepHeads:
     torch.amax(out.logits, dim=-1, out=out.amax)
     torch.log_softmax(out.logits, dim=-1, out=out.logprobs)
     torch.gather(out.logprobs, 1, out.argmax.unsqueeze(1), out=out.own.unsqueeze(1))
+    out.shared = True
     return out

@@ -186,14 +186,14 @@ class ModelRunner:
 
     def forward(self, works: list[Work]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Run one step; returns fp32 logits and, per work item, its ``(first row, row count)``
-        (:meth:`step` without the reductions)."""
+        (:meth:`step` without the reductions; the logits are the caller's to keep)."""
         heads, spans = self.step(works)
-        return heads.logits, spans
+        return heads.kept_logits(), spans
 
     @torch.inference_mode()
     def step(self, works: list[Work]) -> tuple[StepHeads, list[tuple[int, int]]]:
         """Run one step; returns its fp32 logits (with their reductions where the step computed
-        them: :mod:`~gyrfalcon.engine.model.heads`; valid until the next step) and, per work item,
+        them: :mod:`~gyrfalcon.engine.model.heads`; ``shared``: valid until the next step) and, per work item,
         its ``(first row, row count)``. The values of a
         :class:`~gyrfalcon.engine.model.work.StepWorks`'s rider (the sampler's) go to the device in
         the same copy as the step's inputs."""
