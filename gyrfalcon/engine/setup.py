@@ -15,7 +15,7 @@ import torch
 
 from gyrfalcon.engine.kv.blocks import BlockPool
 from gyrfalcon.engine.kv.cache import CachePlan, KVShape, PagedKVCache, plan_cache
-from gyrfalcon.engine.model.budget import measure_reserve
+from gyrfalcon.engine.model.budget import PeakProbe, StepReserve, cuda_peak, measure_reserve, provisional_blocks
 from gyrfalcon.engine.model.fast_check import DecodePath
 from gyrfalcon.engine.model.runner import ModelRunner
 from gyrfalcon.engine.model.work import Work
@@ -89,6 +89,27 @@ def _eos_ids(generation: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
+def _measure(runner: ModelRunner, shape: KVShape, cfg: EngineConfig, max_model_len: int, prefill_chunk: int,
+             probe: PeakProbe) -> StepReserve:  # fmt: skip
+    """What the steps take beside the KV cache, measured on the runner's provisional cache, whose
+    memory then goes back (the runner keeps a one-block cache until the real one is made)."""
+    reserve = measure_reserve(runner, cfg.max_num_batched_tokens, prefill_chunk, max_model_len, probe)
+    runner.use_cache(PagedKVCache(shape, 1, cfg.block_size, runner.device))
+    from torch import _dynamo
+
+    _dynamo.reset()  # flex attention compiled for the provisional cache's size: compiled anew for the real one
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()
+    log.warning("%s", reserve.describe())
+    return reserve
+
+
+def step_probe(device: str) -> PeakProbe | None:
+    """How the steps' memory beside the KV cache is measured before the cache is sized: on CUDA
+    (None elsewhere: the CPU's cache budget is its own share of host memory)."""
+    return cuda_peak(torch.device(device)) if device.startswith("cuda") else None
+
+
 @dataclass
 class LoadedModel:
     """A runner ready to step, with its block pool, the cache plan and the decode path taken."""
@@ -116,15 +137,13 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
                            model_impl=cfg.model_impl, attention=cfg.attention_backend,
                            kernels=cache_root(cfg.cache_dir) / "kernels")  # fmt: skip
 
-    runner, reserve = None, 0
-    if device.startswith("cuda") and cfg.kv_cache_memory is None:  # sized by --gpu-memory-utilization
-        runner = runner_on(PagedKVCache(shape, 1, cfg.block_size, device))  # the scratch block alone
-        measured = measure_reserve(runner, cfg.max_num_batched_tokens, prefill_chunk, max_model_len)
-        torch.cuda.empty_cache()
-        log.warning("%s", measured.describe())
-        reserve = measured.total
+    runner, reserve = None, StepReserve(0, 0)
+    probe = step_probe(device) if cfg.kv_cache_memory is None else None  # sized by --gpu-memory-utilization
+    if probe is not None:
+        runner = runner_on(PagedKVCache(shape, provisional_blocks(max_model_len, cfg.block_size), cfg.block_size, device))
+        reserve = _measure(runner, shape, cfg, max_model_len, prefill_chunk, probe)
     plan = plan_cache(shape, device, cfg.block_size, cfg.max_num_seqs, max_model_len, cfg.kv_cache_memory,
-                      cfg.gpu_memory_utilization, reserve)  # fmt: skip
+                      cfg.gpu_memory_utilization, reserve.total, reserve.per_block)  # fmt: skip
     log.warning("%s; %s", plan.describe(max_model_len), str(shape.dtype).removeprefix("torch."))
     cache = PagedKVCache(shape, plan.num_blocks, plan.block_size, device)
     pool = BlockPool(plan.num_blocks, plan.block_size, cfg.enable_prefix_caching)

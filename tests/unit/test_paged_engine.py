@@ -132,6 +132,33 @@ def test_a_steps_own_reductions_serve_the_rows_no_processor_touches(stepped):
         assert sum(taken) >= 6 if asks is greedy else not any(taken)
 
 
+def test_an_engine_that_measures_its_steps_before_sizing_its_cache_serves_the_same_tokens(stepped, monkeypatch, caplog):
+    """CUDA's start-up order, run on the CPU with a stand-in probe (no GPU here): the runner is made
+    on a provisional cache, its largest step measured, then it moves to the real cache; requests
+    get the tokens of an engine that measured nothing, and the log says what was set aside."""
+    from gyrfalcon.engine import setup
+    from tests.unit.test_batching import make_requests
+
+    plain = stepped()
+    streams = [plain.submit(r) for r in make_requests()]
+    run(plain, streams)
+    expected = finals(streams)
+    measured = []
+
+    def probe(fn):
+        fn()
+        measured.append(fn)
+        return 3 * 2**20
+
+    monkeypatch.setattr(setup, "step_probe", lambda device: probe)
+    engine = stepped()
+    assert len(measured) == 1 and "3 MiB set aside for steps (workspace 3" in caplog.text
+    assert engine.core.runner.cache.num_blocks == plain.core.runner.cache.num_blocks > 1
+    streams = [engine.submit(r) for r in make_requests()]
+    run(engine, streams)
+    assert finals(streams) == expected
+
+
 def test_penalised_and_plain_rows_share_steps_at_any_slot(stepped):
     """Generated-token counts are kept for every slot a step draws for, not only the penalised ones."""
     engine = stepped(max_num_seqs=16, max_queue_len=16)

@@ -398,42 +398,55 @@ def test_a_block_table_row_given_to_another_sequence_holds_only_its_blocks():
     assert len(set(rows)) == 3 and 0 not in rows and table.tensor.shape[0] >= 4
 
 
-def test_the_step_budget_is_measured_on_a_provisional_cache_before_the_real_one_is_sized(monkeypatch):
+@pytest.mark.parametrize("attention", ["gather", "flex"])
+def test_the_step_budget_is_measured_on_a_provisional_cache_before_the_real_one_is_sized(monkeypatch, attention):
     """On CUDA the KV cache is sized after measuring what steps take beside it: the largest eager
-    step (max_num_batched_tokens in prompt chunks, the first keeping every position's logits) and
-    the largest decode bucket's step (what capturing it takes from the graphs' pool), both on a
-    provisional cache of the scratch block alone. The runner then serves from the real cache with
-    the logits of a runner made on it, and the plan leaves the measured bytes out of the
-    --gpu-memory-utilization budget (the device's figures stand in: no GPU here)."""
+    step (max_num_batched_tokens in prompt chunks, each the last of a full-length prompt, the first
+    keeping every position's logits) and the largest start-up decode bucket's step (what capturing
+    it takes from the graphs' pool; the static buffers stand in for the graphs here), both on a
+    provisional cache of one full-length sequence's blocks, and flex attention's masks per block of
+    the cache. The runner then serves from the real cache with the logits of a runner made on it,
+    and the plan leaves the measured bytes out of the --gpu-memory-utilization budget (the
+    device's figures stand in: no GPU here)."""
     from gyrfalcon.engine.kv.cache import plan_cache
-    from gyrfalcon.engine.model import budget
+    from gyrfalcon.engine.model import budget, flex
 
-    _, model = _models("llama")
+    _, model = _models("mistral" if attention == "flex" else "llama")
     shape = KVShape.of(model.config, torch.float32)
-    runner = ModelRunner(model, PagedKVCache(shape, 1, 4, "cpu"), capture="static", max_batch=8, max_model_len=256)
-    measured: list[tuple[int, int]] = []
+    provisional = PagedKVCache(shape, budget.provisional_blocks(256, 4), 4, "cpu")
+    runner = ModelRunner(model, provisional, capture="static", max_batch=8, max_model_len=256, attention=attention)
+    steps = runner.decode_steps
+    steps.mode = "cuda-graphs"  # measured as the graphs would be; nothing is captured here
+    measured: list[tuple[int, bool, bool]] = []
 
-    def peak(fn):  # what ran: the runner's forwards and the tokens written to the provisional cache's one block
-        forwards = runner.forwards
-        keys = runner.cache.keys[0].clone()
+    def peak(fn):  # what ran: the runner's forwards, whether the heads buffers were there, what it wrote
+        forwards, outputs = runner.forwards, steps._outputs is not None
+        caches = [runner.cache.keys[0].clone(), runner.cache.keys[0]]
         fn()
-        measured.append((runner.forwards - forwards, int(not torch.equal(keys, runner.cache.keys[0]))))
+        written = (caches[0] != caches[1]).any(dim=(1, 2)).nonzero().flatten()
+        measured.append((runner.forwards - forwards, outputs, bool(written.numel()) and int(written.max()) < 4))
         return 1000 * len(measured)
 
+    works = budget.prefill_works(40, 16, 256, 4)
+    assert [(len(w.tokens), w.start, w.logits) for w in works] == [(16, 240, "all"), (16, 240, "last"), (8, 248, "last")]
     reserve = budget.measure_reserve(runner, max_tokens=40, chunk=16, max_model_len=256, peak=peak)
-    assert measured == [(1, 1), (0, 1)]  # one eager forward of three chunks; then the bucket's own step
-    assert [len(w.tokens) for w in budget.prefill_works(40, 16, 256, 4)] == [16, 16, 8]
+    assert measured == [(1, False, True), (0, True, True)]  # the scratch block's slots only; the buffers made before
     outputs = runner.decode_steps.outputs
     assert reserve.total == 3000 and reserve.outputs == outputs.logits.numel() * 4 * 2 + 8 * (8 + 4 + 4)
-    assert runner.decode_steps._buckets == {}  # nothing kept that holds the provisional cache
+    assert reserve.per_block == (flex.mask_bytes_per_block(3, 16) + flex.mask_bytes_per_block(8, 1)
+                                 if attention == "flex" else 0)  # fmt: skip
+    assert runner.decode_steps.made == 0 and runner.decode_steps.pool_budget == 2000
     real, pool = PagedKVCache(shape, 64, 4, "cpu"), BlockPool(64, 4)
     runner.use_cache(real)
-    fresh, fresh_pool = _runner(model, capture="static")
-    seqs = [Seq([5, 9, 14, 2, 7], pool), Seq([5, 9, 14, 2, 7], fresh_pool)]
-    got, want = runner.forward([seqs[0].work(5)])[0], fresh.forward([seqs[1].work(5)])[0]
-    assert torch.equal(got, want)
+    runner.decode_steps.mode = "static"
+    fresh, fresh_pool = _runner(model, capture="static", attention=attention)
+    seqs = [Seq([5, 9, 14, 2, 7, 11], pool), Seq([5, 9, 14, 2, 7, 11], fresh_pool)]
+    assert torch.equal(runner.forward([seqs[0].work(5)])[0], fresh.forward([seqs[1].work(5)])[0])
+    assert torch.equal(runner.forward([seqs[0].work(1)])[0], fresh.forward([seqs[1].work(1)])[0])  # a bucket
     with pytest.raises(ValueError, match="same shape"):
         runner.use_cache(PagedKVCache(shape, 64, 8, "cpu"))
+    with pytest.raises(ValueError, match="once decode buckets are made"):
+        runner.use_cache(PagedKVCache(shape, 64, 4, "cpu"))
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
@@ -441,6 +454,23 @@ def test_the_step_budget_is_measured_on_a_provisional_cache_before_the_real_one_
     big = KVShape(num_layers=24, num_kv_heads=32, head_dim=64, dtype=torch.bfloat16)
     per_block = big.bytes_per_token * 16
     plain = plan_cache(big, "cuda:0", 16, 4096, 8192, gpu_memory_utilization=0.5)
-    kept = plan_cache(big, "cuda:0", 16, 4096, 8192, gpu_memory_utilization=0.5, reserve_bytes=3 * gib)
+    kept = plan_cache(big, "cuda:0", 16, 4096, 8192, gpu_memory_utilization=0.5, reserve_bytes=3 * gib,
+                      reserve_per_block=2048)  # fmt: skip
     assert plain.num_blocks == (40 - 10) * gib // per_block
-    assert kept.num_blocks == (40 - 10 - 3) * gib // per_block and "3072 MiB set aside for steps" in kept.reason
+    assert kept.num_blocks == (40 - 10 - 3) * gib // (per_block + 2048) and "3072 MiB set aside for steps" in kept.reason
+
+
+def test_flex_attentions_masks_keep_the_bytes_the_budget_counts_per_block():
+    """The bytes a block mask keeps grow with the cache's blocks by flex.mask_bytes_per_block: its
+    block indices and each row's logical index of every block (what the cache's sizing counts)."""
+    from gyrfalcon.engine.model import flex
+
+    def kept(num_blocks: int, rows: int, queries: int) -> int:
+        cache = PagedKVCache(KVShape(1, 1, 16, torch.float32), num_blocks, 16, "cpu")
+        mask = flex.block_mask(cache, torch.zeros(rows, 4, dtype=torch.long), torch.full((rows,), 40), queries, None)
+        tensors = [getattr(mask, name, None) for name in dir(mask)]
+        tensors += [cell.cell_contents for cell in mask.mask_mod.__closure__ or ()]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    for rows, queries in ((8, 1), (3, 512)):
+        assert kept(300, rows, queries) - kept(100, rows, queries) == 200 * flex.mask_bytes_per_block(rows, queries)

@@ -89,11 +89,13 @@ def plan_cache(
     kv_cache_memory: int | None = None,
     gpu_memory_utilization: float = 0.9,
     reserve_bytes: int = 0,
+    reserve_per_block: int = 0,
 ) -> CachePlan:
     """The block count: ``kv_cache_memory`` bytes when given; otherwise enough for ``max_num_seqs``
     full-length sequences, capped by what the device allows (CUDA: ``gpu_memory_utilization`` of
-    the device minus what is allocated now and ``reserve_bytes``, what the steps will take beside
-    the cache (:mod:`gyrfalcon.engine.model.budget`); CPU: 2 GiB and a quarter of the available memory)."""
+    the device minus what is allocated now and what the steps will take beside the cache,
+    ``reserve_bytes`` and ``reserve_per_block`` for each block (:mod:`gyrfalcon.engine.model.budget`);
+    CPU: 2 GiB and a quarter of the available memory)."""
     per_block = shape.bytes_per_token * block_size
     wanted = max_num_seqs * math.ceil(max_model_len / block_size) + 1
     if kv_cache_memory is not None:
@@ -105,7 +107,8 @@ def plan_cache(
             used_by_others = total - free - torch.cuda.memory_reserved(torch.device(device))
             allowed = (int(total * gpu_memory_utilization) - torch.cuda.memory_reserved(torch.device(device))
                        - max(used_by_others, 0) - reserve_bytes)  # fmt: skip
-            cap, why = max(allowed, 0) // per_block, f"--gpu-memory-utilization {gpu_memory_utilization}"
+            cap = max(allowed, 0) // (per_block + reserve_per_block)
+            why = f"--gpu-memory-utilization {gpu_memory_utilization}"
             if reserve_bytes:
                 why += f", {reserve_bytes / 2**20:.0f} MiB set aside for steps"
         else:

@@ -145,6 +145,11 @@ class DecodeSteps(CompiledMode):
         return self._widths[-1:] if self.runner.attention == "flex" else self._widths
 
     @property
+    def made(self) -> int:
+        """How many buckets hold their buffers (each made on the runner's cache of the time)."""
+        return len(self._buckets)
+
+    @property
     def graphs(self) -> bool:
         """Whether buckets are captured as CUDA graphs."""
         return self.mode == "cuda-graphs"
@@ -176,11 +181,13 @@ class DecodeSteps(CompiledMode):
 
     @torch.inference_mode()
     def pool_peak(self, peak) -> int:
-        """What capturing the largest bucket takes from the graphs' pool: its step run eagerly on
-        synthetic rows, as ``peak`` (:data:`~gyrfalcon.engine.model.budget.PeakProbe`) measures it."""
-        bucket = self._new(self.batch_buckets[-1], self.width_buckets[-1])  # not kept: made on the provisional cache
+        """What capturing the largest start-up bucket takes from the graphs' pool: its step run
+        eagerly on synthetic rows, as ``peak`` (:data:`~gyrfalcon.engine.model.budget.PeakProbe`)
+        measures it."""
+        bucket = self._new(self.batch_buckets[-1], self.width_buckets[0])  # not kept: made on the provisional cache
         self._fill_synthetic(bucket)
-        return peak(lambda: heads_of(self._eager(bucket), self.outputs))
+        outputs = self.outputs  # allocated before: in use when the cache is sized, not part of the pool
+        return peak(lambda: heads_of(self._eager(bucket), outputs))
 
     def _eager(self, bucket: _Bucket) -> torch.Tensor:
         bucket.step._masks.clear()  # computed anew from this step's buffers

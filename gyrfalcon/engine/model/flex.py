@@ -76,6 +76,13 @@ def _logical(tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return past.scatter_reduce_(1, tables, index, reduce="amin")
 
 
+def mask_bytes_per_block(rows: int, queries: int) -> int:
+    """The bytes a :func:`block_mask` of ``rows`` rows of ``queries`` queries keeps per block of the
+    cache (its block indices and each row's logical index span every block: the KV cache's sizing
+    counts them, :mod:`~gyrfalcon.engine.model.budget`)."""
+    return 4 * rows * (1 + -(-queries // Q_BLOCK))
+
+
 def block_mask(cache, tables: torch.Tensor, positions: torch.Tensor, queries: int, window: int | None):
     """The :class:`BlockMask` of ``R`` rows over ``cache``'s slots: row ``r`` holds the blocks
     ``tables[r]`` (``[R, nb]``); its query ``i`` (of ``queries``) sits at position

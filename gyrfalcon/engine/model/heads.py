@@ -4,10 +4,11 @@ Every decode step needs the same batch-shaped reductions of its ``[B, V]`` logit
 argmax (greedy rows' token), its largest logit (a row with nothing left to choose, or NaN), the
 raw log-softmax (the logprob gatherers' input) and the argmax's own logprob. :func:`heads_of`
 computes them in one place. On a GPU the captured decode graph computes them inside the graph,
-so a step of plain greedy rows launches no kernel between the replay and its one copy to the
-host; the static path (the same buffers run eagerly: the CPU tests) computes them the same way.
-The sampler takes them only for rows no processor touched (:meth:`~gyrfalcon.engine.sample.
-sampler.Sampler.sample`); the eager steps and the CPU's compiled step hand it plain logits (the
+so after the replay a step of greedy rows runs no sampling kernel of its own, only the packing of
+its one copy to the host; the static path (the same buffers run eagerly: the CPU tests) computes
+them the same way. The sampler takes them only for a batch where no processor or ban changes any
+row (:meth:`~gyrfalcon.engine.sample.sampler.Sampler.sample`); the eager steps and the CPU's
+compiled step hand it plain logits (the
 compiled step stays the model's forward: its bits are checked against the eager step's, and its
 inductor cache stays valid).
 """

@@ -127,6 +127,8 @@ class ModelRunner:
         is made (a bucket holds the cache it was made with)."""
         if cache.shape != self.cache.shape or cache.device != self.cache.device or cache.block_size != self.cache.block_size:
             raise ValueError("the runner's cache can only be replaced by one of the same shape, blocks and device")
+        if self.decode_steps is not None and self.decode_steps.made:
+            raise ValueError("the runner's cache cannot be replaced once decode buckets are made on it")
         self.cache = cache
 
     def _agree(self, steps: list[list[Work]], other: dict, names: tuple[str, str]) -> str | None:

@@ -21,8 +21,8 @@ each sequence joined):
 
 Processors and bans work on a copy of the step's logits, made only when some row has one. A step
 that computed its logits' reductions where it made them (a captured decode graph:
-:mod:`gyrfalcon.engine.model.heads`) hands them over; where no processor or ban changes a row,
-the greedy rows' argmax, every row's largest logit, the raw log-softmax and the argmax's own
+:mod:`gyrfalcon.engine.model.heads`) hands them over; where no processor or ban changes any row
+of the batch, the greedy rows' argmax, every row's largest logit, the raw log-softmax and the argmax's own
 logprob are taken from there instead of being computed here.
 """
 
@@ -79,7 +79,7 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     errors: dict[int, EngineError] = field(default_factory=dict)
-    #: the same ids, still on the device (``[B]``)
+    #: the same ids, still on the device (``[B]``; possibly the step's shared buffer: read before the next step)
     device_ids: torch.Tensor | None = None
 
 
@@ -187,7 +187,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: BatchRows, heads: StepHeads | None = None) -> SamplerOutput:
         """Sample one token per row of ``[B, V]`` fp32 logits (left as they are: processors work on a
         copy). ``heads``: the step's reductions of the same logits
-        (:mod:`~gyrfalcon.engine.model.heads`), taken where no processor or ban changes a row."""
+        (:mod:`~gyrfalcon.engine.model.heads`), taken where no processor or ban changes any row."""
         gathered = [self._selected(g, rows) for g in self.gatherers]
         applied = [(p, selected) for p in self.processors if (selected := self._selected(p, rows))]
         banned = self._min_tokens_bans(rows)
