@@ -10,6 +10,7 @@ from gyrfalcon.engine.model.captured import COMPILING, DecodeSteps
 from gyrfalcon.engine.model.fast_check import DecodePath, check_fast_step
 from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
 from tests.conftest import tiny_settings
+from tests.unit.test_batching import stepped  # noqa: F401 - fixture
 
 PROMPTS = [[1, 5, 9, 12], [1, 40, 41], [1, 7, 7, 7, 7, 8], [1, 99]]
 
@@ -168,3 +169,95 @@ def test_a_bfloat16_kv_cache_holds_twice_the_tokens_and_keeps_rows_apart(tiny_mo
     finally:
         full.shutdown(1.0)
         half.shutdown(1.0)
+
+
+class _StandInGraph:
+    """A CUDA graph's stand-in on the CPU: its replay runs the captured step again, into the same
+    buffers (what a replay does), ``off`` added to its logits."""
+
+    def __init__(self, forward, into, off: float) -> None:
+        self.forward, self.into, self.off = forward, into, off
+
+    def replay(self) -> None:
+        from gyrfalcon.engine.model.heads import heads_of
+
+        heads_of(self.forward() + self.off, self.into)
+
+
+def _stand_in_capture(captured: list[int], off_at: dict[int, float], raise_at: int | None = None):
+    from gyrfalcon.engine.model.heads import heads_of
+
+    def capture(forward, into, pool):
+        logits = forward()
+        batch = logits.shape[0]
+        captured.append(batch)
+        if batch == raise_at:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        off = off_at.get(batch, 0.0)
+        return _StandInGraph(forward, into, off), heads_of(logits + off, into), pool or ("stand-in pool",)
+
+    return capture
+
+
+def test_the_cuda_graph_path_captures_largest_first_checks_each_bucket_and_serves_the_engines_tokens(stepped, monkeypatch):
+    """The CUDA-graph branch of the decode steps, on the CPU through a stand-in for the capture (no
+    GPU here): every batch bucket captured at start-up, largest first, each checked against the
+    eager step; the replays serve, the sampler takes the graphs' own argmax for greedy rows, and
+    the tokens are the eager engine's. A bucket whose replay is off (by 1.0) or whose capture
+    raises runs eagerly and the path names it; when every one fails, the path is eager with the
+    first reason."""
+    from gyrfalcon.engine.model import graphs
+    from tests.unit.test_batching import PROMPTS as SHORT, finals, make_requests, request, run
+
+    def greedy():
+        return [request(SHORT[i], max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1) for i in range(3)]
+
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(graphs, "pool_bytes", lambda pool: 3 * 2**20)
+
+    def engine_on_graphs(capture):
+        engine = stepped()
+        steps = engine.core.runner.decode_steps = DecodeSteps(engine.core.runner, 8, 128, mode="static")
+        steps.mode = "cuda-graphs"  # the graphs' branch, with the stand-in capture
+        monkeypatch.setattr(graphs, "capture", capture)
+        steps.pool_budget = 2 * 2**20
+        return engine, steps, steps.prepare()
+
+    plain = stepped()
+    streams = [plain.submit(r) for r in make_requests()]
+    run(plain, streams)
+    expected = finals(streams)
+    streams = [plain.submit(r) for r in greedy()]
+    run(plain, streams)
+    expected_greedy = finals(streams)
+
+    captured: list[int] = []
+    engine, steps, path = engine_on_graphs(_stand_in_capture(captured, {}))
+    assert captured == [8, 4, 2, 1] and path.name == "captured"
+    assert path.reason.startswith("4 buckets in ") and "pool 3 MiB, 2 measured beforehand" in path.reason
+    sample, taken = engine.core.sampler.sample, []
+
+    def watched(logits, rows, heads=None):
+        result = sample(logits, rows, heads)
+        taken.append(heads is not None and result.device_ids is heads.argmax)
+        return result
+
+    engine.core.sampler.sample = watched
+    streams = [engine.submit(r) for r in make_requests()]
+    run(engine, streams)
+    assert finals(streams) == expected
+    streams = [engine.submit(r) for r in greedy()]
+    run(engine, streams)
+    assert finals(streams) == expected_greedy
+    assert sum(b.runs for b in steps._buckets.values()) > 10 and sum(taken) >= 5
+
+    engine, steps, path = engine_on_graphs(_stand_in_capture([], {4: 1.0}, raise_at=2))
+    assert path.name == "captured" and path.reason.startswith("eager for batch 4: the fast step differs")
+    assert "; batch 2: the fast step failed: RuntimeError: operation not permitted" in path.reason
+    assert [b.batch for b in steps._buckets.values() if b.graph is None] == [4, 2]
+    streams = [engine.submit(r) for r in make_requests()]
+    run(engine, streams)
+    assert finals(streams) == expected
+
+    _, _, path = engine_on_graphs(_stand_in_capture([], {8: 1.0, 4: 1.0, 2: 1.0, 1: 1.0}))
+    assert path.name == "eager" and path.reason.startswith("batch 8: the fast step differs from the eager one")
