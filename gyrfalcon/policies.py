@@ -44,7 +44,9 @@ class BatchRows:
       with, a function of (the choice's seed, the position it draws);
     - ``generators``: per row, a ``torch.Generator`` seeded from the same (seed, position), made when
       a processor asks for it (None for greedy rows) — so a choice preempted and recomputed, or
-      batched with any company, draws the same noise.
+      batched with any company, draws the same noise;
+    - ``min_tokens_bans``: ``[2, k]`` long tensor, the (row, token id) pairs ``min_tokens`` bans at
+      this draw, sent with the step's inputs (None: none, or rows that do not carry them).
 
     Rows built by hand (prompt positions) may leave these empty, but the built-in processors read
     their per-slot state through ``slots``: build rows for them with
@@ -61,6 +63,7 @@ class BatchRows:
     slot_list: list[int] = field(default_factory=list)
     output_counts: Any = None
     selected: dict[int, list[int]] | None = None
+    min_tokens_bans: Any = None
 
     def __len__(self) -> int:
         return len(self.params)

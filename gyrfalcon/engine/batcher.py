@@ -79,7 +79,8 @@ class Batcher:
         self.runner = runner
         self.sampler = sampler
         self.scheduler = scheduler
-        self.batch = PersistentBatch(sampler.processors, sampler.gatherers, runner.logits_width, runner.cache.device)
+        self.batch = PersistentBatch(sampler.processors, sampler.gatherers, runner.logits_width, runner.cache.device,
+                                     sampler.eos_token_ids)  # fmt: skip
         scheduler.release_listeners.append(self.batch.leave)
         scheduler.release_listeners.append(runner.block_table.release)
         self.emit = emit

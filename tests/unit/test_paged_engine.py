@@ -203,9 +203,10 @@ def test_n_beyond_max_num_seqs_decodes_its_choices_in_turns(stepped):
 
 @pytest.mark.parametrize("path", ["eager", "static"])
 def test_a_decode_step_makes_one_copy_to_the_device_and_one_back(stepped, monkeypatch, path):
-    """The step's inputs, its rows' slots and draw positions, and the rows of each policy that only
-    some rows want (greedy and sampled rows, top-k, top-p, a penalty, logprobs on one row) go to the
-    device in one copy; the sampled ids, the rows' largest logits and the logprobs come back in one."""
+    """The step's inputs, its rows' slots and draw positions, the rows of each policy that only
+    some rows want (greedy and sampled rows, top-k, top-p, a penalty, logprobs on one row) and the
+    ids min_tokens bans go to the device in one copy; the sampled ids, the rows' largest logits and
+    the logprobs come back in one."""
     import torch
 
     from gyrfalcon import policies
@@ -217,8 +218,8 @@ def test_a_decode_step_makes_one_copy_to_the_device_and_one_back(stepped, monkey
     engine = stepped()
     if path == "static":
         engine.core.runner.decode_steps = DecodeSteps(engine.core.runner, 8, 128, mode="static")
-    asks = [dict(temperature=0.0), dict(temperature=0.8, seed=1, top_k=20), dict(temperature=0.0, logprobs=2),
-            dict(temperature=1.0, seed=2, top_p=0.9, frequency_penalty=0.5)]  # fmt: skip
+    asks = [dict(temperature=0.0, min_tokens=12, stop_token_ids=[7, 9]), dict(temperature=0.8, seed=1, top_k=20),
+            dict(temperature=0.0, logprobs=2), dict(temperature=1.0, seed=2, top_p=0.9, frequency_penalty=0.5)]  # fmt: skip
     streams = [engine.submit(request(LONG[i][:12], max_tokens=12, ignore_eos=True, **a)) for i, a in enumerate(asks)]
     for _ in range(3):  # the prompts' prefills and the first tokens
         engine.core.batcher.step()

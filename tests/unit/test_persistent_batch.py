@@ -195,3 +195,24 @@ def test_a_step_with_every_policy_makes_one_host_transfer(monkeypatch):
     assert out.logprobs[1].top_token_ids == [[second, *[t for t in (3, 4) if t != second]]]
     assert out.logprobs[1].top_logprobs[0] == pytest.approx(raw[1, out.logprobs[1].top_token_ids[0]].tolist())
     assert out.logprobs[2] is None
+
+
+def test_min_tokens_bans_ride_with_the_step_and_ban_what_the_sampler_would():
+    """Given the model's end-of-text ids, the batch stages the (row, id) pairs min_tokens bans at this
+    draw (stop ids, and eos unless ignore_eos, until enough tokens were generated) with the rows'
+    other values; the sampler then bans exactly those, as it does when it makes them itself."""
+    sampler = Sampler([], [], [2], torch.Generator())
+    params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[8]),
+              SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[9], ignore_eos=True),
+              SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[7]),
+              SamplingParams(temperature=0.0)]  # fmt: skip
+    seqs = [Seq(p, tokens=[5, 6], seed=i) for i, p in enumerate(params)]  # two generated: row 2 is done
+    staged_batch = PersistentBatch([], [], V, "cpu", eos_token_ids=[2])
+    staged = staged_batch.stage(seqs, [{}] * 4)
+    rows = staged_batch.rows(seqs, [{}] * 4, staged)
+    assert staged.bans == 3 and rows.min_tokens_bans.tolist() == [[0, 0, 1], [8, 2, 9]]
+    logits = torch.zeros(4, V)
+    logits[:, [2, 7, 8, 9]] = 5.0  # each row's best ids are the ones it may not draw yet
+    own = PersistentBatch([], [], V, "cpu").rows(seqs, [{}] * 4)
+    assert own.min_tokens_bans is None  # no end-of-text ids given: the sampler makes the bans itself
+    assert sampler.sample(logits, rows).token_ids == sampler.sample(logits, own).token_ids == [7, 2, 2, 2]

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from gyrfalcon.engine.sample.min_tokens import banned_pairs
 from gyrfalcon.engine.sample.noise import DrawGenerators, as_int64, draw_uniforms
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine.model.staging import Rider
@@ -43,6 +44,8 @@ class StagedRows:
     rider: Rider
     #: how many sequences had left the batch when these rows were staged
     departures: int
+    #: how many (row, token id) pairs ``min_tokens`` bans at this draw (they ride too)
+    bans: int = 0
 
     def still(self, sequences: list[Sequence], departures: int) -> bool:
         """Whether the step draws for these very rows, each still in the slot it had when staged
@@ -56,12 +59,14 @@ class PersistentBatch:
     """Slots for the live sequences of the engine; see the module docstring.
 
     ``processors`` and ``gatherers`` are the engine's policies (generated-position gatherers only);
-    ``vocab_size`` and ``device`` those of the logits.
+    ``vocab_size`` and ``device`` those of the logits; ``eos_token_ids`` the model's end-of-text
+    ids, with which a step's ``min_tokens`` bans ride with its inputs (None: the sampler makes them).
     """
 
     def __init__(self, processors: list[LogitsProcessor], gatherers: list[LogprobGatherer],
-                 vocab_size: int, device: torch.device | str) -> None:  # fmt: skip
+                 vocab_size: int, device: torch.device | str, eos_token_ids: list[int] | None = None) -> None:  # fmt: skip
         self.policies: list[Any] = [*processors, *gatherers]
+        self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._slot_of: dict[Sequence, int] = {}  # by identity: a sequence holds its slot until it leaves
@@ -165,7 +170,12 @@ class PersistentBatch:
                 selected[key] = [i for i, slot in enumerate(slot_list) if slot in wanted]
         partial = [rows for rows in selected.values() if 0 < len(rows) < len(sequences)]
         values = [*slot_list, *positions, *(i for rows in partial for i in rows)]
-        return StagedRows(list(sequences), slot_list, selected, Rider(values), self._departures)
+        bans: tuple[list[int], list[int]] = ([], [])
+        if self.eos_token_ids is not None and MIN_TOKENS_ROWS in selected:
+            params = [seq.params for seq in sequences]
+            bans = banned_pairs(params, positions, self.eos_token_ids, selected[MIN_TOKENS_ROWS])
+            values += [*bans[0], *bans[1]]
+        return StagedRows(list(sequences), slot_list, selected, Rider(values), self._departures, len(bans[0]))
 
     def rows(self, sequences: list[Sequence], extensions: list[dict[str, Any]],
              staged: StagedRows | None = None) -> BatchRows:  # fmt: skip
@@ -187,6 +197,7 @@ class PersistentBatch:
             if 0 < len(rows) < count:
                 listed.on_device = sent[offset : offset + len(rows)]
                 offset += len(rows)
+        bans = sent[offset : offset + 2 * staged.bans].view(2, -1) if staged.bans else None
         sampling = selected.get(SAMPLING_ROWS)
         uniforms = None
         if sampling:
@@ -205,6 +216,7 @@ class PersistentBatch:
             slot_list=staged.slot_list,
             output_counts=self._counts.tensor if self._counted else None,
             selected=selected,
+            min_tokens_bans=bans,
         )
 
     def record(self, rows: BatchRows, token_ids: torch.Tensor) -> None:

@@ -8,7 +8,8 @@ each sequence joined):
    point :meth:`Sampler.gather_logprobs`, which also receives the sampled ids; their results stay
    on the device;
 2. ``min_tokens``: stop token ids (and eos unless ``ignore_eos``) are masked until enough tokens
-   have been generated (vLLM's rule), on the rows that asked for it;
+   have been generated (vLLM's rule, :mod:`gyrfalcon.engine.sample.min_tokens`), on the rows that
+   asked for it; the engine's rows carry the banned pairs, sent with the step's inputs;
 3. the plugin processors run in ascending ``order``, each on the rows that want it;
 4. greedy rows (temperature < 1e-5) take the argmax; the others invert their distribution's CDF
    at one uniform number per row (``BatchRows.uniforms``: a device-side function of the choice's
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gyrfalcon.engine.model.heads import StepHeads
+from gyrfalcon.engine.sample.min_tokens import banned_pairs
 from gyrfalcon.engine.sample.logprob_reports import PendingReports, gather_pending, to_host
 from gyrfalcon.engine.sample.persistent_batch import MIN_TOKENS_ROWS, SAMPLING_ROWS
 from gyrfalcon.engine.sample.prompt_logprobs import compute_prompt_logprobs
@@ -106,21 +108,15 @@ class Sampler:
         extensions = rows.extensions or [{}] * len(rows)
         return [i for i in range(len(rows)) if policy.wants(rows.params[i], extensions[i])]
 
-    def _min_tokens_bans(self, rows: BatchRows) -> tuple[list[int], list[int]] | None:
-        """The ``(rows, token ids)`` that ``min_tokens`` bans this step (None: none)."""
+    def _min_tokens_bans(self, rows: BatchRows, device: torch.device) -> torch.Tensor | None:
+        """``[2, k]``: the (row, token id) pairs ``min_tokens`` bans this step, on the logits' device
+        (staged with the step's inputs where the engine's rows carry them); None: none."""
+        if rows.min_tokens_bans is not None:
+            return rows.min_tokens_bans
         candidates = range(len(rows)) if rows.selected is None else rows.selected.get(MIN_TOKENS_ROWS, ())
-        masked_rows: list[int] = []
-        masked_ids: list[int] = []
-        for i in candidates:
-            params = rows.params[i]
-            if len(rows.output_token_ids[i]) >= params.min_tokens:
-                continue
-            banned = list(params.stop_token_ids)
-            if not params.ignore_eos:
-                banned.extend(self.eos_token_ids)
-            masked_rows.extend([i] * len(banned))
-            masked_ids.extend(banned)
-        return (masked_rows, masked_ids) if masked_rows else None
+        generated = [len(ids) for ids in rows.output_token_ids]
+        banned_rows, banned_ids = banned_pairs(rows.params, generated, self.eos_token_ids, candidates)
+        return to_device([*banned_rows, *banned_ids], device).view(2, -1) if banned_rows else None
 
     def unsampleable(self, top: list[float], rows: BatchRows) -> dict[int, EngineError]:
         """The rows with nothing to choose, from each row's largest processed logit (``amax``,
@@ -190,7 +186,7 @@ class Sampler:
         (:mod:`~gyrfalcon.engine.model.heads`), taken where no processor or ban changes any row."""
         gathered = [self._selected(g, rows) for g in self.gatherers]
         applied = [(p, selected) for p in self.processors if (selected := self._selected(p, rows))]
-        banned = self._min_tokens_bans(rows)
+        banned = self._min_tokens_bans(rows, logits.device)
         reduced = heads if heads is not None and heads.reduced else None
         raw_logprobs = None
         if any(gathered):
@@ -198,7 +194,7 @@ class Sampler:
         if applied or banned is not None:
             reduced, logits = None, logits.clone()  # the caller's logits serve again if this batch fails
             if banned is not None:
-                logits[to_device(banned[0], logits.device), to_device(banned[1], logits.device)] = -math.inf
+                logits[banned[0], banned[1]] = -math.inf
             for processor, selected in applied:
                 logits = processor(logits, rows, selected)
         top = logits.amax(dim=-1) if reduced is None else reduced.amax
