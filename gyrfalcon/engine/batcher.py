@@ -28,7 +28,6 @@ from collections.abc import Callable
 
 import torch
 
-from gyrfalcon.engine.kv.blocks import NoFreeBlocks
 from gyrfalcon.engine.model.heads import StepHeads
 from gyrfalcon.engine.model.runner import ModelRunner, Work
 from gyrfalcon.engine.model.work import StepWorks
@@ -301,33 +300,8 @@ class Batcher:
             if id(state) in failed:
                 self.fail(state, failed[id(state)])
                 self.scheduler.finish_request(state)
-            elif not state.forked:
-                self._fork(state)
-
-    def _fork(self, state: RequestState) -> None:
-        """After the first token: every other child shares the prompt's full blocks and gets a
-        copy of the last partial one (without a free block it recomputes that part instead)."""
-        state.forked = True
-        parent = state.sequences[0]
-        pool, bs = self.scheduler.pool, self.runner.cache.block_size
-        assert pool is not None
-        full, partial = divmod(parent.computed, bs)
-        copies = []
-        for child in state.sequences[1:]:
-            if child.finished:
-                continue
-            child.blocks = [pool.share(block) for block in parent.blocks[:full]]
-            child.block_hashes = list(parent.block_hashes[:full])
-            child.computed = full * bs
-            if partial:
-                try:
-                    block = pool.allocate()
-                except NoFreeBlocks:
-                    continue
-                copies.append((parent.blocks[full], block))
-                child.blocks.append(block)
-                child.computed = parent.computed
-        self.runner.cache.copy_blocks(copies)
+            elif not state.forked:  # after its first token
+                self.runner.cache.copy_blocks(self.scheduler.fork(state))
 
     def send(self) -> None:
         """Emit the outputs not sent yet, in one call."""

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gyrfalcon.engine.kv.blocks import BlockPool, chain_hash
+from gyrfalcon.engine.kv.blocks import BlockPool, NoFreeBlocks, chain_hash
 from gyrfalcon.engine.request_state import RequestState
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine_api.errors import QueueFull
@@ -181,6 +181,31 @@ class Scheduler:
             self.release(seq)
         if state in self.running:
             self.running.remove(state)
+
+    def fork(self, state: RequestState) -> list[tuple[int, int]]:
+        """After a request's first token: every other choice shares the prompt's full blocks and gets
+        a block of its own for the last partial one (without a free block it recomputes that part
+        instead). Returns the ``(source, copy)`` blocks whose KV the cache must copy."""
+        assert self.pool is not None
+        state.forked = True
+        parent = state.sequences[0]
+        full, partial = divmod(parent.computed, self.pool.block_size)
+        copies = []
+        for child in state.sequences[1:]:
+            if child.finished:
+                continue
+            child.blocks = [self.pool.share(block) for block in parent.blocks[:full]]
+            child.block_hashes = list(parent.block_hashes[:full])
+            child.computed = full * self.pool.block_size
+            if partial:
+                try:
+                    block = self.pool.allocate()
+                except NoFreeBlocks:
+                    continue
+                copies.append((parent.blocks[full], block))
+                child.blocks.append(block)
+                child.computed = parent.computed
+        return copies
 
     def _preempt(self, state: RequestState) -> None:
         for seq in state.sequences:
