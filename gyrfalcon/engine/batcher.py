@@ -30,13 +30,14 @@ import torch
 
 from gyrfalcon.engine.model.heads import StepHeads
 from gyrfalcon.engine.model.runner import ModelRunner, Work
-from gyrfalcon.engine.model.work import StepWorks
+from gyrfalcon.engine.model.work import StepWorks, kept_spans
 from gyrfalcon.engine.request_state import RequestState
 from gyrfalcon.engine.sample.persistent_batch import PersistentBatch, StagedRows
 from gyrfalcon.engine.sample.sampler import Sampler, SamplerOutput
 from gyrfalcon.engine.scheduler import Scheduled, Scheduler
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine_api.types import EngineError, EngineRequest, TokenLogprobs
+from gyrfalcon.policies import to_device
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ class Batcher:
         draws = self._draws(plan, ends)
         staged = self._stage(plan, draws)
         works = StepWorks([self._work(item) for item in plan], staged.rider if staged is not None else None)
+        carried = self._carry_draw_rows(works, draws, staged)
         try:
             heads, spans = self.runner.step(works)
         except Exception:  # noqa: BLE001 - find the request(s) at fault; the others go on
@@ -165,7 +167,7 @@ class Batcher:
             if rows == list(range(logits.shape[0])):  # a decode step: every row drawn, in order
                 self._sample(heads, sampled, staged)
             else:
-                index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+                index = self._draw_index(rows, staged, carried, logits.device)
                 self._sample(StepHeads(logits.index_select(0, index)), sampled, staged)
         self._settle(plan)
         return True
@@ -198,6 +200,29 @@ class Batcher:
             return self.batch.stage(sequences, extensions)
         except Exception:  # noqa: BLE001 - a policy's add_row raised: _sample retries request by request
             return None
+
+    @staticmethod
+    def _carry_draw_rows(works: list[Work], draws: list[list[Sequence]],
+                         staged: StagedRows | None) -> tuple[list[int], int] | None:  # fmt: skip
+        """The rows of the step's logits it will draw from, where that is not every row in order (a
+        prefill's last row, a request's first token drawn ``n`` times), carried with the step's
+        inputs: ``(rows, offset in the rider)``; None when there is nothing to carry."""
+        if staged is None:
+            return None
+        spans = kept_spans(works)
+        rows = [first + count - 1 for (first, count), drawing in zip(spans, draws) for _ in drawing]
+        if rows == list(range(sum(count for _, count in spans))):
+            return None
+        return rows, staged.rider.carry(rows)
+
+    @staticmethod
+    def _draw_index(rows: list[int], staged: StagedRows | None, carried: tuple[list[int], int] | None,
+                    device: torch.device) -> torch.Tensor:  # fmt: skip
+        """``rows`` on the device: what the step carried where they are still the same rows (none
+        ended during the forward), else a copy of their own."""
+        same = staged is not None and carried is not None and carried[0] == rows
+        index = staged.rider.part(carried[1], len(rows)) if same else None  # type: ignore[union-attr,index]
+        return index if index is not None else to_device(rows, device)
 
     def _forward_apart(self, plan: list[Scheduled], works: list[Work]):
         """Run each request's part of a failed forward on its own (rewriting a slot with the same

@@ -248,6 +248,60 @@ def test_a_decode_step_makes_one_copy_to_the_device_and_one_back(stepped, monkey
     assert [len(c[0]) for c in finals(streams)] == [12] * 4
 
 
+def test_a_step_with_a_prefill_and_a_first_draw_of_n_choices_makes_one_copy_each_way(stepped, monkeypatch):
+    """A decoding request beside a newcomer's whole prompt, whose first token is drawn for its three
+    choices from the prompt's last row: the rows drawn (not every row of the step's logits, in
+    order) go to the device with the step's inputs, in its one copy; the tokens are those of the
+    requests alone."""
+    import torch
+
+    from gyrfalcon import policies
+    from gyrfalcon.engine import batcher
+    from gyrfalcon.engine.model import staging
+
+    asks = [dict(temperature=0.0, max_tokens=8, ignore_eos=True),
+            dict(n=3, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True)]  # fmt: skip
+    engine = stepped()
+    expected = []
+    for prompt, ask in zip(LONG, asks):
+        streams = [engine.submit(request(prompt[:12], **ask))]
+        run(engine, streams)
+        expected.extend(finals(streams))
+    streams = [engine.submit(request(LONG[0][:12], **asks[0]))]
+    for _ in range(2):
+        engine.core.batcher.step()
+    streams.append(engine.submit(request(LONG[1][:12], **asks[1])))
+    copies = {"to the device": 0, "to the host": 0}
+
+    def counted(function, direction):
+        def wrapper(*args, **kwargs):
+            copies[direction] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    indexes = []
+    draw_index = batcher.Batcher._draw_index
+
+    def watched(rows, staged, carried, device):
+        index = draw_index(rows, staged, carried, device)
+        sent = staged.rider.tensor.untyped_storage().data_ptr()
+        indexes.append((list(rows), index.clone(), index.untyped_storage().data_ptr() == sent))
+        return index
+
+    monkeypatch.setattr(batcher.Batcher, "_draw_index", staticmethod(watched))
+    monkeypatch.setattr(staging, "upload", counted(staging.upload, "to the device"))
+    monkeypatch.setattr(batcher, "to_device", counted(policies.to_device, "to the device"))
+    monkeypatch.setattr(torch.Tensor, "tolist", counted(torch.Tensor.tolist, "to the host"))
+    engine.core.batcher.step()  # the decode row and the newcomer's prefill: 1 + 3 draws from 2 rows
+    monkeypatch.undo()
+    assert copies == {"to the device": 1, "to the host": 1}
+    ((rows, index, in_the_copy),) = indexes
+    assert rows == index.tolist() == [0, 1, 1, 1] and in_the_copy  # a view of the step's one copy
+    assert engine.core.batcher.running_sequences == 4
+    run(engine, streams)
+    assert finals(streams) == expected
+
+
 def test_with_overlap_a_steps_outputs_go_out_once_the_next_forward_is_launched(stepped):
     """On a GPU a step's outputs are sent after the next step's forward is launched (the host's work
     overlaps the device's): one step later than at once, in one emit per step, the last ones when

@@ -24,7 +24,7 @@ from gyrfalcon.engine.model.captured import DecodeSteps
 from gyrfalcon.engine.model.fast_check import FAST_STEP_RTOL, check_fast_step
 from gyrfalcon.engine.model.decoder import DirectDecoder, unsupported
 from gyrfalcon.engine.model.heads import StepHeads
-from gyrfalcon.engine.model.work import Work, riding, slots_of
+from gyrfalcon.engine.model.work import Work, kept_rows, riding, slots_of
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class ModelRunner:
             positions.extend(range(work.start, work.start + count))
             slots.extend(slots_of(work.blocks, work.start, work.start + count, bs))
             (decode if count == 1 else prefill).append((offset, work))
-            rows = {"last": [offset + count - 1], "all": list(range(offset, offset + count))}.get(work.logits, [])
+            rows = [offset + row for row in kept_rows(work)]
             spans.append((len(keep), len(rows)))
             keep.extend(rows)
         # every input of the forward in one host-to-device copy, then views of it; the block tables

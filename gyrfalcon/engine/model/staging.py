@@ -21,6 +21,16 @@ class Rider:
     values: list[int]
     tensor: torch.Tensor | None = None
 
+    def carry(self, values: list[int]) -> int:
+        """Take ``values`` along too (after the owner's); returns their offset, for :meth:`part`."""
+        offset = len(self.values)
+        self.values.extend(values)
+        return offset
+
+    def part(self, offset: int, count: int) -> torch.Tensor | None:
+        """``count`` values from ``offset`` on the device, once the step carried them (else None)."""
+        return None if self.tensor is None else self.tensor[offset : offset + count]
+
 
 def upload(values: list[int], device: torch.device) -> torch.Tensor:
     """``values`` as one long tensor on ``device``, in one host-to-device copy (a captured step then

@@ -29,6 +29,22 @@ class Work:
     owner: Any = None
 
 
+def kept_rows(work: Work) -> range:
+    """The offsets (into ``work.tokens``) of the positions whose logits the step keeps."""
+    count = len(work.tokens)
+    return {"last": range(count - 1, count), "all": range(count)}.get(work.logits, range(0))
+
+
+def kept_spans(works: list[Work]) -> list[tuple[int, int]]:
+    """Per work item, its ``(first row, row count)`` in the step's logits (what the runner returns)."""
+    spans, first = [], 0
+    for work in works:
+        count = len(kept_rows(work))
+        spans.append((first, count))
+        first += count
+    return spans
+
+
 class StepWorks(list):
     """The work items of one step (a list of :class:`Work`), with the sampler's ``rider``: integers
     that go to the device in the same copy as the step's inputs (None: none). Whatever wraps the
