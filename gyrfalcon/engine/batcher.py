@@ -30,7 +30,7 @@ import torch
 
 from gyrfalcon.engine.model.heads import StepHeads
 from gyrfalcon.engine.model.runner import ModelRunner, Work
-from gyrfalcon.engine.model.work import StepWorks, kept_spans
+from gyrfalcon.engine.model.work import StepWorks, draw_rows
 from gyrfalcon.engine.request_state import RequestState
 from gyrfalcon.engine.sample.persistent_batch import PersistentBatch, StagedRows
 from gyrfalcon.engine.sample.sampler import Sampler, SamplerOutput
@@ -209,11 +209,8 @@ class Batcher:
         inputs: ``(rows, offset in the rider)``; None when there is nothing to carry."""
         if staged is None:
             return None
-        spans = kept_spans(works)
-        rows = [first + count - 1 for (first, count), drawing in zip(spans, draws) for _ in drawing]
-        if rows == list(range(sum(count for _, count in spans))):
-            return None
-        return rows, staged.rider.carry(rows)
+        rows, every_row = draw_rows(works, draws)
+        return None if every_row else (rows, staged.rider.carry(rows))
 
     @staticmethod
     def _draw_index(rows: list[int], staged: StagedRows | None, carried: tuple[list[int], int] | None,

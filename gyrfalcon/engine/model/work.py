@@ -29,20 +29,27 @@ class Work:
     owner: Any = None
 
 
+def kept_count(work: Work) -> int:
+    """How many rows of logits the step keeps for ``work``: its last positions' (one for
+    ``"last"``, every position for ``"all"``, none for ``"none"``)."""
+    return 1 if work.logits == "last" else len(work.tokens) if work.logits == "all" else 0
+
+
 def kept_rows(work: Work) -> range:
     """The offsets (into ``work.tokens``) of the positions whose logits the step keeps."""
-    count = len(work.tokens)
-    return {"last": range(count - 1, count), "all": range(count)}.get(work.logits, range(0))
+    return range(len(work.tokens) - kept_count(work), len(work.tokens))
 
 
-def kept_spans(works: list[Work]) -> list[tuple[int, int]]:
-    """Per work item, its ``(first row, row count)`` in the step's logits (what the runner returns)."""
-    spans, first = [], 0
-    for work in works:
-        count = len(kept_rows(work))
-        spans.append((first, count))
-        first += count
-    return spans
+def draw_rows(works: list[Work], draws: list[list[Any]]) -> tuple[list[int], bool]:
+    """The rows of a step's logits (as the runner returns them) that its draws read: each item's
+    last kept row once per sequence drawing from it (``draws[i]``); and whether that is every row
+    in order."""
+    rows: list[int] = []
+    kept = 0
+    for work, drawing in zip(works, draws):
+        kept += kept_count(work)
+        rows += [kept - 1] * len(drawing)
+    return rows, len(rows) == kept and rows == list(range(kept))
 
 
 class StepWorks(list):

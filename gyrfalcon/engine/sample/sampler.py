@@ -114,6 +114,8 @@ class Sampler:
         if rows.min_tokens_bans is not None:
             return rows.min_tokens_bans
         candidates = range(len(rows)) if rows.selected is None else rows.selected.get(MIN_TOKENS_ROWS, ())
+        if not candidates:
+            return None
         generated = [len(ids) for ids in rows.output_token_ids]
         banned_rows, banned_ids = banned_pairs(rows.params, generated, self.eos_token_ids, candidates)
         return to_device([*banned_rows, *banned_ids], device).view(2, -1) if banned_rows else None
