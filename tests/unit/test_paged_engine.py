@@ -201,6 +201,19 @@ def test_n_beyond_max_num_seqs_decodes_its_choices_in_turns(stepped):
     assert len(narrow.core.batcher.batch) == 0
 
 
+def _counter(copies: dict[str, int]):
+    """``counted(function, direction)``: ``function``, counting its calls in ``copies[direction]``."""
+
+    def counted(function, direction):
+        def wrapper(*args, **kwargs):
+            copies[direction] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    return counted
+
+
 @pytest.mark.parametrize("path", ["eager", "static"])
 def test_a_decode_step_makes_one_copy_to_the_device_and_one_back(stepped, monkeypatch, path):
     """The step's inputs, its rows' slots and draw positions, the rows of each policy that only
@@ -225,12 +238,7 @@ def test_a_decode_step_makes_one_copy_to_the_device_and_one_back(stepped, monkey
         engine.core.batcher.step()
     assert all(len(state.sequences[0].token_ids) >= 1 for state in engine.core.scheduler.running)
     copies = {"to the device": 0, "to the host": 0}
-
-    def counted(function, direction):
-        def wrapper(*args, **kwargs):
-            copies[direction] += 1
-            return function(*args, **kwargs)
-        return wrapper
+    counted = _counter(copies)
 
     monkeypatch.setattr(staging, "upload", counted(staging.upload, "to the device"))
     for module in (policies, persistent_batch, sampler, penalties, logprobs):
@@ -272,12 +280,7 @@ def test_a_step_with_a_prefill_and_a_first_draw_of_n_choices_makes_one_copy_each
         engine.core.batcher.step()
     streams.append(engine.submit(request(LONG[1][:12], **asks[1])))
     copies = {"to the device": 0, "to the host": 0}
-
-    def counted(function, direction):
-        def wrapper(*args, **kwargs):
-            copies[direction] += 1
-            return function(*args, **kwargs)
-        return wrapper
+    counted = _counter(copies)
 
     indexes = []
     draw_index = batcher.Batcher._draw_index
