@@ -46,7 +46,7 @@ class BatchRows:
       a processor asks for it (None for greedy rows) — so a choice preempted and recomputed, or
       batched with any company, draws the same noise;
     - ``min_tokens_bans``: ``[2, k]`` long tensor, the (row, token id) pairs ``min_tokens`` bans at
-      this draw, sent with the step's inputs (None: none, or rows that do not carry them).
+      this draw (``k`` may be 0), sent with the step's inputs (None: rows that do not carry them).
 
     Rows built by hand (prompt positions) may leave these empty, but the built-in processors read
     their per-slot state through ``slots``: build rows for them with

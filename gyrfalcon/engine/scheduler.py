@@ -14,7 +14,7 @@ one step under ``max_num_batched_tokens``:
    within ``max_num_seqs`` (a larger request waits until it runs alone) and blocks are free for
    their first chunk; prefix-cache hits are
    counted as computed. A request is prefilled once; its ``n`` children fork after its first
-   token (the engine shares the prompt's blocks between them).
+   token, sharing the prompt's full blocks (:meth:`Scheduler.fork`).
 
 Blocks are taken as tokens need them. When none is free, the last running request is preempted
 whole — every child together: its blocks are released, its tokens kept, and it returns to its place

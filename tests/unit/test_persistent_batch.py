@@ -216,3 +216,5 @@ def test_min_tokens_bans_ride_with_the_step_and_ban_what_the_sampler_would():
     own = PersistentBatch([], [], V, "cpu").rows(seqs, [{}] * 4)
     assert own.min_tokens_bans is None  # no end-of-text ids given: the sampler makes the bans itself
     assert sampler.sample(logits, rows).token_ids == sampler.sample(logits, own).token_ids == [7, 2, 2, 2]
+    done = [Seq(p, tokens=[5, 6, 7, 8], seed=i) for i, p in enumerate(params[:2])]  # past min_tokens: staged, none
+    assert staged_batch.rows(done, [{}] * 2).min_tokens_bans.shape == (2, 0)

@@ -196,9 +196,8 @@ class ModelRunner:
     def step(self, works: list[Work]) -> tuple[StepHeads, list[tuple[int, int]]]:
         """Run one step; returns its fp32 logits (with their reductions where the step computed
         them: :mod:`~gyrfalcon.engine.model.heads`; ``shared``: valid until the next step) and, per work item,
-        its ``(first row, row count)``. The values of a
-        :class:`~gyrfalcon.engine.model.work.StepWorks`'s rider (the sampler's) go to the device in
-        the same copy as the step's inputs."""
+        its ``(first row, row count)``. The values of a :class:`~gyrfalcon.engine.model.work.StepWorks`'s
+        rider (the sampler's rows, the draw rows) go to the device in the same copy as the step's inputs."""
         self.forwards += 1
         self.block_table.settle()  # the rows of the last step's work built by hand
         rider = riding(works)

@@ -1,5 +1,5 @@
 """A step's integer inputs — token ids, positions, KV slots, block tables, kept rows, and what the
-sampler needs of its rows (a :class:`Rider`) — sent to the device in one copy: laid side by side in
+sampler needs of its rows and the rows it draws from (a :class:`Rider`) — sent to the device in one copy: laid side by side in
 one host tensor (pinned on CUDA, from torch's caching host allocator, so the copy is queued without
 waiting), then read through views of the one device tensor.
 """

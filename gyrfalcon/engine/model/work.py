@@ -53,9 +53,9 @@ def draw_rows(works: list[Work], draws: list[list[Any]]) -> tuple[list[int], boo
 
 
 class StepWorks(list):
-    """The work items of one step (a list of :class:`Work`), with the sampler's ``rider``: integers
-    that go to the device in the same copy as the step's inputs (None: none). Whatever wraps the
-    runner's ``forward(works)`` passes the rider on with the list."""
+    """The work items of one step (a list of :class:`Work`), with its ``rider`` (the sampler's rows and
+    the rows the step draws from): integers that go to the device in the same copy as the step's
+    inputs (None: none). Whatever wraps the runner's ``step(works)`` passes the rider on with the list."""
 
     def __init__(self, works: list[Work], rider: Rider | None = None) -> None:
         super().__init__(works)

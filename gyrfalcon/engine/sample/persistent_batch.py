@@ -7,7 +7,7 @@ Joining decides once which policies the row wants and tells each of them (``add_
 row's seed and, where a processor counts generated tokens, its counts; leaving tells them again
 (``remove_row``). A step then only looks rows up by slot: :meth:`PersistentBatch.stage` lists,
 before the forward, what the rows need on the device (their slots and draw positions, the rows of
-each policy that only some rows want), which travels with the step's inputs in their one
+each policy that only some rows want, the ids ``min_tokens`` bans), which travels with the step's inputs in their one
 host-to-device copy, and :meth:`PersistentBatch.rows` reads it back; no per-row tensors are rebuilt
 from Python lists.
 """
@@ -159,7 +159,8 @@ class PersistentBatch:
 
     def stage(self, sequences: list[Sequence], extensions: list[dict[str, Any]]) -> StagedRows:
         """What a step drawing one token for each of ``sequences`` will need on the device — each
-        row's slot and draw position, and the rows of every policy that only some rows want —,
+        row's slot and draw position, the rows of every policy that only some rows want, and (given
+        the end-of-text ids) the (row, id) pairs ``min_tokens`` bans at this draw —,
         joining those that hold no slot yet: its :class:`~gyrfalcon.engine.model.staging.Rider`
         travels with the step's inputs, and :meth:`rows` reads it back."""
         slot_list = [self.join(seq, ext) for seq, ext in zip(sequences, extensions)]
@@ -181,8 +182,8 @@ class PersistentBatch:
              staged: StagedRows | None = None) -> BatchRows:  # fmt: skip
         """The :class:`BatchRows` of a step drawing one token for each of ``sequences`` (in order),
         joining those that hold no slot yet. With ``staged`` (:meth:`stage` of the same rows, its
-        rider carried by the step) nothing more goes to the device; otherwise the rows' slots,
-        positions and policies' rows are sent in one copy of their own."""
+        rider carried by the step) nothing more goes to the device; otherwise what :meth:`stage`
+        lists is sent in one copy of its own."""
         if staged is None or not staged.still(sequences, self._departures):
             staged = self.stage(sequences, extensions)
         sent = staged.rider.tensor
@@ -197,7 +198,8 @@ class PersistentBatch:
             if 0 < len(rows) < count:
                 listed.on_device = sent[offset : offset + len(rows)]
                 offset += len(rows)
-        bans = sent[offset : offset + 2 * staged.bans].view(2, -1) if staged.bans else None
+        # staged, even when none: the sampler then has nothing to work out
+        bans = None if self.eos_token_ids is None else sent[offset : offset + 2 * staged.bans].view(2, staged.bans)
         sampling = selected.get(SAMPLING_ROWS)
         uniforms = None
         if sampling:

@@ -112,7 +112,7 @@ class Sampler:
         """``[2, k]``: the (row, token id) pairs ``min_tokens`` bans this step, on the logits' device
         (staged with the step's inputs where the engine's rows carry them); None: none."""
         if rows.min_tokens_bans is not None:
-            return rows.min_tokens_bans
+            return rows.min_tokens_bans if rows.min_tokens_bans.shape[1] else None
         candidates = range(len(rows)) if rows.selected is None else rows.selected.get(MIN_TOKENS_ROWS, ())
         if not candidates:
             return None
