@@ -398,6 +398,29 @@ def test_a_block_table_row_given_to_another_sequence_holds_only_its_blocks():
     assert len(set(rows)) == 3 and 0 not in rows and table.tensor.shape[0] >= 4
 
 
+def test_block_table_entries_whose_copy_failed_go_out_with_the_next_step(monkeypatch):
+    """A step's copy to the device raises after its new block entries were taken: they are queued
+    again, ahead of the next step's, and reach the table with it."""
+    from gyrfalcon.engine.kv.table import BlockTable
+    from gyrfalcon.engine.model import staging
+
+    table = BlockTable(max_blocks=4, device="cpu", rows=2)
+    owner, blocks = object(), [7, 8]
+    row = table.place(owner, blocks)
+    upload = staging.upload
+
+    def failing(values, device):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(staging, "upload", failing)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        staging.send_step([[row]], table, None, torch.device("cpu"))
+    monkeypatch.setattr(staging, "upload", upload)
+    blocks.append(9)
+    (sent,) = staging.send_step([[table.place(owner, blocks)]], table, None, torch.device("cpu"))
+    assert sent.tolist() == [row] and table.tensor[row].tolist() == [7, 8, 9, 0]
+
+
 @pytest.mark.parametrize("attention", ["gather", "flex"])
 def test_the_step_budget_is_measured_on_a_provisional_cache_before_the_real_one_is_sized(monkeypatch, attention):
     """On CUDA the KV cache is sized after measuring what steps take beside it: the largest eager

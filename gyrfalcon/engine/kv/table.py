@@ -78,6 +78,13 @@ class BlockTable:
             rows, columns, ids = [r for r, _ in latest], [c for _, c in latest], list(latest.values())
         return [*rows, *columns, *ids]
 
+    def requeue(self, laid: list[int]) -> None:
+        """Queue again entries :meth:`take_pending` laid out that never reached the device, before
+        any queued since (a later entry for the same place wins)."""
+        if laid:
+            rows, columns, ids = (laid[i : i + len(laid) // 3] for i in range(0, len(laid), len(laid) // 3))
+            self.pending = (rows + self.pending[0], columns + self.pending[1], ids + self.pending[2])
+
     def apply(self, sent: torch.Tensor) -> None:
         """Write the entries :meth:`take_pending` laid out, now on the device, into the table."""
         if sent.numel():

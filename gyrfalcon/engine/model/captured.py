@@ -323,7 +323,6 @@ class DecodeSteps(CompiledMode):
         bucket = self.get(*key)
         n, bs = len(works), self.runner.cache.block_size
         table = self.runner.block_table
-        table.settle()
         pad = [0] * (bucket.batch - n)  # padding rows: token 0 at position 0 in the scratch slot 0, the scratch row
         positions = [w.start for w in works] + pad
         values = [w.tokens[0] for w in works] + pad
@@ -331,15 +330,10 @@ class DecodeSteps(CompiledMode):
         values += [w.blocks[w.start // bs] * bs + w.start % bs for w in works] + pad
         values += positions
         rows = [table.place(w.owner, w.blocks) for w in works] + pad
-        rider = riding(works)
-        parts = [values, rows, table.take_pending(), rider.values if rider is not None else []]
         # the step's one host-to-device copy, then into the buffers the graph reads, on the device
-        sent = staging.send(parts, self.runner.device)
+        sent = staging.send_step([values, rows], table, riding(works), self.runner.device)
         bucket.flat[: len(values)].copy_(sent[0], non_blocking=True)
-        table.apply(sent[2])
         table.rows(sent[1], out=bucket.step.decode_blocks)
-        if rider is not None:
-            rider.tensor = sent[3]
         bucket.runs += 1
         if bucket.graph is not None:
             bucket.graph.replay()

@@ -200,7 +200,6 @@ class ModelRunner:
         rider (the sampler's rows, the draw rows) go to the device in the same copy as the step's inputs."""
         self.forwards += 1
         self.block_table.settle()  # the rows of the last step's work built by hand
-        rider = riding(works)
         if self.decode_steps is not None and all(len(w.tokens) == 1 and w.logits == "last" for w in works):
             heads = self.decode_steps.run(works)
             if heads is not None:
@@ -227,12 +226,8 @@ class ModelRunner:
         table = self.block_table
         decode_rows = [table.place(w.owner, w.blocks) for _, w in decode]
         prefill_rows = [table.place(w.owner, w.blocks) for _, w in prefill]
-        parts = [ids, positions, slots, keep, [o for o, _ in decode], [w.start for _, w in decode], decode_rows,
-                 table.take_pending(), rider.values if rider is not None else []]  # fmt: skip
-        views = staging.send(parts, self.device)
-        table.apply(views[7])
-        if rider is not None:
-            rider.tensor = views[8]
+        parts = [ids, positions, slots, keep, [o for o, _ in decode], [w.start for _, w in decode], decode_rows]
+        views = staging.send_step(parts, table, riding(works), self.device)
         step = StepMetadata(self.cache, views[2], attention=self.attention, rows_in_place=self.rows_in_place)
         if decode:
             step.decode_rows, step.decode_positions = views[4], views[5]

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gyrfalcon.engine.kv.table import BlockTable
 
 
 @dataclass
@@ -44,6 +48,22 @@ def upload(values: list[int], device: torch.device) -> torch.Tensor:
 def send(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     """``parts`` laid side by side and sent in one :func:`upload`; returns each part's view."""
     return split(upload(list(chain.from_iterable(parts)), device), [len(part) for part in parts])
+
+
+def send_step(parts: list[list[int]], table: BlockTable, rider: Rider | None, device: torch.device) -> list[torch.Tensor]:
+    """A step's ``parts``, the block table's pending entries and ``rider``'s values in one
+    :func:`send`; the entries applied to the table and the rider's view set; returns the views of
+    ``parts``. Entries that did not go out (the copy raised) are queued again for the next step."""
+    pending = table.take_pending()
+    try:
+        sent = send([*parts, pending, rider.values if rider is not None else []], device)
+    except BaseException:
+        table.requeue(pending)
+        raise
+    table.apply(sent[-2])
+    if rider is not None:
+        rider.tensor = sent[-1]
+    return sent[:-2]
 
 
 def split(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
