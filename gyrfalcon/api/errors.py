@@ -13,7 +13,7 @@ import falcon
 import falcon.asgi
 import orjson
 
-from gyrfalcon.engine_api.errors import EngineUnavailable, retry_after_s
+from gyrfalcon.engine_api.errors import EngineUnavailable, ShuttingDown, retry_after_s
 from gyrfalcon.engine_api.types import EngineError
 from gyrfalcon.errors import RequestError
 
@@ -35,12 +35,7 @@ _TYPES = {
 
 
 #: the HTTP status of an error that names none, by its kind (``type``); any other kind is a 500
-_STATUS_OF_KIND = {
-    "invalid_request_error": 400,
-    "NotFoundError": 404,
-    "server_overloaded": 503,
-    "server_shutting_down": 503,
-}
+_STATUS_OF_KIND = {"invalid_request_error": 400, EngineUnavailable.type: 503, ShuttingDown.type: 503}
 
 
 def http_status(error: RequestError | EngineError) -> int:

@@ -19,7 +19,7 @@ import time
 TARGETS_MS = {1: 0.3, 64: 1.0}
 
 
-def _stub_model(runner, vocab: int):
+def _stub_model(vocab: int):
     """A ``ModelRunner.run_model`` that runs no model: fixed fp32 logits, one row per kept position.
     The runner's own ``forward`` still builds the step's inputs and sends them to the device."""
     import torch
@@ -45,7 +45,7 @@ def measure(model_dir: str, batch: int, steps: int, prompt_tokens: int = 4) -> f
     try:
         assert engine.core.prepare()
         core = engine.core
-        core.runner.run_model = _stub_model(core.runner, core.runner.logits_width)
+        core.runner.run_model = _stub_model(core.runner.logits_width)
         params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
         prompt = [5 + t % 200 for t in range(prompt_tokens)]
         streams = [engine.submit(EngineRequest(f"host-{batch}-{i}", [i % 5, *prompt[1:]], params, OutputKind.DELTA))

@@ -176,11 +176,10 @@ class Batcher:
         """Per item, the sequences that draw a token from its last row this step: its request's
         every choice at the end of the prompt, its own sequence after the fork; none while the
         request is ending or asks for prompt logprobs only."""
-        running = set(self.scheduler.running)
         draws: list[list[Sequence]] = []
-        for item, end in zip(plan, ends):
+        for item, end in zip(plan, ends):  # every planned request is running: schedule() drops the preempted
             state = item.state
-            if not end or state.closed or state.abort_requested or state not in running:
+            if not end or state.closed or state.abort_requested:
                 draws.append([])
             elif state.forked:
                 draws.append([item.seq])

@@ -268,12 +268,11 @@ class Scheduler:
                 elif want > 1:
                     prefill.append((state, seq))
         for decoding, pending in ((True, decode), (False, prefill)):
-            stopped = None  # a request preempted while its own sequences were being scheduled
             for state, seq in pending:
                 if budget <= 0:
                     break
-                if state is stopped or (self.preemptions != preemptions and state not in self.running):
-                    continue  # preempted by an older request in this step
+                if self.preemptions != preemptions and state not in self.running:
+                    continue  # preempted in this step (by an older request, or for want of its own blocks)
                 if decoding:
                     if rows >= self.max_num_seqs:
                         continue
@@ -282,7 +281,6 @@ class Scheduler:
                 if count <= 0:
                     continue
                 if not self._make_room(seq, count, state, plan):
-                    stopped = state
                     continue
                 plan.append(Scheduled(state, seq, count))
                 budget -= count

@@ -161,7 +161,6 @@ class TokenizerEndpoint:
     """A route of the tokenizer, beside the inference endpoints: its wire model, and its chat form's
     (a body with ``messages`` is tokenized as chat renders it; None: no such form)."""
 
-    name: str
     route: str
     wire_model: type[pydantic.BaseModel]
     chat_model: type[pydantic.BaseModel] | None = None
@@ -173,8 +172,8 @@ class TokenizerEndpoint:
         return self.wire_model
 
 
-TOKENIZE = TokenizerEndpoint("tokenize", "/tokenize", generated.TokenizeCompletionRequest, generated.TokenizeChatRequest)
-DETOKENIZE = TokenizerEndpoint("detokenize", "/detokenize", generated.DetokenizeRequest)
+TOKENIZE = TokenizerEndpoint("/tokenize", generated.TokenizeCompletionRequest, generated.TokenizeChatRequest)
+DETOKENIZE = TokenizerEndpoint("/detokenize", generated.DetokenizeRequest)
 
 
 def endpoint_of(endpoint: Endpoint | str) -> Endpoint:

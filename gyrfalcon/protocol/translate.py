@@ -153,11 +153,12 @@ class Translator:
             raise fields.error(
                 "n", f"{len(prompts)} prompts x n={sampling.n} asks for more than the {self.max_seqs} sequences one request may have"
             )
-        requests = self._engine_requests(fields, response_id, prompts, prompt_param, sampling)
-        return self._serving_request(fields, model, response_id, requests, prompt_texts, tools)
+        names = wire_names(fields)
+        requests = self._engine_requests(fields, response_id, prompts, prompt_param, sampling, names)
+        return self._serving_request(fields, model, response_id, requests, prompt_texts, tools, names)
 
     def _engine_requests(self, fields: RequestFields, response_id: str, prompts: list[list[int]], prompt_param: str,
-                         sampling: SamplingParams) -> list[EngineRequest]:  # fmt: skip
+                         sampling: SamplingParams, names: WireNames) -> list[EngineRequest]:  # fmt: skip
         """One engine request per prompt, each with its own ``max_tokens``, checked by the plugins."""
         kind = OutputKind.DELTA if fields.get("stream", False) else OutputKind.FINAL_ONLY
         requests = [
@@ -177,12 +178,12 @@ class Translator:
                 for request in requests:
                     self._validate_hook(endpoint=fields.endpoint.name, request=request, info=self.info)
             except RequestError as exc:
-                exc.param = wire_names(fields)(exc.param)
+                exc.param = names(exc.param)
                 raise
         return requests
 
     def _serving_request(self, fields: RequestFields, model: str, response_id: str, requests: list[EngineRequest],
-                         prompt_texts: list[str], tools: ToolUse | None) -> ServingRequest:  # fmt: skip
+                         prompt_texts: list[str], tools: ToolUse | None, names: WireNames) -> ServingRequest:  # fmt: skip
         """How the engine requests' outputs are presented."""
         sampling = requests[0].sampling
         stream_options = fields.get("stream_options") or {}
@@ -200,7 +201,7 @@ class Translator:
             continuous_usage=bool(stream_options.get("include_usage")) and bool(stream_options.get("continuous_usage_stats")),
             echo=echo,
             prompt_texts=prompt_texts,
-            wire_names=wire_names(fields),
+            wire_names=names,
             return_token_ids=bool(fields.get("return_token_ids", False)),
             return_tokens_as_token_ids=bool(fields.get("return_tokens_as_token_ids", False)),
             logprobs=fields.get("logprobs"),

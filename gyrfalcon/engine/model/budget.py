@@ -116,8 +116,5 @@ def measure_reserve(runner: ModelRunner, max_tokens: int, chunk: int, max_model_
             per_block += flex.mask_bytes_per_block(steps.batch_buckets[-1], 1)
     if steps is None or not steps.graphs:
         return StepReserve(workspace, 0, per_block)
-    outputs = steps.outputs
     graphs = steps.pool_budget = steps.pool_peak(peak)
-    size = sum(t.numel() * t.element_size() for t in (outputs.logits, outputs.argmax, outputs.amax, outputs.logprobs,
-                                                       outputs.own))  # fmt: skip
-    return StepReserve(workspace, graphs, per_block, size)
+    return StepReserve(workspace, graphs, per_block, steps.outputs.nbytes)

@@ -39,12 +39,19 @@ class StepHeads:
         """Whether the reductions are here (computed with the logits)."""
         return self.argmax is not None
 
+    def _tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self.logits, self.argmax, self.amax, self.logprobs, self.own
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes its tensors hold."""
+        return sum(t.numel() * t.element_size() for t in self._tensors() if t is not None)
+
     def first(self, n: int) -> StepHeads:
         """The first ``n`` rows (a padded bucket's real rows), as views."""
         if n == self.logits.shape[0]:
             return self
-        return StepHeads(*(None if t is None else t[:n] for t in (self.logits, self.argmax, self.amax, self.logprobs,
-                                                                  self.own)), shared=self.shared)  # fmt: skip
+        return StepHeads(*(None if t is None else t[:n] for t in self._tensors()), shared=self.shared)
 
     def kept_logits(self) -> torch.Tensor:
         """The logits, in a tensor of their own where the step's buffers are shared (to hold them
