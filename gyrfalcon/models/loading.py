@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 from typing import Any
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-#: CPU flags (``/proc/cpuinfo``) of native bf16 arithmetic: with one of them the quantised matmuls take bf16 inputs
-CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def resolve_device(device: str | None) -> str:
@@ -18,19 +15,6 @@ def resolve_device(device: str | None) -> str:
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
-
-
-@lru_cache(maxsize=1)
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes in bf16 natively (AVX-512 BF16 or AMX), by its ``/proc/cpuinfo`` flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return bool(set(line.split()) & set(CPU_BF16_FLAGS))
-    except OSError:
-        return False
-    return False
 
 
 def resolve_dtype(dtype: str | None, device: str) -> Any:
@@ -44,14 +28,17 @@ def resolve_dtype(dtype: str | None, device: str) -> Any:
 
 
 def kernel_dtype(dtype: Any, device: str) -> Any:
-    """The activation dtype of the quantised matmuls: bf16 on CUDA (tinygemm's only one) and on CPUs
-    with native bf16, where torch's int4/int8 kernels are fast (measured: 30× their fp32 and fp16
-    paths on AVX-512 BF16); the model's ``dtype`` elsewhere. The model's stream stays in ``dtype``:
-    on the default model a bf16 stream alone moves log-probabilities by 0.062 nats, an fp32 stream
-    with bf16 matmul inputs by 0.033 (README, quality table)."""
+    """The activation dtype of the quantised matmuls: bf16 on CUDA (tinygemm's only one) and on x86
+    CPUs with AVX2 or AVX-512, with or without native bf16, where torch's int4/int8 kernels are fast
+    only with bf16 inputs (measured: 16–30× their fp32 and fp16 paths on AVX2 and on AVX-512 BF16);
+    the model's ``dtype`` elsewhere. The model's stream stays in ``dtype``: on the default model a
+    bf16 stream alone moves log-probabilities by 0.062 nats, an fp32 stream with bf16 matmul inputs
+    by 0.033 (docs/kernels.md, quality table)."""
     import torch
 
-    if device.startswith("cuda") or (device == "cpu" and cpu_has_bf16()):
+    from gyrfalcon.engine.model.native.cpu import cpu
+
+    if device.startswith("cuda") or (device == "cpu" and cpu().avx2):
         return torch.bfloat16
     return dtype
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gyrfalcon.engine.model.native.cpu import cpu
 from gyrfalcon.engine.model.quant.apply import quantize_model, resolve_quantization
 from gyrfalcon.engine.model.quant.layers import (CastLinear, Int4Linear, Int8Linear, PackedLinear, TiedEmbedding,
                                                  UnsupportedQuantization,
@@ -130,7 +131,10 @@ def test_fused_projections_give_each_parts_output_and_share_its_memory(kind):
 
 
 def test_int4_parts_whose_packing_ties_their_rows_together_are_left_unfused():
-    parts = [Int4Linear(Int4Weights.quantize(_weight(n, 96, n)), None, torch.bfloat16, CPU) for n in (64, 32, 32)]
+    """torch's CPU int4 layout packs rows in blocks of 64 on AVX-512 and of 32 on AVX2: parts of
+    half a block each share one."""
+    block = 64 if cpu().avx512 else 32
+    parts = [Int4Linear(Int4Weights.quantize(_weight(n, 96, n)), None, torch.bfloat16, CPU) for n in (block, block // 2, block // 2)]
     before = [part.packed for part in parts]
     x = torch.randn(3, 96)
     with torch.no_grad():

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from gyrfalcon.engine.model.native.cpu import cpu
+
 log = logging.getLogger(__name__)
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
@@ -52,11 +54,11 @@ class KernelUnavailable(RuntimeError):
 
 
 def _isa_flags() -> list[str]:
-    """The instruction set torch chose for this CPU (its kernels' own dispatch), as compiler flags."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability.startswith("AVX512"):
+    """The instruction set torch chose for this CPU (its kernels' own dispatch, :mod:`.cpu`), as compiler flags."""
+    here = cpu()
+    if here.avx512:
         return ["-mavx512f", "-mavx512bw", "-mfma"]
-    return ["-mavx2", "-mfma"] if capability == "AVX2" else []
+    return ["-mavx2", "-mfma", "-mf16c"] if here.avx2 else []
 
 
 def _compiler() -> str:
@@ -125,7 +127,7 @@ _loaded: list[ctypes.CDLL] = []
 def library(cache: Path | None) -> ctypes.CDLL:
     """The kernels, built into ``cache`` at their first use (into a temporary folder where
     ``cache`` is None); :class:`KernelUnavailable` if they cannot be."""
-    if torch.backends.cpu.get_cpu_capability() == "DEFAULT" and os.uname().machine == "x86_64":
+    if not cpu().avx2 and os.uname().machine == "x86_64":
         raise KernelUnavailable("this x86 CPU has neither AVX2 nor AVX-512")
     _library(cache or Path(tempfile.gettempdir()) / f"gyrfalcon-kernels-{os.getuid()}")
     return _loaded[0]

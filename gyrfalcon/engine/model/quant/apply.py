@@ -43,6 +43,7 @@ from gyrfalcon.engine.model.quant.layers import (
     int4_kernel,
     int8_kernel,
 )
+from gyrfalcon.engine.model.native.cpu import cpu
 from gyrfalcon.engine.model.quant.q8 import Q8Embedding, Q8Linear
 from gyrfalcon.engine.model.quant.weights import GROUP, Int4Weights, Int8Weights, relative_error
 
@@ -93,14 +94,17 @@ class QuantizationReport:
     dtype: torch.dtype
     compute: torch.dtype | None = None
     kinds: dict[str, str] = field(default_factory=dict)
+    #: the device the kernels were chosen for (on the CPU its model and instruction set, :mod:`.cpu`)
+    device: str = ""
 
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
+        where = f" on {self.device}" if self.device else ""
         if self.mode == "none":
-            return f"weights: --quantization none, every layer in {dtype}"
+            return f"weights{where}: --quantization none, every layer in {dtype}"
         compute = str(self.compute).removeprefix("torch.")
         layers = "; ".join(f"{name} {what}" for name, what in self.kinds.items())
-        return f"weights: --quantization {self.mode}, model in {dtype}, matmul inputs in {compute}; {layers}"
+        return f"weights{where}: --quantization {self.mode}, model in {dtype}, matmul inputs in {compute}; {layers}"
 
 
 def _convert(module: torch.nn.Linear, name: str, kernel: str, bits, dtype, device, kind: _Kind) -> torch.nn.Module:
@@ -146,7 +150,7 @@ def quantize_model(model, mode: str, bits: dict | None, compute: torch.dtype, de
     :mod:`~gyrfalcon.engine.model.native`). Raises :class:`UnsupportedQuantization` where
     ``device`` has no kernel."""
     stream = next(model.parameters()).dtype
-    report = QuantizationReport(mode, stream, compute)
+    report = QuantizationReport(mode, stream, compute, device=cpu().describe() if device == "cpu" else device)
     if mode == "none":
         return report
     where = torch.device(device)
