@@ -10,6 +10,7 @@ from gyrfalcon.engine.model.quant.apply import quantize_model, resolve_quantizat
 from gyrfalcon.engine.model.quant.layers import (CastLinear, Int4Linear, Int8Linear, PackedLinear, TiedEmbedding,
                                                  UnsupportedQuantization,
                                                  fuse_outputs)
+from gyrfalcon.engine.model.quant.q4 import Q4Linear, q4_kernel
 from gyrfalcon.engine.model.quant.q8 import Q8Embedding
 from gyrfalcon.engine.model.quant.weights import Int4Weights, Int8Weights, relative_error
 
@@ -24,8 +25,10 @@ def test_int4_weights_follow_q4_1s_rule_and_survive_the_disk_layout():
     w = _weight()
     q = Int4Weights.quantize(w)
     assert q.q.dtype == torch.uint8 and int(q.q.max()) <= 15 and q.scale.shape == (64, 3)
-    # each group's extremes are representable exactly: its minimum is q = 0, its maximum q = 15
-    assert torch.allclose(q.dequantize().reshape(64, 3, 32).amin(-1), w.reshape(64, 3, 32).amin(-1), atol=1e-6)
+    # each group's minimum is q = 0, kept in fp16 as a GGUF keeps it: exact to fp16's rounding
+    assert q.scale.dtype == q.minimum.dtype == torch.float16
+    low = w.reshape(64, 3, 32).amin(-1)
+    assert torch.equal(q.dequantize().reshape(64, 3, 32).amin(-1), low.half().float())
     assert 0 < relative_error(w, q.dequantize()) < 0.1
     back = Int4Weights.from_nibbles(q.packed_nibbles(), q.scale, q.minimum)
     assert torch.equal(back.q, q.q)
@@ -102,7 +105,32 @@ def test_the_q8_0_head_gives_each_row_the_same_bits_at_any_row_count(tmp_path):
     torch.library.opcheck(_q8_linear, (x[:3], head.q8, head.scale))
 
 
-@pytest.mark.parametrize("kind", ["dense", "int4", "int8"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 200])
+def test_q4_linear_multiplies_fp32_rows_by_the_exact_weights_each_row_alone(rows):
+    """``q4_linear.c``: the GGUF layout's weights dequantised exactly (fp16 scales and minimums), fp32
+    inputs, each row the same bits alone and among any number of others (its register tiles, its
+    buffered path from 6 rows on, its chunks of 128 rows), and the product of the exact weights."""
+    weights = Int4Weights.quantize(_weight(48, 96, rows))
+    bias = torch.randn(48)
+    layer = Q4Linear(weights, bias, None)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    y = layer(x)
+    want = x.double() @ weights.dequantize().double().t() + bias.double()
+    assert y.dtype == torch.float32 and float((y.double() - want).abs().max()) < 1e-5 * float(want.abs().max())
+    for i in {0, rows // 2, rows - 1}:
+        assert torch.equal(layer(x[i : i + 1]), y[i : i + 1])
+    assert torch.equal(layer(x.view(rows, 1, 96)).view(rows, 48), y)  # any leading shape
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_q4_linear_refuses_what_it_cannot_take():
+    with pytest.raises(UnsupportedQuantization, match="fp16"):
+        Q4Linear(Int4Weights(torch.zeros(16, 32, dtype=torch.uint8), torch.full((16, 1), 0.1), torch.zeros(16, 1)), None, None)
+    with pytest.raises(UnsupportedQuantization, match="does not take"):
+        Q4Linear(Int4Weights.quantize(_weight(40, 64)), None, None)  # N not a multiple of 16
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4", "int8", "q4"])
 def test_fused_projections_give_each_parts_output_and_share_its_memory(kind):
     """q/k/v (and gate/up) fused into one matmul: the parts' outputs side by side, bit for bit, and
     the parts' weights become views of the fused ones (fusing adds no memory)."""
@@ -115,6 +143,8 @@ def test_fused_projections_give_each_parts_output_and_share_its_memory(kind):
             part.weight.data, part.bias.data = w, b
     elif kind == "int4":
         parts = [Int4Linear(Int4Weights.quantize(w), b, torch.bfloat16, CPU) for w, b in zip(weights, biases)]
+    elif kind == "q4":
+        parts = [Q4Linear(Int4Weights.quantize(w), b, None) for w, b in zip(weights, biases)]
     else:
         parts = [Int8Linear(Int8Weights.quantize(w), b, torch.bfloat16, CPU) for w, b in zip(weights, biases)]
     x = torch.randn(5, 96)
@@ -123,7 +153,7 @@ def test_fused_projections_give_each_parts_output_and_share_its_memory(kind):
         fused = fuse_outputs(parts)
         assert fused is not None and torch.equal(fused(x), separate)
         assert torch.equal(torch.cat([part(x) for part in parts], -1), separate)  # the parts still work
-    name = {"dense": "weight", "int4": "packed", "int8": "q"}[kind]
+    name = {"dense": "weight", "int4": "packed", "int8": "q", "q4": "nibbles"}[kind]
     start, end = getattr(fused, name).data_ptr(), getattr(fused, name).data_ptr() + getattr(fused, name).nbytes
     assert all(start <= getattr(part, name).data_ptr() < end for part in parts)
     mixed = [parts[0], torch.nn.Linear(96, 32)] if kind != "dense" else [parts[0], torch.nn.Linear(64, 32)]
@@ -153,11 +183,17 @@ def test_shapes_and_devices_without_a_kernel_are_refused_loudly():
         resolve_quantization("fp8", False, torch.bfloat16, "cpu")
 
 
-def test_auto_keeps_a_ggufs_bits_where_the_kernel_is_fast_and_anything_else_as_it_is():
+def test_auto_keeps_a_ggufs_bits_where_the_kernel_is_fast_and_anything_else_as_it_is(monkeypatch):
+    from gyrfalcon.engine.model.quant import apply
+
+    assert q4_kernel()  # every x86 CPU these tests run on has AVX2 or AVX-512
+    assert resolve_quantization("auto", True, torch.float32, "cpu") == "int4"  # q4_linear.c takes fp32 inputs
     assert resolve_quantization("auto", True, torch.bfloat16, "cpu") == "int4"
-    assert resolve_quantization("auto", True, torch.float32, "cpu") == "none"  # the fp32 kernel path is ~30x slower
     assert resolve_quantization("auto", False, torch.bfloat16, "cpu") == "none"
     assert resolve_quantization("int8", False, torch.float32, "cpu") == "int8"
+    monkeypatch.setattr(apply, "q4_kernel", lambda: False)  # a CPU without it: torch's fp32 path is ~30x slower
+    assert resolve_quantization("auto", True, torch.float32, "cpu") == "none"
+    assert resolve_quantization("auto", True, torch.bfloat16, "cpu") == "int4"
 
 
 def test_a_tied_head_and_embedding_share_one_table():
@@ -176,7 +212,7 @@ def test_quantize_at_load_on_the_tiny_model(tiny_model_dir, mode):
 
     reference = load_model(tiny_model_dir, "float32", "cpu")
     model, report = load_weights(tiny_model_dir, "float32", "cpu", mode)
-    linears = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    linears = [m for m in model.modules() if isinstance(m, (Q4Linear if mode == "int4" else Int8Linear))]
     assert len(linears) == 2 * 7  # two layers of q, k, v, o, gate, up, down
     assert not any(type(m) is torch.nn.Linear and m is not model.lm_head for m in model.modules())
     line = report.describe()

@@ -3,6 +3,8 @@ and called through ctypes (which drops the GIL for the call); they need no torch
 
 - ``q8_linear.c``: the fp32 product with a GGUF's ``Q8_0`` table (the output head,
   :mod:`~gyrfalcon.engine.model.quant.q8`);
+- ``q4_linear.c``: the fp32 product with int4 weights in groups of 32, a GGUF's ``Q4_1`` blocks
+  (the decoder's linear layers, :mod:`~gyrfalcon.engine.model.quant.q4`);
 - ``mean_square.c``: an RMSNorm's mean of squares (:mod:`~gyrfalcon.engine.model.decoder`);
 - ``one_query_attention.c``: a decode row's attention over its KV blocks, read in place
   (:mod:`~gyrfalcon.engine.model.one_query`).
@@ -44,6 +46,7 @@ _POINTER, _LONG, _INT = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 #: each kernel's C signature: (argument types, result type)
 _SIGNATURES = {
     "q8_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
+    "q4_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
     "mean_square": ([_POINTER] * 2 + [_LONG] * 2 + [_INT], _INT),
     "one_query_attention": ([_POINTER] * 6 + [_LONG] * 7 + [ctypes.c_float, _INT], _INT),
 }
@@ -57,7 +60,7 @@ def _isa_flags() -> list[str]:
     """The instruction set torch chose for this CPU (its kernels' own dispatch, :mod:`.cpu`), as compiler flags."""
     here = cpu()
     if here.avx512:
-        return ["-mavx512f", "-mavx512bw", "-mfma"]
+        return ["-mavx512f", "-mavx512bw", "-mfma", "-mf16c"]
     return ["-mavx2", "-mfma", "-mf16c"] if here.avx2 else []
 
 

@@ -44,6 +44,7 @@ from gyrfalcon.engine.model.quant.layers import (
     int8_kernel,
 )
 from gyrfalcon.engine.model.native.cpu import cpu
+from gyrfalcon.engine.model.quant.q4 import Q4Linear, q4_fits, q4_kernel
 from gyrfalcon.engine.model.quant.q8 import Q8Embedding, Q8Linear
 from gyrfalcon.engine.model.quant.weights import GROUP, Int4Weights, Int8Weights, relative_error
 
@@ -60,7 +61,8 @@ def resolve_quantization(setting: str, has_gguf_bits: bool, dtype: torch.dtype, 
         raise UnsupportedQuantization(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {setting!r}")
     if setting != "auto":
         return setting
-    fast = dtype in (torch.bfloat16, torch.float16) and int4_kernel(torch.device(device)) is not None
+    where = torch.device(device)
+    fast = (where.type == "cpu" and q4_kernel()) or (dtype in (torch.bfloat16, torch.float16) and int4_kernel(where) is not None)
     return "int4" if has_gguf_bits and fast else "none"
 
 
@@ -73,9 +75,15 @@ class _Kind:
     requantized: int = 0
     kept: int = 0
     worst_error: float = 0.0
+    #: which kernels the layers run in (int4: ours or torch's, and their inputs' dtype)
+    kernels: set[str] = field(default_factory=set)
+    #: why our int4 kernel is not served (then torch's is)
+    fallback: str | None = None
 
     def describe(self) -> str:
         parts = [f"{count} from the GGUF's {kind} bits (exact)" for kind, count in sorted(self.exact.items())]
+        if self.kernels:
+            parts.insert(0, " and ".join(sorted(self.kernels)) + (f" ({self.fallback})" if self.fallback else ""))
         if self.requantized:
             parts.append(f"{self.requantized} quantised at load (largest relative error {self.worst_error:.2%})")
         if self.kernel.startswith("dense"):
@@ -107,7 +115,12 @@ class QuantizationReport:
         return f"weights{where}: --quantization {self.mode}, model in {dtype}, matmul inputs in {compute}; {layers}"
 
 
-def _convert(module: torch.nn.Linear, name: str, kernel: str, bits, dtype, device, kind: _Kind) -> torch.nn.Module:
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _convert(module: torch.nn.Linear, name: str, kernel: str, bits, dtype, device, kind: _Kind,
+             kernels: Path | None = None) -> torch.nn.Module:  # fmt: skip
     """``module`` as an int4/int8 (or bf16 ``CastLinear``) layer, from the GGUF's bits where they fit, else quantised."""
     weight_name = f"{name}.weight"
     source = bits.get(weight_name) if bits else None
@@ -116,13 +129,25 @@ def _convert(module: torch.nn.Linear, name: str, kernel: str, bits, dtype, devic
         kind.kept += 1
         return CastLinear(module.weight if source is None else source.dequantize(), module.bias, torch.bfloat16, device)
     if kernel == "int4":
-        if not int4_fits(n, k, device):
+        exact = source is not None and source.int4 is not None
+        weights = source.int4 if exact else None
+        layer = None
+        if device.type == "cpu" and q4_kernel() and q4_fits(n, k) and kind.fallback is None:
+            weights = weights or _requantize(Int4Weights, module, source, kind)
+            try:
+                layer = Q4Linear(weights, module.bias, kernels)
+            except UnsupportedQuantization as error:  # no C compiler: torch's kernel, and the line says why
+                kind.fallback = str(error)
+        if layer is None and not int4_fits(n, k, device):
             kind.kept += 1
             return module
-        if source is not None and source.int4 is not None:
+        if layer is None:
+            weights = weights or _requantize(Int4Weights, module, source, kind)
+            layer = Int4Linear(weights, module.bias, dtype, device)
+        kind.kernels.add("q4_linear.c, float32 inputs" if isinstance(layer, Q4Linear) else f"torch's, {_name(dtype)} inputs")
+        if exact:
             kind.exact[source.kind] += 1
-            return Int4Linear(source.int4, module.bias, dtype, device)
-        return Int4Linear(_requantize(Int4Weights, module, source, kind), module.bias, dtype, device)
+        return layer
     return Int8Linear(_requantize(Int8Weights, module, source, kind), module.bias, dtype, device)
 
 
@@ -164,8 +189,10 @@ def quantize_model(model, mode: str, bits: dict | None, compute: torch.dtype, de
     layers = _Kind(f"int4 g{GROUP}" if mode == "int4" else "int8 per row")
     for name, module in list(model.named_modules()):
         if isinstance(module, torch.nn.Linear) and module is not output:
-            _set(model, name, _convert(module, name, mode, bits, compute, where, layers))
+            _set(model, name, _convert(module, name, mode, bits, compute, where, layers, kernels))
     report.kinds["linear layers"] = layers.describe()
+    if layers.kernels and all(k.startswith("q4_linear.c") for k in layers.kernels):
+        report.compute = stream  # ours multiplies the stream's fp32 rows as they are
     if output is not None and head != "none":
         head_kind = _Kind({"int4": f"int4 g{GROUP}", "int8": "int8 per row"}.get(head, f"dense {head}"))
         head_name = names[id(output)]

@@ -303,9 +303,10 @@ def _fused_bias(parts: list[torch.nn.Module], dtype: torch.dtype) -> torch.Tenso
 def fuse_outputs(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
     """One layer whose output is ``torch.cat([part(x) for part in parts], -1)``, computed in one
     matmul (q/k/v, gate/up); the parts' weights become views of the fused ones (int4's
-    scale-and-zero table, which the kernel takes contiguous with output rows on its second axis, is
+    scale-and-zero table, which torch's kernel takes contiguous with output rows on its second axis, is
     copied instead). None where the parts are not all dense ``Linear``/:class:`CastLinear`, or all
-    :class:`Int4Linear`, or all :class:`Int8Linear`, of one input size and dtype.
+    :class:`Int4Linear`, all :class:`Int8Linear` or all of a kind with a ``fused_from`` class
+    method (:class:`~gyrfalcon.engine.model.quant.q4.Q4Linear`), of one input size and dtype.
 
     A kernel's packing may tie rows together (the CPU int4 layout packs blocks of 64 rows), so the
     fused layer must give the parts' outputs bit for bit on a probe, else None and the parts stay
@@ -314,6 +315,9 @@ def fuse_outputs(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
     if len(kinds) != 1 or len({part.in_features for part in parts}) != 1:
         return None
     kind = kinds.pop()
+    if hasattr(kind, "fused_from"):  # a layer that knows how to join its kind (q4.Q4Linear)
+        fused, names = kind.fused_from(parts)
+        return _share_if_exact(parts, fused, names)
     if kind in (torch.nn.Linear, CastLinear):
         if len({part.weight.dtype for part in parts}) != 1:
             return None

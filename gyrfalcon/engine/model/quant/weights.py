@@ -41,13 +41,16 @@ class Int4Weights:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Weights:
-        """Asymmetric min/max quantisation per group of 32 (``Q4_1``'s rule: ``scale = (max − min) / 15``)."""
+        """Asymmetric min/max quantisation per group of 32, ``Q4_1``'s rule: ``scale = (max − min) / 15``,
+        scale and minimum kept in fp16 as a GGUF keeps them (the kernels read fp16 scales), ``q``
+        rounded against the fp16 values."""
         n, k = weight.shape
         groups = weight.detach().float().reshape(n, k // GROUP, GROUP)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        scale = (high - low) / 15
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = ((groups - low[..., None]) / safe[..., None]).round().clamp(0, 15).to(torch.uint8)
+        low = low.half()
+        scale = ((high - low.float()) / 15).half()
+        safe = torch.where(scale > 0, scale.float(), torch.ones_like(high))
+        q = ((groups - low.float()[..., None]) / safe[..., None]).round().clamp(0, 15).to(torch.uint8)
         return cls(q.reshape(n, k), scale, low)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
