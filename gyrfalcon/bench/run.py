@@ -51,8 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
                    help="the launched server's and the eager ceiling's weight kernels (serve's --quantization)")
     p.add_argument("--peer-url", default=None, metavar="URL",
-                   help="another OpenAI-compatible server (e.g. llama.cpp on the same GGUF): the same loads, ratios printed")
+                   help="another OpenAI-compatible server (llama.cpp's llama-server on the same GGUF, built on this "
+                        "machine: docs/benchmarks.md): the same loads in the same run, ratios printed")  # fmt: skip
     p.add_argument("--peer-api-key", default=None)
+    p.add_argument("--peer-threads", type=int, default=None,
+                   help="the threads the peer runs with (its -t), for the header: a server does not say")  # fmt: skip
     p.add_argument("--serve-args", default="", metavar="ARGS",
                    help='more `gyrfalcon serve` options for --launch, one string (split like a shell would): '
                         '--serve-args "--max-num-batched-tokens 8192"; one option alone: --serve-args=--enforce-eager')  # fmt: skip
@@ -240,13 +243,31 @@ def decode_path(client: Client) -> str | None:
         return None
 
 
+def peer_facts(args: argparse.Namespace) -> str:
+    """What the peer says of itself (llama-server's ``/props``: its build and slots) and the threads
+    ``--peer-threads`` gives: the peer runs on this machine, so its CPU is the header's."""
+    facts = []
+    try:
+        status, body = Client(args.peer_url, args.peer_api_key).get("/props")
+        props = json.loads(body) if status == 200 else {}
+        if isinstance(props, dict):
+            facts += [f"build {props['build_info']}"] if props.get("build_info") else []
+            facts += [f"{props['total_slots']} slots"] if props.get("total_slots") else []
+    except (OSError, ValueError):
+        pass
+    facts.append(f"{args.peer_threads} thread(s)" if args.peer_threads else "threads not given (--peer-threads)")
+    return ", ".join(facts)
+
+
 def _header(args: argparse.Namespace, device: str, model_path: str, build_s: float | None, path: str | None = None) -> str:
     import torch
 
     from gyrfalcon.models.loading import resolve_dtype
 
+    from gyrfalcon.engine.model.native.cpu import cpu
+
     dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
-    where = torch.cuda.get_device_name() if device.startswith("cuda") else f"{args.num_threads} thread(s), {os.cpu_count()} CPUs"
+    where = torch.cuda.get_device_name() if device.startswith("cuda") else f"{cpu().describe()}, {args.num_threads} thread(s)"
     subject = os.path.basename(os.path.normpath(model_path))
     if build_s is not None:
         subject += f" (random weights, built in {build_s:.1f} s)"
@@ -254,7 +275,7 @@ def _header(args: argparse.Namespace, device: str, model_path: str, build_s: flo
     return (f"{subject} on {device} ({where}), {dtype}; requests {levels}; {args.prompt_tokens}-token prompts, "
             f"{args.output_tokens} output tokens, temperature 0, ignore_eos; --quantization {args.quantization}. "
             f"ceiling: the eager loop on the same weights" + ("; baseline: the fp32 eager loop" if not device.startswith("cuda") else "")
-            + (f"; peer: {args.peer_url}" if args.peer_url else "") + (f"; decode path: {path}" if path else "")
+            + (f"; peer: {args.peer_url} ({peer_facts(args)})" if args.peer_url else "") + (f"; decode path: {path}" if path else "")
             + ("; compiled: static cache + torch.compile" if args.compiled_ceiling else ""))  # fmt: skip
 
 

@@ -135,7 +135,8 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
     def runner_on(cache: PagedKVCache) -> ModelRunner:
         return ModelRunner(model, cache, capture=capture, max_batch=cfg.max_num_seqs, max_model_len=max_model_len,
                            model_impl=cfg.model_impl, attention=cfg.attention_backend,
-                           kernels=cache_root(cfg.cache_dir) / "kernels")  # fmt: skip
+                           kernels=cache_root(cfg.cache_dir) / "kernels",
+                           verdicts=cache_root(cfg.cache_dir) / "inductor")  # fmt: skip
 
     runner, reserve = None, StepReserve(0, 0)
     probe = step_probe(device) if cfg.kv_cache_memory is None else None  # sized by --gpu-memory-utilization

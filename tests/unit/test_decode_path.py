@@ -76,12 +76,12 @@ def test_the_compiled_cpu_step_serves_the_eager_steps_bits(tiny_model_dir, tmp_p
         fast.shutdown(grace=1.0)
 
 
-def _steps(tiny_model_dir, max_batch: int = 4):
+def _steps(tiny_model_dir, max_batch: int = 4, verdicts=None):
     from gyrfalcon.plugins.engines import create_transformers_engine
 
     engine = create_transformers_engine(tiny_settings(tiny_model_dir), start=False).core
     assert engine.prepare()
-    return DecodeSteps(engine.runner, max_batch, 128, mode="compiled")
+    return DecodeSteps(engine.runner, max_batch, 128, mode="compiled", verdicts=verdicts)
 
 
 def test_a_compiled_step_that_raises_or_differs_is_dropped_with_its_reason(tiny_model_dir, monkeypatch):
@@ -141,6 +141,40 @@ def test_a_bucket_that_fails_its_check_is_named_in_the_decode_path(tiny_model_di
     assert path.name == "compiled" and set(steps._compiled_batches) == {1, 2, 8}
     assert path.reason.startswith("batches 1, 2, 8; ")
     assert "; eager at batch 4: the fast step differs from the eager one (max |Δ logit| " in path.reason
+
+
+def test_a_bucket_refused_once_is_not_compiled_again_at_the_next_start(tiny_model_dir, tmp_path, monkeypatch):
+    """The verdict of a failed check is kept beside inductor's cache: the next start on the same
+    machine, versions and model compiles every bucket but that one, and says why it runs eagerly;
+    another model's start (another key) is not bound by it."""
+    from gyrfalcon.engine.model import captured
+
+    monkeypatch.setattr(captured, "COMPILED_MUST_TAKE", float("inf"))
+    compiled_at: list[int] = []
+
+    def off_at_four(fn, **_):
+        def step(ids, *a):
+            compiled_at.append(ids.shape[1])
+            return fn(ids, *a) + (1e-6 if ids.shape[1] == 4 else 0.0)
+
+        return step
+
+    monkeypatch.setattr(torch, "compile", off_at_four)
+    first = _steps(tiny_model_dir, max_batch=8, verdicts=tmp_path)
+    assert set(first.prepare(background=False) and first._compiled_batches) == {1, 2, 8}
+    assert [p.name for p in tmp_path.iterdir()] == [first.verdicts.path.name]
+
+    compiled_at.clear()
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: lambda ids, *a: compiled_at.append(ids.shape[1]) or fn(ids, *a))
+    again = _steps(tiny_model_dir, max_batch=8, verdicts=tmp_path)
+    path = again.prepare()
+    assert 4 not in compiled_at and set(again._compiled_batches) == {1, 2, 8}
+    assert "eager at batch 4: the fast step differs from the eager one" in path.reason
+    assert f"(at an earlier start; kept in {again.verdicts.path}: delete it to compile again)" in path.reason
+
+    other = _steps(tiny_model_dir, max_batch=8, verdicts=tmp_path)
+    other.verdicts = captured.Verdicts(tmp_path, "another-model")
+    assert set(other.prepare() and other._compiled_batches) == {1, 2, 4, 8}
 
 
 def test_check_fast_step_wants_the_same_argmax_and_logits_within_tolerance():

@@ -62,18 +62,19 @@ def test_a_rows_mean_square_has_the_same_bits_alone_and_in_any_batch(tmp_path, w
 
 
 @pytest.mark.parametrize("window", [0, 37])
-def test_one_query_attention_reads_the_blocks_in_place_as_sdpa_over_their_copy(tmp_path, window):
+@pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16])
+def test_one_query_attention_reads_the_blocks_in_place_as_sdpa_over_their_copy(tmp_path, window, cache):
     """``one_query_attention.c``: each row's heads over its own blocks (scattered, some rows of one
     block, some of many; grouped query heads; a sliding window) agree with SDPA over the gathered
     context, give the same bits alone and in the batch, and the compiled step's operator gives the
-    eager call's bits."""
+    eager call's bits; a bf16 cache is read as its values widened to fp32."""
     from gyrfalcon.engine.model.attention import _gather, _sdpa
     from gyrfalcon.engine.model.one_query import _operator, one_query_attention
 
     native.library(tmp_path)
     torch.manual_seed(window)
     block, kv_heads, heads, dim, width = 16, 3, 9, 64, 20
-    keys, values = torch.randn(40 * block, kv_heads, dim), torch.randn(40 * block, kv_heads, dim)
+    keys, values = torch.randn(40 * block, kv_heads, dim).to(cache), torch.randn(40 * block, kv_heads, dim).to(cache)
     positions = torch.tensor([0, 15, 16, 100, 319])
     tables = torch.stack([torch.randperm(39)[:width] + 1 for _ in positions])
     q = torch.randn(len(positions), heads, dim) * 2

@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,6 +53,7 @@ from gyrfalcon.engine.model.attention import StepMetadata
 from gyrfalcon.engine.model.compiled import COMPILING, CompiledMode
 from gyrfalcon.engine.model.fast_check import FAST_STEP_RTOL, DecodePath, check_fast_step, paired_medians_s
 from gyrfalcon.engine.model.heads import StepHeads, empty_heads, heads_of
+from gyrfalcon.engine.model.verdicts import Verdicts, verdict_key
 from gyrfalcon.engine.model.work import Work, riding
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -101,7 +103,8 @@ class _Bucket:
 class DecodeSteps(CompiledMode):
     """The static-shape decode path of a :class:`ModelRunner` (see the module docstring)."""
 
-    def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int, mode: str = "static") -> None:
+    def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int, mode: str = "static",
+                 verdicts: Path | None = None) -> None:  # fmt: skip
         if mode not in MODES:
             raise ValueError(f"decode step mode must be one of {MODES}, got {mode!r}")
         self.runner = runner
@@ -123,6 +126,9 @@ class DecodeSteps(CompiledMode):
             widths.append(width)
             width *= 2
         self._widths = [*widths, max_model_len]
+        #: the compiled step's refusals kept between starts, in the folder ``verdicts`` (:mod:`.verdicts`)
+        self.verdicts = Verdicts(verdicts, verdict_key(runner.model, runner.cache.shape, runner.cache.block_size,
+                                                       self._widths)) if self.mode == "compiled" else None  # fmt: skip
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None
         self._outputs: StepHeads | None = None
@@ -222,8 +228,16 @@ class DecodeSteps(CompiledMode):
             self.path = DecodePath("eager", "transformers' forward is not compiled (its compiled step rounds apart from "
                                             "the eager one)")  # fmt: skip
         elif self.mode == "compiled":
-            batches = [b for b in COMPILED_BATCHES if b in self.batch_buckets]
-            if background:
+            batches = []
+            for batch in (b for b in COMPILED_BATCHES if b in self.batch_buckets):
+                refused = self.verdicts.refused(batch)
+                if refused is None:
+                    batches.append(batch)
+                else:
+                    self._eager_batches[batch] = refused
+            if not batches:
+                self.path = DecodePath("eager", "; ".join(f"batch {b}: {why}" for b, why in self._eager_batches.items()))
+            elif background:
                 self._start_compile(batches)
                 self.path = DecodePath("eager", COMPILING)
             else:
@@ -259,6 +273,8 @@ class DecodeSteps(CompiledMode):
             self.capture_s += compile_s
             self._fill_synthetic(bucket)
             problem = check_fast_step(lambda: self._run_compiled(bucket, compiled), lambda: self._eager(bucket), self.rtol)
+        if problem is not None and self.verdicts is not None:  # a failed compile or other bits: so at every start
+            self.verdicts.record(bucket.batch, problem)
         if compiled is not None and problem is None:
             eager_s, compiled_s = paired_medians_s(lambda: self._eager(bucket), lambda: self._run_compiled(bucket, compiled))
             timing = (f"{compiled_s * 1000:.1f} ms a step against {eager_s * 1000:.1f} eager at batch {bucket.batch}, "

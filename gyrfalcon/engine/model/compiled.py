@@ -6,6 +6,7 @@ steps (:meth:`CompiledMode.poll`)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from gyrfalcon.engine.model.fast_check import DecodePath, guards_on_the_inputs, 
 
 if TYPE_CHECKING:  # pragma: no cover
     from gyrfalcon.engine.model.captured import _Bucket
+
+log = logging.getLogger(__name__)
 
 #: the decode path's reason while a compile runs in the background (steps run eagerly meanwhile)
 COMPILING = "compiling the decode step in the background"
@@ -39,6 +42,8 @@ class CompiledMode:
 
     _compiled: Any
     _pending: _PendingCompile | None
+    #: when the first background compile started (the server is ready then)
+    _started: float = 0.0
 
     def _run_compiled(self, bucket: _Bucket, compiled=None) -> torch.Tensor:
         bucket.step._masks.clear()
@@ -46,6 +51,8 @@ class CompiledMode:
 
     def _start_compile(self, batches: list[int]) -> None:
         """Compile the step for ``batches[0]`` on a thread of its own, then (through :meth:`poll`) the rest."""
+        if self._pending is None and not self._compiled_batches:
+            self._started = time.perf_counter()
         bucket = self._new(batches[0], self.width_buckets[0])  # never a serving bucket: the compile runs beside steps
         self._pending = _PendingCompile(threading.Thread(target=self._compile_in_background, args=(bucket,),
                                                          name="gyrfalcon-compile", daemon=True), bucket, batches[1:])  # fmt: skip
@@ -88,5 +95,9 @@ class CompiledMode:
         if self._compiled_batches and pending.rest:  # the next batch bucket, while this one serves
             self._start_compile(pending.rest)
             self.path = DecodePath("compiled", f"{self.path.reason}; {COMPILING} for batch {pending.rest[0]}")
+        else:  # the last one: from now on every step runs at full speed
+            settled = time.perf_counter() - self._started
+            log.warning("the decode path settled %.0f s after the server was ready: %s", settled, self.path.describe())
+            self.path = DecodePath(self.path.name, f"{self.path.reason}; settled {settled:.0f} s after ready")
         return self.path
 

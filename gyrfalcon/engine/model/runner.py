@@ -47,10 +47,14 @@ class ModelRunner:
     ``attention`` (``--attention-backend``): ``gather`` copies each sequence's blocks and runs SDPA,
     ``flex`` reads the blocks in place (:mod:`~gyrfalcon.engine.model.flex`), ``auto`` is flex on
     CUDA and gather elsewhere; :meth:`check_attention` proves flex against gather.
+
+    ``kernels``: the folder the C kernels are built in; ``verdicts``: the one the compiled step's
+    refusals are kept in between starts (:mod:`~gyrfalcon.engine.model.verdicts`).
     """
 
     def __init__(self, model, cache: PagedKVCache, capture: str = "off", max_batch: int = 1, max_model_len: int = 2048,
-                 model_impl: str = "auto", attention: str = "gather", kernels: Path | None = None) -> None:  # fmt: skip
+                 model_impl: str = "auto", attention: str = "gather", kernels: Path | None = None,
+                 verdicts: Path | None = None) -> None:  # fmt: skip
         self.model = model
         self.cache = cache
         self.device = cache.device
@@ -81,7 +85,7 @@ class ModelRunner:
         self.block_table = BlockTable(-(-max_model_len // cache.block_size), self.device)
         self.decode_steps = None
         if capture != "off":
-            self.decode_steps = DecodeSteps(self, max_batch, max_model_len, mode=capture)
+            self.decode_steps = DecodeSteps(self, max_batch, max_model_len, mode=capture, verdicts=verdicts)
 
     @property
     def logits_width(self) -> int:

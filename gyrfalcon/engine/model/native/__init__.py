@@ -48,7 +48,7 @@ _SIGNATURES = {
     "q8_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
     "q4_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
     "mean_square": ([_POINTER] * 2 + [_LONG] * 2 + [_INT], _INT),
-    "one_query_attention": ([_POINTER] * 6 + [_LONG] * 7 + [ctypes.c_float, _INT], _INT),
+    "one_query_attention": ([_POINTER] * 6 + [_LONG] * 7 + [ctypes.c_float, _INT, _INT], _INT),
 }
 
 
