@@ -179,26 +179,24 @@ static inline __attribute__((always_inline)) void tiles(const float *x, const fl
     }
 }
 
-/* M < BUFFERED rows against panels [p0, p1): as many panels a tile as keep about eight chains in flight */
+/* M < BUFFERED rows against panels [p0, p1): as many panels a tile as keep eight or more chains of
+ * fused multiply-adds in flight (fewer left the product waiting on their latency: two rows took
+ * twice one row's time) */
 static void few(const float *x, const uint8_t *nibbles, const uint16_t *sc, float *out, long M, long N, long K,
                 long p0, long p1) {
 #define FEW(r, np) few_rows(x, nibbles + p * (K / 2) * PANEL, sc + p * (K / BLOCK) * 2 * PANEL, out + p * PANEL, N, K, r, np)
+#define WIDE(r, np) if (p + (np) <= p1) { FEW(r, np); p += (np); continue; }
     for (long p = p0; p < p1;) {
-        if (M == 1 && p + 4 / VECS <= p1) {
-            FEW(1, 4 / VECS);
-            p += 4 / VECS;
-        } else if (M == 2 && p + 2 / VECS <= p1) {
-            FEW(2, 2 / VECS);
-            p += 2 / VECS;
-        } else {
-            if (M == 1) FEW(1, 1);
-            else if (M == 2) FEW(2, 1);
-            else if (M == 3) FEW(3, 1);
-            else if (M == 4) FEW(4, 1);
-            else FEW(5, 1);
-            p += 1;
+        switch (M) {
+        case 1: WIDE(1, 4 / VECS); FEW(1, 1); break;
+        case 2: WIDE(2, 4 / VECS); FEW(2, 1); break;
+        case 3: WIDE(3, 2 / VECS + (VECS == 1)); FEW(3, 1); break;
+        case 4: WIDE(4, 2 / VECS + (VECS == 1)); FEW(4, 1); break;
+        default: WIDE(5, 2 / VECS + (VECS == 1)); FEW(5, 1); break;
         }
+        p += 1;
     }
+#undef WIDE
 #undef FEW
 }
 #endif
