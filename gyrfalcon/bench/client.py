@@ -160,6 +160,10 @@ class Client:
         return result
 
 
+#: how a request fails on a kept-alive connection its server has closed (before any response)
+STALE_CONNECTION = ("RemoteDisconnected", "ConnectionResetError", "BrokenPipeError")
+
+
 def run_load(client: Client, bodies: list[dict[str, Any]], concurrency: int) -> LoadReport:
     """Send every body as a streaming completion with ``concurrency`` requests in flight at all times."""
     work: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
@@ -171,13 +175,20 @@ def run_load(client: Client, bodies: list[dict[str, Any]], concurrency: int) -> 
     lock = threading.Lock()
 
     def worker() -> None:
-        conn = client.connect()
+        conn, used = client.connect(), False
         try:
             while (body := work.get()) is not None:
                 result = client.stream_completion(body, conn)
-                if result.error is not None:  # reconnect after a failure
+                if used and (result.error or "").startswith(STALE_CONNECTION):
+                    # the server closed the kept-alive connection after its last answer (llama-server
+                    # does after a stream): the request never reached it; send it on a new one
                     conn.close()
                     conn = client.connect()
+                    result = client.stream_completion(body, conn)
+                used = True
+                if result.error is not None:  # reconnect after a failure
+                    conn.close()
+                    conn, used = client.connect(), False
                 with lock:
                     results.append(result)
         finally:
