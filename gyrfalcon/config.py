@@ -82,6 +82,11 @@ class Settings:
     #: vLLM's --quantization
     quantization: str = option("auto", "weight-only kernels of the linear layers: auto (a GGUF keeps its 4-bit bits), "
                                "none, int4, int8", choices=QUANTIZATIONS, checked=True)  # fmt: skip
+    #: docs/kernels.md: on the default model int8 inputs moved log-probabilities by 0.03 to 0.09 nats
+    #: (the same kernels, last bits apart, land anywhere in that range), fp32 inputs by 0.0000
+    matmul_inputs: str = option("auto", "CPU, int4 layers: float32 (the fp32 weights' products exactly), int8 (inputs "
+                                "rounded per block of 32, as llama.cpp: 2-3x less arithmetic on AVX2, further from "
+                                "the fp32 model); auto: float32", choices=("auto", "float32", "int8"), checked=True)  # fmt: skip
     device: str = option("auto", "auto (cuda where there is one, else cpu), cpu, cuda, cuda:N")
     #: vLLM's --kv-cache-dtype
     kv_cache_dtype: str = option("auto", "the KV cache's dtype: auto (the model's), float32, bfloat16 (twice the tokens "

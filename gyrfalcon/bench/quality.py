@@ -4,7 +4,8 @@ For the default model (or ``--model DIR``): over a fixed English paragraph (the 
 *On the Origin of Species*, starting with the tokenizer's BOS where it has one), the mean
 ``|Δ log p|`` over the full vocabulary at every position and the top-1 agreement against the fp32
 model without quantisation; then greedy answers (24 tokens) to ten fixed chat prompts, counted
-identical to fp32's. Each row is a load as the server does it (:func:`load_weights`); the last two
+identical to fp32's. Each row is a load as the server does it (:func:`load_weights`, the second
+with the int4 layers' inputs rounded to int8: ``--matmul-inputs int8``); the last two
 read the paragraph through the engine's paged runner with an fp32 and a bf16 KV cache
 (``--kv-cache-dtype``; their greedy answers are the plain model's). Targets of
 the issue "Weights kept in their bits": ≤ 0.05 nats, ≥ 98 % top-1, ≥ 8 of 10 answers; an fp32
@@ -102,17 +103,19 @@ def main(argv: list[str] | None = None) -> int:
     reference, _ = load_weights(path, "float32", "cpu", "none")
     ref_lp, ref_answers = _logprobs(reference, ids), _answers(reference, tokenizer)
     del reference
-    rows = [("auto (the server's default)", "auto", "auto", True, None), ("int8", "auto", "int8", True, None),
-            ("int4 quantised at load (the GGUF's bits unused)", "auto", "int4", False, None),
-            ("bfloat16, no quantisation", "bfloat16", "none", True, None),
-            ("auto, fp32 KV cache, the engine's paged runner", "auto", "auto", True, torch.float32),
-            ("auto, --kv-cache-dtype bfloat16, the engine's paged runner", "auto", "auto", True, torch.bfloat16)]  # fmt: skip
+    rows = [("auto (the server's default)", "auto", "auto", True, None, None),
+            ("auto, --matmul-inputs int8", "auto", "auto", True, None, torch.int8),
+            ("int8", "auto", "int8", True, None, None),
+            ("int4 quantised at load (the GGUF's bits unused)", "auto", "int4", False, None, None),
+            ("bfloat16, no quantisation", "bfloat16", "none", True, None, None),
+            ("auto, fp32 KV cache, the engine's paged runner", "auto", "auto", True, torch.float32, None),
+            ("auto, --kv-cache-dtype bfloat16, the engine's paged runner", "auto", "auto", True, torch.bfloat16, None)]  # fmt: skip
     print(f"{os.path.basename(path)}: {ids.shape[1]} tokens of the paragraph, {len(QUESTIONS)} chat prompts; against fp32 without quantisation\n")
     print("| weights | what the layers run in | mean abs Δ log p (nats) | top-1 agreement | greedy answers identical |")
     print("|---|---|---|---|---|")
-    for label, dtype, mode, with_bits, kv_dtype in rows:
+    for label, dtype, mode, with_bits, kv_dtype, inputs in rows:
         folder = path if with_bits or not os.path.isfile(os.path.join(path, BITS_FILE)) else _without_bits(path)
-        model, report = load_weights(folder, dtype, "cpu", mode)
+        model, report = load_weights(folder, dtype, "cpu", mode, inputs=inputs)
         lp = _logprobs(model, ids, kv_dtype)
         same = sum(a == b for a, b in zip(_answers(model, tokenizer), ref_answers))
         delta = float((lp - ref_lp).abs().mean())

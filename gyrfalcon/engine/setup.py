@@ -127,7 +127,8 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
     decode path (capture or compile, checked against the eager step)."""
     if device == "cpu":
         torch.set_num_threads(cfg.num_threads)
-    model, weights = load_weights(str(cfg.model), cfg.dtype, device, quantization, cfg.cache_dir)
+    inputs = None if cfg.matmul_inputs == "auto" else getattr(torch, cfg.matmul_inputs)
+    model, weights = load_weights(str(cfg.model), cfg.dtype, device, quantization, cfg.cache_dir, inputs)
     log.warning("%s", weights.describe())
     kv_dtype = next(model.parameters()).dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, device)
     shape = KVShape.of(model.config, kv_dtype)

@@ -45,6 +45,8 @@ class EngineConfig:
     model_impl: str = "auto"
     #: ``auto``, ``flex`` or ``gather``: how attention reads the KV blocks
     attention_backend: str = "auto"
+    #: ``auto``, ``float32`` or ``int8``: how the CPU's int4 layers read their inputs
+    matmul_inputs: str = "auto"
 
     @classmethod
     def from_settings(cls, settings: Any, model: str) -> EngineConfig:

@@ -27,18 +27,27 @@ def resolve_dtype(dtype: str | None, device: str) -> Any:
     return getattr(torch, DTYPES[dtype])
 
 
-def kernel_dtype(dtype: Any, device: str) -> Any:
-    """The activation dtype of the quantised matmuls: bf16 on CUDA (tinygemm's only one) and on x86
-    CPUs with AVX2 or AVX-512, with or without native bf16, where torch's int4/int8 kernels are fast
-    only with bf16 inputs (measured: 16–30× their fp32 and fp16 paths on AVX2 and on AVX-512 BF16);
-    the model's ``dtype`` elsewhere. The model's stream stays in ``dtype``: on the default model a
-    bf16 stream alone moves log-probabilities by 0.062 nats, an fp32 stream with bf16 matmul inputs
-    by 0.033 (docs/kernels.md, quality table)."""
+def kernel_dtype(dtype: Any, device: str, mode: str = "int4") -> Any:
+    """The format the quantised matmuls take their inputs in, for ``--quantization`` ``mode``:
+
+    - ``int4`` on an x86 CPU with AVX2 or AVX-512: our kernels' format for that instruction set
+      (:func:`gyrfalcon.engine.model.quant.q4.q4_inputs`: int8 blocks, by measurement);
+    - bf16 on CUDA (tinygemm's only one) and, for torch's int8 kernel, on CPUs with AVX2 or AVX-512,
+      where torch's kernels are fast only with bf16 inputs (16-30x their fp32 and fp16 paths);
+    - the model's ``dtype`` elsewhere.
+
+    The model's stream stays in ``dtype`` (on the default model a bf16 stream alone moves
+    log-probabilities by 0.062 nats: docs/kernels.md)."""
     import torch
 
     from gyrfalcon.engine.model.native.cpu import cpu
+    from gyrfalcon.engine.model.quant.q4 import q4_inputs, q4_kernel
 
-    if device.startswith("cuda") or (device == "cpu" and cpu().avx2):
+    if device.startswith("cuda"):
+        return torch.bfloat16
+    if device == "cpu" and mode == "int4" and q4_kernel():
+        return q4_inputs()
+    if device == "cpu" and cpu().avx2:
         return torch.bfloat16
     return dtype
 
@@ -50,11 +59,11 @@ def resolve_quantization(setting: str, path: str | os.PathLike[str], dtype: Any,
     from gyrfalcon.models.gguf_bits import BITS_FILE
 
     has_bits = os.path.isfile(os.path.join(os.fspath(path), BITS_FILE))
-    return resolve(setting, has_bits, kernel_dtype(dtype, device), device)
+    return resolve(setting, has_bits, kernel_dtype(dtype, device, "int4" if setting == "auto" else setting), device)
 
 
 def load_weights(path: str | os.PathLike[str], dtype: str | None = "float32", device: str | None = "cpu",
-                 quantization: str = "none", cache_dir: str | None = None):  # fmt: skip
+                 quantization: str = "none", cache_dir: str | None = None, inputs: Any = None):  # fmt: skip
     """Load the causal LM of a local folder in eval mode on ``device``, its layers in the kernels of
     ``--quantization`` (``auto``, ``none``, ``int4``, ``int8``: see
     :mod:`gyrfalcon.engine.model.quant.apply`); returns ``(model, QuantizationReport)``.
@@ -62,7 +71,8 @@ def load_weights(path: str | os.PathLike[str], dtype: str | None = "float32", de
     ``dtype`` is a ``Settings.dtype`` string (``float32``, ``bfloat16``, ``float16``, ``auto``).
     Never touches the network (``local_files_only=True``); thread counts are left to the caller.
     Kernels built for this machine are kept under ``cache_dir`` (``--cache-dir``'s default: see
-    :func:`gyrfalcon.models.default.cache_root`).
+    :func:`gyrfalcon.models.default.cache_root`). ``inputs``: the matmuls' input format where it is
+    not :func:`kernel_dtype`'s (the quality harness compares them).
     """
     from transformers import AutoModelForCausalLM
 
@@ -77,8 +87,8 @@ def load_weights(path: str | os.PathLike[str], dtype: str | None = "float32", de
     model.to(device)
     model.eval()
     bits = read_bits(path) if mode != "none" else None
-    report = quantize_model(model, mode, bits, kernel_dtype(torch_dtype, device), device,
-                            kernels=cache_root(cache_dir) / "kernels")
+    compute = inputs if inputs is not None else kernel_dtype(torch_dtype, device, mode)
+    report = quantize_model(model, mode, bits, compute, device, kernels=cache_root(cache_dir) / "kernels")
     if mode != "none":
         del bits
         _release_freed_memory()

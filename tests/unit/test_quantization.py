@@ -10,7 +10,7 @@ from gyrfalcon.engine.model.quant.apply import quantize_model, resolve_quantizat
 from gyrfalcon.engine.model.quant.layers import (CastLinear, Int4Linear, Int8Linear, PackedLinear, TiedEmbedding,
                                                  UnsupportedQuantization,
                                                  fuse_outputs)
-from gyrfalcon.engine.model.quant.q4 import Q4Linear, q4_kernel
+from gyrfalcon.engine.model.quant.q4 import Q4Linear, int8_rounded, q4_kernel
 from gyrfalcon.engine.model.quant.q8 import Q8Embedding
 from gyrfalcon.engine.model.quant.weights import Int4Weights, Int8Weights, relative_error
 
@@ -105,18 +105,22 @@ def test_the_q8_0_head_gives_each_row_the_same_bits_at_any_row_count(tmp_path):
     torch.library.opcheck(_q8_linear, (x[:3], head.q8, head.scale))
 
 
+@pytest.mark.parametrize("inputs", [torch.int8, torch.float32])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 200])
-def test_q4_linear_multiplies_fp32_rows_by_the_exact_weights_each_row_alone(rows):
-    """``q4_linear.c``: the GGUF layout's weights dequantised exactly (fp16 scales and minimums), fp32
-    inputs, each row the same bits alone and among any number of others (its register tiles, its
-    buffered path from 6 rows on, its chunks of 128 rows), and the product of the exact weights."""
+def test_the_int4_kernels_give_each_row_the_same_bits_alone_and_the_product_of_their_inputs(rows, inputs):
+    """``q4q8_linear.c`` (inputs rounded to int8 per block of 32) and ``q4_linear.c`` (fp32 inputs):
+    the GGUF layout's weights dequantised exactly (fp16 scales and minimums), each row the same
+    bits alone and among any number of others (their register tiles, the fp32 kernel's buffered
+    path from 6 rows on, chunks of 64 and 128 rows), and the product of the exact weights with the
+    inputs as the kernel reads them."""
     weights = Int4Weights.quantize(_weight(48, 96, rows))
     bias = torch.randn(48)
-    layer = Q4Linear(weights, bias, None)
+    layer = Q4Linear(weights, bias, None, inputs)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
     y = layer(x)
-    want = x.double() @ weights.dequantize().double().t() + bias.double()
-    assert y.dtype == torch.float32 and float((y.double() - want).abs().max()) < 1e-5 * float(want.abs().max())
+    read = int8_rounded(x) if inputs == torch.int8 else x
+    want = read.double() @ weights.dequantize().double().t() + bias.double()
+    assert y.dtype == torch.float32 and float((y.double() - want).abs().max()) < 2e-5 * float(want.abs().max())
     for i in {0, rows // 2, rows - 1}:
         assert torch.equal(layer(x[i : i + 1]), y[i : i + 1])
     assert torch.equal(layer(x.view(rows, 1, 96)).view(rows, 48), y)  # any leading shape
@@ -126,7 +130,7 @@ def test_q4_linear_multiplies_fp32_rows_by_the_exact_weights_each_row_alone(rows
 def test_q4_linear_refuses_what_it_cannot_take():
     with pytest.raises(UnsupportedQuantization, match="fp16"):
         Q4Linear(Int4Weights(torch.zeros(16, 32, dtype=torch.uint8), torch.full((16, 1), 0.1), torch.zeros(16, 1)), None, None)
-    with pytest.raises(UnsupportedQuantization, match="does not take"):
+    with pytest.raises(UnsupportedQuantization, match="do not take"):
         Q4Linear(Int4Weights.quantize(_weight(40, 64)), None, None)  # N not a multiple of 16
 
 
@@ -144,7 +148,7 @@ def test_fused_projections_give_each_parts_output_and_share_its_memory(kind):
     elif kind == "int4":
         parts = [Int4Linear(Int4Weights.quantize(w), b, torch.bfloat16, CPU) for w, b in zip(weights, biases)]
     elif kind == "q4":
-        parts = [Q4Linear(Int4Weights.quantize(w), b, None) for w, b in zip(weights, biases)]
+        parts = [Q4Linear(Int4Weights.quantize(w), b, None, torch.int8) for w, b in zip(weights, biases)]
     else:
         parts = [Int8Linear(Int8Weights.quantize(w), b, torch.bfloat16, CPU) for w, b in zip(weights, biases)]
     x = torch.randn(5, 96)
@@ -187,7 +191,7 @@ def test_auto_keeps_a_ggufs_bits_where_the_kernel_is_fast_and_anything_else_as_i
     from gyrfalcon.engine.model.quant import apply
 
     assert q4_kernel()  # every x86 CPU these tests run on has AVX2 or AVX-512
-    assert resolve_quantization("auto", True, torch.float32, "cpu") == "int4"  # q4_linear.c takes fp32 inputs
+    assert resolve_quantization("auto", True, torch.float32, "cpu") == "int4"  # our kernels: fp32 rows in
     assert resolve_quantization("auto", True, torch.bfloat16, "cpu") == "int4"
     assert resolve_quantization("auto", False, torch.bfloat16, "cpu") == "none"
     assert resolve_quantization("int8", False, torch.float32, "cpu") == "int8"
@@ -239,15 +243,19 @@ def test_settings_refuse_an_unknown_quantization():
         Settings(quantization="gptq").validate()
 
 
-def test_an_int4_engine_gives_a_request_the_same_tokens_alone_and_in_a_batch(tiny_model_dir):
+@pytest.mark.parametrize("inputs", ["auto", "int8"])
+def test_an_int4_engine_gives_a_request_the_same_tokens_alone_and_in_a_batch(tiny_model_dir, inputs):
+    """At the default fp32 inputs and with ``--matmul-inputs int8`` (each row rounded on its own)."""
     from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
     from gyrfalcon.plugins.engines import create_transformers_engine
     from tests.conftest import tiny_settings
 
-    engine = create_transformers_engine(tiny_settings(tiny_model_dir, quantization="int4"))
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir, quantization="int4", matmul_inputs=inputs))
     try:
         assert engine.wait_ready(timeout=60).ready
         assert engine.info().quantization == "int4"
+        layers = {m.inputs for m in engine.core.runner.model.modules() if isinstance(m, Q4Linear)}
+        assert layers == {torch.float32 if inputs == "auto" else torch.int8}
         prompts = [[1] + list(range(10 + i, 10 + 3 * i + 2)) for i in range(12)]
         params = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
         streams = [engine.submit(EngineRequest(f"b{i}", p, params)) for i, p in enumerate(prompts)]

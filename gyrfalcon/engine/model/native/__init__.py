@@ -3,8 +3,9 @@ and called through ctypes (which drops the GIL for the call); they need no torch
 
 - ``q8_linear.c``: the fp32 product with a GGUF's ``Q8_0`` table (the output head,
   :mod:`~gyrfalcon.engine.model.quant.q8`);
-- ``q4_linear.c``: the fp32 product with int4 weights in groups of 32, a GGUF's ``Q4_1`` blocks
-  (the decoder's linear layers, :mod:`~gyrfalcon.engine.model.quant.q4`);
+- ``q4q8_linear.c`` and ``q4_linear.c``: the product of int4 weights in groups of 32, a GGUF's
+  ``Q4_1`` blocks, with inputs rounded to int8 or kept in fp32 (the decoder's linear layers,
+  :mod:`~gyrfalcon.engine.model.quant.q4`);
 - ``mean_square.c``: an RMSNorm's mean of squares (:mod:`~gyrfalcon.engine.model.decoder`);
 - ``one_query_attention.c``: a decode row's attention over its KV blocks, read in place
   (:mod:`~gyrfalcon.engine.model.one_query`).
@@ -47,6 +48,7 @@ _POINTER, _LONG, _INT = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _SIGNATURES = {
     "q8_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
     "q4_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
+    "q4q8_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
     "mean_square": ([_POINTER] * 2 + [_LONG] * 2 + [_INT], _INT),
     "one_query_attention": ([_POINTER] * 6 + [_LONG] * 7 + [ctypes.c_float, _INT, _INT], _INT),
 }
@@ -60,7 +62,7 @@ def _isa_flags() -> list[str]:
     """The instruction set torch chose for this CPU (its kernels' own dispatch, :mod:`.cpu`), as compiler flags."""
     here = cpu()
     if here.avx512:
-        return ["-mavx512f", "-mavx512bw", "-mfma", "-mf16c"]
+        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", *(["-mavx512vnni"] if here.vnni else [])]
     return ["-mavx2", "-mfma", "-mf16c"] if here.avx2 else []
 
 

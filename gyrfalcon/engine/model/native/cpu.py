@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 #: ``/proc/cpuinfo`` flags of native bf16 arithmetic (AVX-512 BF16, AMX)
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-#: flags of int8 dot products: AVX-512 VNNI, and its 256-bit form (AVX-VNNI, on some AVX2-only CPUs)
-VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni"})
 
 
 @dataclass(frozen=True)
@@ -48,8 +46,9 @@ class CpuInfo:
 
     @property
     def vnni(self) -> bool:
-        """int8 dot-product instructions inside the instruction set in use."""
-        return ("avx512_vnni" in self.flags and self.avx512) or ("avx_vnni" in self.flags and self.avx2)
+        """AVX-512's int8 dot products (VNNI) inside the instruction set in use (AVX-VNNI, its 256-bit
+        form on some AVX2-only CPUs, is not used: the AVX2 kernels are those of CPUs without it)."""
+        return "avx512_vnni" in self.flags and self.avx512
 
     def describe(self) -> str:
         """``AMD EPYC 7B13 (AVX2; 2 cores)``: the model, the instruction set and what beyond it is used."""

@@ -44,6 +44,7 @@ from gyrfalcon.engine.model.quant.layers import (
     int8_kernel,
 )
 from gyrfalcon.engine.model.native.cpu import cpu
+from gyrfalcon.engine.model.quant.q4 import KERNELS as Q4_INPUTS
 from gyrfalcon.engine.model.quant.q4 import Q4Linear, q4_fits, q4_kernel
 from gyrfalcon.engine.model.quant.q8 import Q8Embedding, Q8Linear
 from gyrfalcon.engine.model.quant.weights import GROUP, Int4Weights, Int8Weights, relative_error
@@ -115,6 +116,18 @@ class QuantizationReport:
         return f"weights{where}: --quantization {self.mode}, model in {dtype}, matmul inputs in {compute}; {layers}"
 
 
+#: input formats, finest first
+_ROUNDINGS = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int8)
+
+
+def matmul_inputs(model: torch.nn.Module) -> torch.dtype:
+    """The coarsest format ``model``'s matmuls round their inputs to: the model's dtype, or a
+    quantised layer's input format where it is coarser (how far two forwards may drift apart)."""
+    formats = {next(model.parameters()).dtype}
+    formats.update(m.dtype for m in model.modules() if isinstance(m, (Q4Linear, Int4Linear, Int8Linear, CastLinear)))
+    return max(formats, key=lambda f: _ROUNDINGS.index(f) if f in _ROUNDINGS else 0)
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -132,10 +145,10 @@ def _convert(module: torch.nn.Linear, name: str, kernel: str, bits, dtype, devic
         exact = source is not None and source.int4 is not None
         weights = source.int4 if exact else None
         layer = None
-        if device.type == "cpu" and q4_kernel() and q4_fits(n, k) and kind.fallback is None:
+        if device.type == "cpu" and dtype in Q4_INPUTS and q4_kernel() and q4_fits(n, k) and kind.fallback is None:
             weights = weights or _requantize(Int4Weights, module, source, kind)
             try:
-                layer = Q4Linear(weights, module.bias, kernels)
+                layer = Q4Linear(weights, module.bias, kernels, dtype)
             except UnsupportedQuantization as error:  # no C compiler: torch's kernel, and the line says why
                 kind.fallback = str(error)
         if layer is None and not int4_fits(n, k, device):
@@ -143,8 +156,9 @@ def _convert(module: torch.nn.Linear, name: str, kernel: str, bits, dtype, devic
             return module
         if layer is None:
             weights = weights or _requantize(Int4Weights, module, source, kind)
-            layer = Int4Linear(weights, module.bias, dtype, device)
-        kind.kernels.add("q4_linear.c, float32 inputs" if isinstance(layer, Q4Linear) else f"torch's, {_name(dtype)} inputs")
+            layer = Int4Linear(weights, module.bias, torch.bfloat16 if dtype in Q4_INPUTS and cpu().avx2 else dtype, device)
+        kind.kernels.add(f"{Q4_INPUTS[layer.dtype]}.c, {_name(layer.dtype)} inputs" if isinstance(layer, Q4Linear)
+                         else f"torch's kernel, {_name(layer.dtype)} inputs")  # fmt: skip
         if exact:
             kind.exact[source.kind] += 1
         return layer
@@ -191,8 +205,6 @@ def quantize_model(model, mode: str, bits: dict | None, compute: torch.dtype, de
         if isinstance(module, torch.nn.Linear) and module is not output:
             _set(model, name, _convert(module, name, mode, bits, compute, where, layers, kernels))
     report.kinds["linear layers"] = layers.describe()
-    if layers.kernels and all(k.startswith("q4_linear.c") for k in layers.kernels):
-        report.compute = stream  # ours multiplies the stream's fp32 rows as they are
     if output is not None and head != "none":
         head_kind = _Kind({"int4": f"int4 g{GROUP}", "int8": "int8 per row"}.get(head, f"dense {head}"))
         head_name = names[id(output)]

@@ -243,13 +243,14 @@ def _(flat: torch.Tensor, layer: int, out_features: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def check_rows_alone(layer: torch.nn.Module, weight: torch.Tensor, rows: int = 7) -> None:
+def check_rows_alone(layer: torch.nn.Module, weight: torch.Tensor, inputs=None, rows: int = 7) -> None:
     """Refuse ``layer`` unless each row of a ``rows``-row probe gets the same bits alone, and its
-    result agrees with the plain product with ``weight``."""
+    result agrees with the plain product with ``weight`` (of the inputs as ``inputs`` rounds them,
+    where the kernel reads them rounded)."""
     x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(0))
     together = layer(x)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
-    want = torch.nn.functional.linear(x, weight, layer.bias)
+    want = torch.nn.functional.linear(x if inputs is None else inputs(x), weight, layer.bias)
     if not torch.equal(together, alone) or not torch.allclose(together, want, rtol=1e-4, atol=1e-4):
         raise UnsupportedQuantization(f"{type(layer).__name__}'s kernel gives a row other bits beside other rows, "
                                       "or a product its weights do not")  # fmt: skip

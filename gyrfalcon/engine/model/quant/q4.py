@@ -1,15 +1,16 @@
-"""int4 weights in groups of 32 (a GGUF's ``Q4_1``/``Q4_0`` blocks) times fp32 inputs on the CPU,
-through a C kernel of our own (``q4_linear.c`` in :mod:`~gyrfalcon.engine.model.native`).
+"""int4 weights in groups of 32 (a GGUF's ``Q4_1``/``Q4_0`` blocks) on the CPU, through C kernels of
+our own (:mod:`~gyrfalcon.engine.model.native`), with the inputs in one of two formats:
 
-Each output is the fp32 product with the exactly dequantised weights — the reference model's
-weights — summed over the input in one fixed order (a chain of fused multiply-adds), so a row gets
-the same bits alone and in any batch, on AVX2 and on AVX-512 alike, and the log-probabilities are
-those of the fp32 model (torch's int4 kernel is fast only with bf16 inputs, which moved them by
-0.033 nats on the default model).
+- ``int8`` (``q4q8_linear.c``): each input row rounded to int8 per block of 32, as llama.cpp's
+  ``Q8_1``, and multiplied in integers, exactly (vpmaddubsw, or vpdpbusd with AVX-512 VNNI);
+- ``float32`` (``q4_linear.c``): fp32 inputs times the exactly dequantised weights, a chain of fused
+  multiply-adds per output: the fp32 reference model's product.
 
-Measured against torch's int4 kernel with bf16 inputs (2 threads, weights in cache; docs/kernels.md):
-on AVX2, a 3072 × 576 layer takes 59 µs against 86 at one row, 320 against 698 at sixteen; on
-AVX-512, 43 against 49 and 231 against 360.
+Either way each output is computed in one fixed order whatever the rows beside it (the same bits
+alone and in any batch) and on AVX2 and AVX-512 alike. Which one serves is chosen per instruction
+set by measurement (:data:`INPUTS`, docs/kernels.md). On the default model, against the fp32 model:
+fp32 inputs 0.0000 nats, int8 inputs 0.0325 (top-1 100 %; torch's int4 kernel with bf16 inputs,
+the one fast path it has on a CPU, 0.0325 too).
 """
 
 from __future__ import annotations
@@ -23,60 +24,96 @@ from gyrfalcon.engine.model.native.cpu import cpu
 from gyrfalcon.engine.model.quant.layers import UnsupportedQuantization, check_rows_alone
 from gyrfalcon.engine.model.quant.weights import GROUP, Int4Weights
 
-#: output columns of one panel of the kernel's layout
+#: output columns of one panel of the kernels' layouts
 PANEL = 16
+#: the input format of each instruction set unless ``--matmul-inputs`` says otherwise: fp32 on both.
+#: int8 inputs take less arithmetic (on AVX2 a 3072 x 576 layer takes 21 against 63 us at one row,
+#: 189 against 320 at sixteen, 6.2 against 8.9 ms at 512; weights in cache), but on the default model
+#: they moved log-probabilities by 0.03 to 0.09 nats from the fp32 model — past the 0.05 bar — where
+#: fp32 inputs move them by 0.0000 (docs/kernels.md)
+INPUTS = {"AVX2": torch.float32, "AVX512": torch.float32}
+#: each input format's kernel (by name, in the native library)
+KERNELS = {torch.int8: "q4q8_linear", torch.float32: "q4_linear"}
 
 
 def q4_kernel() -> bool:
-    """Whether this CPU has the instructions ``q4_linear.c`` is written for (AVX2 with F16C, or AVX-512)."""
+    """Whether this CPU has the instructions the kernels are written for (AVX2 with F16C, or AVX-512)."""
     here = cpu()
     return here.avx512 or (here.avx2 and "f16c" in here.flags)
 
 
+def q4_inputs() -> torch.dtype:
+    """The input format the kernels take on this CPU (:data:`INPUTS`)."""
+    here = cpu()
+    return INPUTS["AVX512" if here.avx512 else "AVX2"]
+
+
 def q4_fits(n: int, k: int) -> bool:
-    """Whether an ``[n, k]`` weight has a shape the kernel takes."""
+    """Whether an ``[n, k]`` weight has a shape the kernels take."""
     return n % PANEL == 0 and k % GROUP == 0
 
 
-def pack(weights: Int4Weights) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weights`` in the kernel's layout: ``nibbles`` ``[N / 16, K / 2, 16]`` uint8 (byte ``j`` of
-    pair ``t`` holds column ``16p + j``'s weights ``2t`` and ``2t + 1``, low nibble first) and
-    ``scales`` ``[N / 16, K / 32, 2, 16]`` fp16 (each block's scales, then its minimums). The
-    scales must be fp16 values (a GGUF's are; :meth:`Int4Weights.quantize` rounds them so)."""
+def pack(weights: Int4Weights, inputs: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weights`` in the layout of ``inputs``' kernel — ``nibbles`` per panel of 16 output columns:
+    for ``float32`` ``[N / 16, K / 2, 16]`` (byte ``j`` of pair ``t``: column ``16p + j``'s weights
+    ``2t`` and ``2t + 1``, low nibble first), for ``int8`` ``[N / 16, K / 8, 64]`` (byte ``4c + j``
+    of group ``g``: column ``16p + c``'s weights ``8g + j`` and ``8g + 4 + j``) — and ``scales``
+    ``[N / 16, K / 32, 2, 16]`` fp16 (each block's scales, then its minimums). The scales must be
+    fp16 values (a GGUF's are; :meth:`Int4Weights.quantize` rounds them so)."""
     n, k = weights.shape
-    q = weights.q.to(torch.uint8).reshape(n // PANEL, PANEL, k // 2, 2)
-    nibbles = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 1).contiguous()
+    q = weights.q.to(torch.uint8)
+    if inputs == torch.int8:
+        v = q.reshape(n // PANEL, PANEL, k // 8, 2, 4)
+        nibbles = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(n // PANEL, k // 8, 64)
+    else:
+        v = q.reshape(n // PANEL, PANEL, k // 2, 2)
+        nibbles = (v[..., 0] | (v[..., 1] << 4)).permute(0, 2, 1)
     parts = [weights.scale, weights.minimum]
     if any(not torch.equal(p.half().float(), p.float()) for p in parts):
-        raise UnsupportedQuantization("q4_linear.c takes fp16 scales and minimums")
+        raise UnsupportedQuantization("the int4 kernels take fp16 scales and minimums")
     scales = torch.stack([p.half().reshape(n // PANEL, PANEL, k // GROUP) for p in parts], 2)
-    return nibbles, scales.permute(0, 3, 2, 1).contiguous()
+    return nibbles.contiguous(), scales.permute(0, 3, 2, 1).contiguous()
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32 rows) as ``q4q8_linear.c`` reads it: per block of 32, ``e · round(x / e)`` with
+    ``e = max |x| / 127``."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, GROUP)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # a tensor over a tensor: a Python number over one is its reciprocal times the number in torch,
+    # a last bit off the kernel's division, which moves a tie of the rounding now and then
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse).clamp(-127, 127) * (amax / 127)).reshape(x.shape)
 
 
 class Q4Linear(torch.nn.Module):
-    """``y = x Wᵀ + b`` on the CPU with ``W`` in int4 groups of 32 (:func:`pack`'s layout), fp32
-    inputs and outputs (an input of another dtype is converted, and the output back)."""
+    """``y = x Wᵀ + b`` on the CPU with ``W`` in int4 groups of 32, the inputs read as ``inputs``
+    (``int8`` or ``float32``, :func:`pack`'s layouts); fp32 inputs and outputs (an input of another
+    dtype is converted, and the output back)."""
 
-    def __init__(self, weights: Int4Weights, bias: torch.Tensor | None, cache: Path | None) -> None:
+    def __init__(self, weights: Int4Weights, bias: torch.Tensor | None, cache: Path | None,
+                 inputs: torch.dtype | None = None) -> None:  # fmt: skip
         super().__init__()
         n, k = weights.shape
-        if not q4_kernel() or not q4_fits(n, k):
-            raise UnsupportedQuantization(f"q4_linear.c does not take a [{n}, {k}] weight on this CPU")
+        inputs = q4_inputs() if inputs is None else inputs
+        if not q4_kernel() or not q4_fits(n, k) or inputs not in KERNELS:
+            raise UnsupportedQuantization(f"the int4 kernels do not take a [{n}, {k}] weight with {inputs} inputs on this CPU")
         try:
             library(cache)
         except KernelUnavailable as error:
             raise UnsupportedQuantization(str(error)) from error
         self.out_features, self.in_features = n, k
-        nibbles, scales = pack(weights)
+        self.inputs = inputs
+        nibbles, scales = pack(weights, inputs)
         self.register_buffer("nibbles", nibbles)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        check_rows_alone(self, weights.dequantize())
+        check_rows_alone(self, weights.dequantize(), int8_rounded if inputs == torch.int8 else None)
 
     @property
     def dtype(self) -> torch.dtype:
-        """The inputs' dtype (fused layers group by it)."""
-        return torch.float32
+        """The inputs' format (fused layers group by it)."""
+        return self.inputs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the operator keeps the layer inside the graph
@@ -92,18 +129,19 @@ class Q4Linear(torch.nn.Module):
         beside the kernel through an operator and the buffers' lookups, about 3 µs so."""
         call = self.__dict__.get("_call")
         if call is None:
-            call = self.__dict__["_call"] = (self.nibbles, self.scales, self.bias, self.nibbles.data_ptr(), self.scales.data_ptr())
-        nibbles, scales, bias, nibbles_at, scales_at = call
+            call = self.__dict__["_call"] = (self.nibbles, self.scales, self.bias, self.nibbles.data_ptr(),
+                                             self.scales.data_ptr(), KERNELS[self.inputs])  # fmt: skip
+        nibbles, scales, bias, nibbles_at, scales_at, kernel = call
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if flat.dtype != torch.float32 or not flat.is_contiguous() or flat.device.type != "cpu":
             y = _product(flat, nibbles, scales)
         else:
             y = torch.empty(flat.shape[0], self.out_features)
             if flat.shape[0]:
-                status = loaded().q4_linear(flat.data_ptr(), nibbles_at, scales_at, y.data_ptr(), flat.shape[0],
-                                            self.out_features, self.in_features, torch.get_num_threads())  # fmt: skip
+                status = getattr(loaded(), kernel)(flat.data_ptr(), nibbles_at, scales_at, y.data_ptr(), flat.shape[0],
+                                                   self.out_features, self.in_features, torch.get_num_threads())  # fmt: skip
                 if status:
-                    raise MemoryError(f"q4_linear failed with status {status}")
+                    raise MemoryError(f"{kernel} failed with status {status}")
         if bias is not None:
             y += bias
         if y.dim() != x.dim():
@@ -122,6 +160,7 @@ class Q4Linear(torch.nn.Module):
         fused = cls.__new__(cls)
         torch.nn.Module.__init__(fused)
         fused.in_features, fused.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+        fused.inputs = parts[0].inputs
         for name in ("nibbles", "scales"):
             fused.register_buffer(name, torch.cat([getattr(p, name) for p in parts]))
         biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
@@ -129,23 +168,27 @@ class Q4Linear(torch.nn.Module):
         return fused, ["nibbles", "scales"]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 g{GROUP}, float32 (q4_linear.c)"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int4 g{GROUP}, "
+                f"{str(self.inputs).removeprefix('torch.')} inputs ({KERNELS[self.inputs]}.c)")  # fmt: skip
 
 
 def _product(flat: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``flat`` ``[M, K]`` times the weight's transpose, ``[M, N]`` fp32."""
-    n, k = nibbles.shape[0] * PANEL, nibbles.shape[1] * 2
+    """``flat`` ``[M, K]`` times the weight's transpose, ``[M, N]`` fp32, through the kernel whose
+    layout ``nibbles`` has (:func:`pack`)."""
+    int8 = nibbles.shape[-1] == 64
+    n, k = nibbles.shape[0] * PANEL, nibbles.shape[1] * (8 if int8 else 2)
     if flat.device.type != "cpu" or flat.shape[-1] != k:
-        raise ValueError(f"q4_linear takes [M, {k}] CPU rows, got {list(flat.shape)} on {flat.device}")
+        raise ValueError(f"the int4 kernels take [M, {k}] CPU rows, got {list(flat.shape)} on {flat.device}")
     flat = flat.float().contiguous()
     out = torch.empty(flat.shape[0], n)
     if flat.shape[0]:
         kernels = loaded()
         assert kernels is not None, "a Q4Linear loads the kernels before its first product"
-        status = kernels.q4_linear(flat.data_ptr(), nibbles.data_ptr(), scales.data_ptr(), out.data_ptr(),
-                                   flat.shape[0], n, k, torch.get_num_threads())  # fmt: skip
+        kernel = getattr(kernels, KERNELS[torch.int8 if int8 else torch.float32])
+        status = kernel(flat.data_ptr(), nibbles.data_ptr(), scales.data_ptr(), out.data_ptr(), flat.shape[0], n, k,
+                        torch.get_num_threads())  # fmt: skip
         if status:
-            raise MemoryError(f"q4_linear failed ({status}: -1 a buffer, -2 no kernel in this build, -3 a shape)")
+            raise MemoryError(f"an int4 kernel failed ({status}: -1 a buffer, -2 no kernel in this build, -3 a shape)")
     return out
 
 

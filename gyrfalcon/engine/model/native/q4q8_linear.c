@@ -1,0 +1,180 @@
+/* y = x · Wᵀ for a weight kept in a GGUF's Q4_1 blocks (W[n, k] = d[n, b] · q[n, k] + m[n, b], b = k / 32,
+ * q in 0..15, d and m fp16) and fp32 inputs rounded to int8 per block of 32, as llama.cpp's Q8_1:
+ * x[k] ≈ e[b] · s[k], e[b] = max |x| over the block / 127, s[k] = round(x[k] / e[b]) in -127..127.
+ *
+ * Built at first use with the other kernels of this folder (gyrfalcon/engine/model/native) by the
+ * machine's C compiler and loaded through ctypes. Called by gyrfalcon/engine/model/quant/q4.py, which
+ * packs the weights into this file's layout.
+ *
+ * Why: multiplying 4-bit weights by fp32 inputs costs about 22 instructions per 32 weights on AVX2
+ * (each weight converted to a float), so one decode row was bound by arithmetic, not by memory. Here
+ * 32 weights times a row take about 5 (vpmaddubsw + vpmaddwd, or one vpdpbusd with AVX-512 VNNI),
+ * in integers, exactly.
+ *
+ * What each output is, for row i and column n: per block b, the exact integer sum
+ * t = Σ_{k in b} q[n, k] · s[i, k] (int32), then y = fma((float)t, d[n, b] · e[i, b], y) and
+ * y = fma(m[n, b], f[i, b], y), with f[i, b] = e[i, b] · Σ_{k in b} s[i, k], blocks ascending from
+ * y = 0. The same operations in the same order whatever the rows beside it, the tile, the thread
+ * count or the instruction set (the integer sums are exact on every path): a row gets the same bits
+ * alone and in any batch, on AVX2 and on AVX-512 alike.
+ *
+ * Layout, per panel p of 16 output columns (N % 16 == 0, K % 32 == 0):
+ *   nibbles: [K / 8][64] bytes: for k0 = 8g, byte 4c + j holds q[16p + c][k0 + j] in its low nibble
+ *            and q[16p + c][k0 + 4 + j] in its high one (c < 16, j < 4): a 256-bit half holds
+ *            eight columns' four consecutive weights, as vpmaddubsw and vpdpbusd read them;
+ *   scales:  [K / 32][2][16] fp16, d then m of the panel's 16 columns for block b. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define PANEL 16  /* output columns a panel */
+#define BLOCK 32  /* weights per scale */
+#define ROWS 4    /* rows a register tile */
+#define CHUNK 64  /* rows a pass over the panels takes (their int8 rows stay in the core's L2) */
+
+/* one row's inputs as int8 blocks: s[K], e[K / 32], f[K / 32] */
+static void quantize_row(const float *x, long K, int8_t *s, float *e, float *f) {
+    for (long b = 0; b < K / BLOCK; b++) {
+        const float *xb = x + b * BLOCK;
+        float amax = 0.0f;
+        for (int k = 0; k < BLOCK; k++) amax = fmaxf(amax, fabsf(xb[k]));
+        float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int total = 0;
+        for (int k = 0; k < BLOCK; k++) {
+            int v = (int)nearbyintf(xb[k] * inverse);
+            v = v > 127 ? 127 : v < -127 ? -127 : v;
+            s[b * BLOCK + k] = (int8_t)v;
+            total += v;
+        }
+        e[b] = scale;
+        f[b] = scale * (float)total;
+    }
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+/* a block's sums: int32 lanes, each four consecutive weights times four inputs added by vpdpbusd */
+typedef __m256i sums;
+#define SUMS_ZERO _mm256_setzero_si256()
+static inline sums dot4(sums acc, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(acc, w, x); }
+static inline __m256i sums_int32(sums acc) { return acc; }
+#else
+/* a block's sums in int16 lanes, each pair of weights times inputs by vpmaddubsw: a lane adds eight
+ * pairs, at most 8 · 2 · 15 · 127 = 30,480 in magnitude (no saturation, no overflow), then
+ * vpmaddwd joins a column's two lanes into int32: the same integers as vpdpbusd's */
+typedef __m256i sums;
+#define SUMS_ZERO _mm256_setzero_si256()
+static inline sums dot4(sums acc, __m256i w, __m256i x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
+static inline __m256i sums_int32(sums acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+#endif
+
+/* r rows (s, e, f: their int8 blocks) against one panel, into out (row stride N) */
+static inline __attribute__((always_inline)) void tile(const int8_t *s, const float *e, const float *f,
+                                                        const uint8_t *nib, const uint16_t *sc, float *out, long N,
+                                                        long K, const int r) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    /* the outputs accumulate in out itself, a block at a time: in registers beside the block's
+     * sums and weights they spilled (AVX2 has 16) */
+    for (int i = 0; i < r; i++) {
+        _mm256_storeu_ps(out + i * N, _mm256_setzero_ps());
+        _mm256_storeu_ps(out + i * N + 8, _mm256_setzero_ps());
+    }
+    for (long b = 0; b < K / BLOCK; b++) {
+        sums acc[ROWS][2];
+        for (int i = 0; i < r; i++) acc[i][0] = acc[i][1] = SUMS_ZERO;
+#pragma GCC unroll 1 /* unrolled, gcc summed all of a block's products as a tree, spilling them */
+        for (int g = 0; g < BLOCK / 8; g++) {
+            const uint8_t *w = nib + (b * (BLOCK / 8) + g) * 64;
+            __m256i w0 = _mm256_loadu_si256((const __m256i *)w), w1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+            __m256i a0 = _mm256_and_si256(w0, low), b0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low);
+            __m256i a1 = _mm256_and_si256(w1, low), b1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);
+            long k0 = b * BLOCK + 8 * g;
+            for (int i = 0; i < r; i++) {
+                int32_t first, second;
+                memcpy(&first, s + i * K + k0, 4);
+                memcpy(&second, s + i * K + k0 + 4, 4);
+                __m256i xa = _mm256_set1_epi32(first), xb = _mm256_set1_epi32(second);
+                acc[i][0] = dot4(dot4(acc[i][0], a0, xa), b0, xb);
+                acc[i][1] = dot4(dot4(acc[i][1], a1, xa), b1, xb);
+            }
+        }
+        const uint16_t *sb = sc + b * 2 * PANEL;
+        __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb)),
+                       _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 8)))};
+        __m256 m[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + PANEL))),
+                       _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + PANEL + 8)))};
+        for (int i = 0; i < r; i++) {
+            __m256 ei = _mm256_set1_ps(e[i * (K / BLOCK) + b]), fi = _mm256_set1_ps(f[i * (K / BLOCK) + b]);
+            for (int v = 0; v < 2; v++) {
+                __m256 y = _mm256_loadu_ps(out + i * N + 8 * v);
+                y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums_int32(acc[i][v])), _mm256_mul_ps(d[v], ei), y);
+                _mm256_storeu_ps(out + i * N + 8 * v, _mm256_fmadd_ps(m[v], fi, y));
+            }
+        }
+    }
+}
+
+/* rows [0, M) of the quantised inputs against one panel */
+static void panel_rows(const int8_t *s, const float *e, const float *f, const uint8_t *nib, const uint16_t *sc,
+                       float *out, long M, long N, long K) {
+    long i = 0;
+    for (; i + ROWS <= M; i += ROWS) tile(s + i * K, e + i * (K / BLOCK), f + i * (K / BLOCK), nib, sc, out + i * N, N, K, ROWS);
+    switch (M - i) {
+    case 3: tile(s + i * K, e + i * (K / BLOCK), f + i * (K / BLOCK), nib, sc, out + i * N, N, K, 3); break;
+    case 2: tile(s + i * K, e + i * (K / BLOCK), f + i * (K / BLOCK), nib, sc, out + i * N, N, K, 2); break;
+    case 1: tile(s + i * K, e + i * (K / BLOCK), f + i * (K / BLOCK), nib, sc, out + i * N, N, K, 1); break;
+    default: break;
+    }
+}
+#endif
+
+/* out[M, N] = x[M, K] · Wᵀ; returns 0, -1 if a buffer could not be allocated, -2 if this build has
+ * no kernel (it needs AVX2 with F16C), -3 for a shape it does not take */
+int q4q8_linear(const float *x, const uint8_t *nibbles, const uint16_t *sc, float *out, long M, long N, long K,
+                int threads) {
+#if defined(__AVX2__) && defined(__F16C__)
+    if (N % PANEL || K % BLOCK) return -3;
+    long panels = N / PANEL, blocks = K / BLOCK;
+    int8_t *s = malloc((size_t)M * K);
+    float *ef = malloc(sizeof(float) * 2 * M * blocks);
+    if (s == NULL || ef == NULL) {
+        free(s);
+        free(ef);
+        return -1;
+    }
+    float *e = ef, *f = ef + M * blocks;
+    int parallel = M * N * K >= 65536;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads) if (parallel)
+#endif
+    {
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+        for (long i = 0; i < M; i++) quantize_row(x + i * K, K, s + i * K, e + i * blocks, f + i * blocks);
+        for (long i0 = 0; i0 < M; i0 += CHUNK) {
+            long rows = M - i0 < CHUNK ? M - i0 : CHUNK;
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+            for (long p = 0; p < panels; p++)
+                panel_rows(s + i0 * K, e + i0 * blocks, f + i0 * blocks, nibbles + p * (K / 8) * 64,
+                           sc + p * blocks * 2 * PANEL, out + i0 * N + p * PANEL, rows, N, K);
+        }
+    }
+    (void)parallel;
+    (void)threads;
+    free(s);
+    free(ef);
+    return 0;
+#else
+    (void)x, (void)nibbles, (void)sc, (void)out, (void)M, (void)N, (void)K, (void)threads;
+    return -2;
+#endif
+}
