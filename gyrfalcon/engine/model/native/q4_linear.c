@@ -35,6 +35,9 @@
 #define BLOCK 32   /* weights per scale */
 #define BUFFERED 6 /* rows from which a panel is dequantised into a buffer first */
 #define CHUNK 128  /* rows of x a pass over the panels reads (they stay in the core's L2) */
+#ifndef PREFETCH
+#define PREFETCH 2 /* blocks ahead the few-row tiles ask the memory for */
+#endif
 
 #if defined(__AVX512F__)
 #define MR 8 /* rows a register tile, over two panels */
@@ -105,6 +108,11 @@ static inline __attribute__((always_inline)) void few_rows(const float *x, const
     for (long b = 0; b < K / BLOCK; b++) {
         vec d[4][VECS], m[4][VECS];
         for (int p = 0; p < np; p++) scales(sc + (p * (K / BLOCK) + b) * 2 * PANEL, d[p], m[p]);
+        for (int p = 0; p < np; p++) {
+            for (int ahead = 0; ahead < BLOCK / 2 * PANEL; ahead += 64)
+                __builtin_prefetch(nib + (p * K / 2 + (b + PREFETCH) * BLOCK / 2) * PANEL + ahead);
+            __builtin_prefetch(sc + (p * (K / BLOCK) + b + PREFETCH) * 2 * PANEL);
+        }
         for (long t = b * BLOCK / 2; t < (b + 1) * BLOCK / 2; t++) {
             vec even[4][VECS], odd[4][VECS];
             for (int p = 0; p < np; p++) pair(nib + (p * K / 2 + t) * PANEL, d[p], m[p], even[p], odd[p]);
