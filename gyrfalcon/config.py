@@ -84,16 +84,19 @@ class Settings:
                                "none, int4, int8", choices=QUANTIZATIONS, checked=True)  # fmt: skip
     #: docs/kernels.md: on the default model int8 inputs moved log-probabilities by 0.03 to 0.09 nats
     #: (the same kernels, last bits apart, land anywhere in that range), fp32 inputs by 0.0000
-    matmul_inputs: str = option("auto", "CPU, int4 layers: float32 (the fp32 weights' products exactly), int8 (inputs "
-                                "rounded per block of 32, as llama.cpp: 2-3x less arithmetic on AVX2, further from "
-                                "the fp32 model); auto: float32", choices=("auto", "float32", "int8"), checked=True)  # fmt: skip
+    matmul_inputs: str = option("auto", "CPU, int4 layers: float32 (our kernel: the fp32 weights' products exactly), "
+                                "int8 (ours, inputs rounded per block of 32 as llama.cpp: less arithmetic, further from "
+                                "the fp32 model), bfloat16 (torch's kernel); auto: the fastest of those within the "
+                                "quality bar on this CPU", choices=("auto", "float32", "int8", "bfloat16"), checked=True)  # fmt: skip
     device: str = option("auto", "auto (cuda where there is one, else cpu), cpu, cuda, cuda:N")
     #: vLLM's --kv-cache-dtype
-    kv_cache_dtype: str = option("auto", "the KV cache's dtype: auto (the model's), float32, bfloat16 (twice the tokens "
-                                 "per byte), float16", choices=DTYPES, checked=True)  # fmt: skip
+    kv_cache_dtype: str = option("auto", "the KV cache's dtype: auto (bfloat16 beside a float32 model on the CPU, else "
+                                 "the model's), float32, bfloat16 (twice the tokens per byte), float16", choices=DTYPES,
+                                 checked=True)  # fmt: skip
     block_size: int = option(16, "tokens per KV-cache block")
     kv_cache_memory: int | None = option(None, "bytes of KV cache (default: max-num-seqs full-length sequences, as "
-                                         "memory allows)", type=int)  # fmt: skip
+                                         "memory allows; on the CPU at most one context of the model's length or "
+                                         "8,192 tokens, whichever is more)", type=int)  # fmt: skip
     gpu_memory_utilization: float = option(0.9, "share of the GPU's memory to use, KV cache included (CUDA)")
     enable_prefix_caching: bool = option(True, "reuse the KV of equal prompt prefixes")
     enforce_eager: bool = option(False, "never capture or compile decode steps", action="store_true")

@@ -91,14 +91,14 @@ def load_weights(path: str | os.PathLike[str], dtype: str | None = "float32", de
     report = quantize_model(model, mode, bits, compute, device, kernels=cache_root(cache_dir) / "kernels")
     if mode != "none":
         del bits
-        _release_freed_memory()
+        release_freed_memory()
     return model, report
 
 
-def _release_freed_memory() -> None:
-    """Hand the heap freed by the replaced fp weights back to the system before the KV cache is
+def release_freed_memory() -> None:
+    """Hand the freed heap back to the system: the replaced fp weights' before the KV cache is
     allocated (glibc keeps it otherwise: measured on the default model, the start-up's peak resident
-    memory drops from 3,127 to 2,715 MiB with a 2 GiB cache)."""
+    memory drops from 3,127 to 2,715 MiB with a 2 GiB cache), a compile's once it is done."""
     import ctypes
     import gc
 
@@ -114,11 +114,32 @@ def load_model(path: str | os.PathLike[str], dtype: str | None = "float32", devi
     return load_weights(path, dtype, device, "none")[0]
 
 
+#: tokenizer classes that are transformers' plain fast tokenizer over ``tokenizer.json``
+PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(path: str | os.PathLike[str]):
-    """Load the tokenizer of a local Hugging Face folder (never from a hub)."""
+    """Load the tokenizer of a local Hugging Face folder (never from a hub).
+
+    A plain fast tokenizer (``tokenizer.json``, :data:`PLAIN_TOKENIZERS`) is loaded as it is: through
+    ``AutoTokenizer`` transformers reads the model's config, whose module imports torch — about 230
+    MiB more in each API worker, which needs no torch. Any other tokenizer goes through ``AutoTokenizer``."""
+    import json
+
+    folder = os.fspath(path)
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        config = {}
+    if (config.get("tokenizer_class") in PLAIN_TOKENIZERS and not config.get("auto_map")
+            and os.path.isfile(os.path.join(folder, "tokenizer.json"))):  # fmt: skip
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def load_model_and_tokenizer(path: str | os.PathLike[str], dtype: str | None = "float32", device: str | None = "cpu"):

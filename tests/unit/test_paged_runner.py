@@ -497,3 +497,21 @@ def test_flex_attentions_masks_keep_the_bytes_the_budget_counts_per_block():
 
     for rows, queries in ((8, 1), (3, 512)):
         assert kept(300, rows, queries) - kept(100, rows, queries) == 200 * flex.mask_bytes_per_block(rows, queries)
+
+
+def test_the_cpus_default_cache_holds_one_context_shared_by_the_running_sequences(monkeypatch):
+    """On the CPU, without --kv-cache-memory: --max-num-seqs full-length sequences, but at most one
+    context of the model's length or 8,192 tokens, whichever is more (llama-server's -c), then at
+    most 2 GiB and a quarter of the memory available."""
+    from gyrfalcon.engine.kv import cache
+
+    monkeypatch.setattr(cache, "_available_cpu_bytes", lambda: 64 << 30)
+    shape = KVShape(30, 3, 64, torch.bfloat16)  # the default model's, in the CPU's default dtype: 23,040 B a token
+    default = cache.plan_cache(shape, "cpu", 16, 16, 8192)
+    assert default.tokens == 8192 and default.num_blocks == 8192 // 16 + 1 and "one context of 8192 tokens" in default.reason
+    assert cache.plan_cache(shape, "cpu", 16, 4, 1024).tokens == 4 * 1024  # four full sequences fit in 8,192
+    assert cache.plan_cache(shape, "cpu", 16, 16, 1024).tokens == 8192
+    assert cache.plan_cache(shape, "cpu", 16, 16, 32768).tokens == 32768  # the model's longer context
+    assert cache.plan_cache(shape, "cpu", 16, 16, 8192, kv_cache_memory=1 << 30).bytes <= 1 << 30
+    monkeypatch.setattr(cache, "_available_cpu_bytes", lambda: 400 << 20)  # a quarter: 100 MiB
+    assert cache.plan_cache(shape, "cpu", 16, 16, 8192).bytes <= 100 << 20

@@ -17,7 +17,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-#: the budget on CPU when ``--kv-cache-memory`` is not given: at most this many bytes …
+#: the budget on CPU when ``--kv-cache-memory`` is not given: ``--max-num-seqs`` full-length
+#: sequences, but at most one context of the model's length shared between them, or this many
+#: tokens where that is more (llama-server's ``-c`` is one such context for all its slots) …
+CPU_DEFAULT_TOKENS = 8192
+#: … at most this many bytes …
 CPU_DEFAULT_BYTES = 2 << 30
 #: … and at most this share of the memory available at start-up
 CPU_AVAILABLE_SHARE = 0.25
@@ -95,13 +99,18 @@ def plan_cache(
     full-length sequences, capped by what the device allows (CUDA: ``gpu_memory_utilization`` of
     the device minus what is allocated now and what the steps will take beside the cache,
     ``reserve_bytes`` and ``reserve_per_block`` for each block (:mod:`gyrfalcon.engine.model.budget`);
-    CPU: 2 GiB and a quarter of the available memory)."""
+    CPU: one context of the model's length or :data:`CPU_DEFAULT_TOKENS` tokens, whichever is more,
+    2 GiB and a quarter of the available memory)."""
     per_block = shape.bytes_per_token * block_size
     wanted = max_num_seqs * math.ceil(max_model_len / block_size) + 1
     if kv_cache_memory is not None:
         blocks, reason = kv_cache_memory // per_block, "--kv-cache-memory"
     else:
         blocks, reason = wanted, f"--max-num-seqs {max_num_seqs} full-length sequences"
+        shared = math.ceil(max(max_model_len, CPU_DEFAULT_TOKENS) / block_size) + 1
+        if not device.startswith("cuda") and shared < blocks:
+            blocks, reason = shared, (f"one context of {max(max_model_len, CPU_DEFAULT_TOKENS)} tokens shared by "
+                                      f"--max-num-seqs {max_num_seqs} sequences")  # fmt: skip
         if device.startswith("cuda"):
             free, total = torch.cuda.mem_get_info(torch.device(device))
             used_by_others = total - free - torch.cuda.memory_reserved(torch.device(device))

@@ -25,7 +25,7 @@ from gyrfalcon.engine.model.fast_check import FAST_STEP_RTOL, check_fast_step
 from gyrfalcon.engine.model.decoder import DirectDecoder, unsupported
 from gyrfalcon.engine.model.heads import StepHeads
 from gyrfalcon.engine.model.work import Work, kept_rows, riding, slots_of
-from gyrfalcon.engine.model.quant.apply import matmul_inputs
+from gyrfalcon.engine.model.quant.apply import coarsest, matmul_inputs
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,9 @@ class ModelRunner:
         same KV slots are written twice; both eagerly: a captured bucket would replay one of the
         two): None when every step gives the same argmax and logits within the dtype's tolerance,
         else why not."""
-        rtol = FAST_STEP_RTOL.get(matmul_inputs(self.model), 1e-4)
+        # two forwards' rows drift apart by the coarsest rounding on their way: the matmuls' inputs,
+        # or a KV cache coarser than the stream (a chunk's own keys read fresh by one, from the cache by the other)
+        rtol = FAST_STEP_RTOL.get(coarsest(matmul_inputs(self.model), self.cache.shape.dtype), 1e-4)
         with self.eager():
             for works in steps:
                 def this_step(works=works):

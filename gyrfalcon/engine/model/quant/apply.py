@@ -120,12 +120,17 @@ class QuantizationReport:
 _ROUNDINGS = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int8)
 
 
+def coarsest(*formats: torch.dtype) -> torch.dtype:
+    """The coarsest of ``formats`` (fp32 < fp16 < bf16 < int8)."""
+    return max(formats, key=lambda f: _ROUNDINGS.index(f) if f in _ROUNDINGS else 0)
+
+
 def matmul_inputs(model: torch.nn.Module) -> torch.dtype:
     """The coarsest format ``model``'s matmuls round their inputs to: the model's dtype, or a
     quantised layer's input format where it is coarser (how far two forwards may drift apart)."""
     formats = {next(model.parameters()).dtype}
     formats.update(m.dtype for m in model.modules() if isinstance(m, (Q4Linear, Int4Linear, Int8Linear, CastLinear)))
-    return max(formats, key=lambda f: _ROUNDINGS.index(f) if f in _ROUNDINGS else 0)
+    return coarsest(*formats)
 
 
 def _name(dtype: torch.dtype) -> str:
