@@ -90,9 +90,8 @@ class Settings:
                                 "quality bar on this CPU", choices=("auto", "float32", "int8", "bfloat16"), checked=True)  # fmt: skip
     device: str = option("auto", "auto (cuda where there is one, else cpu), cpu, cuda, cuda:N")
     #: vLLM's --kv-cache-dtype
-    kv_cache_dtype: str = option("auto", "the KV cache's dtype: auto (bfloat16 beside a float32 model on the CPU, else "
-                                 "the model's), float32, bfloat16 (twice the tokens per byte), float16", choices=DTYPES,
-                                 checked=True)  # fmt: skip
+    kv_cache_dtype: str = option("auto", "the KV cache's dtype: auto (the model's), float32, bfloat16 (twice the tokens "
+                                 "per byte), float16", choices=DTYPES, checked=True)  # fmt: skip
     block_size: int = option(16, "tokens per KV-cache block")
     kv_cache_memory: int | None = option(None, "bytes of KV cache (default: max-num-seqs full-length sequences, as "
                                          "memory allows; on the CPU at most one context of the model's length or "

@@ -104,15 +104,6 @@ def _measure(runner: ModelRunner, shape: KVShape, cfg: EngineConfig, max_model_l
     return reserve
 
 
-def kv_cache_dtype(setting: str, model_dtype: torch.dtype, device: str) -> torch.dtype:
-    """``--kv-cache-dtype``: as given, or for ``auto`` bf16 beside an fp32 model on the CPU (half the
-    memory: on the default model 0.009 nats from the fp32 model's log-probabilities, top-1 100 %,
-    docs/kernels.md), else the model's dtype (vLLM's ``auto``)."""
-    if setting != "auto":
-        return resolve_dtype(setting, device)
-    return torch.bfloat16 if device == "cpu" and model_dtype == torch.float32 else model_dtype
-
-
 def step_probe(device: str) -> PeakProbe | None:
     """How the steps' memory beside the KV cache is measured before the cache is sized: on CUDA
     (None elsewhere: the CPU's cache budget is its own share of host memory)."""
@@ -139,7 +130,9 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
     inputs = None if cfg.matmul_inputs == "auto" else getattr(torch, cfg.matmul_inputs)
     model, weights = load_weights(str(cfg.model), cfg.dtype, device, quantization, cfg.cache_dir, inputs)
     log.warning("%s", weights.describe())
-    kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, next(model.parameters()).dtype, device)
+    # the model's dtype by default (vLLM's auto): a bf16 cache halves its bytes but moves the default
+    # model's log-probabilities by 0.009 nats, and the server's would no longer equal the model's
+    kv_dtype = next(model.parameters()).dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, device)
     shape = KVShape.of(model.config, kv_dtype)
 
     def runner_on(cache: PagedKVCache) -> ModelRunner:

@@ -188,14 +188,13 @@ def test_check_fast_step_wants_the_same_argmax_and_logits_within_tolerance():
 
 
 def test_a_bfloat16_kv_cache_holds_twice_the_tokens_and_keeps_rows_apart(tiny_model_dir):
-    """A bf16 KV cache beside an fp32 model — the CPU's ``auto`` — against --kv-cache-dtype float32:
-    the same bytes hold twice the tokens, and a seeded request still gets the same tokens alone and
-    inside a batch."""
+    """--kv-cache-dtype bfloat16 beside an fp32 model: the same bytes hold twice the tokens, and a
+    seeded request still gets the same tokens alone and inside a batch."""
     from gyrfalcon.plugins.engines import create_transformers_engine
 
     budget = 1 << 20
-    full = create_transformers_engine(tiny_settings(tiny_model_dir, kv_cache_memory=budget, kv_cache_dtype="float32"))
-    half = create_transformers_engine(tiny_settings(tiny_model_dir, kv_cache_memory=budget))
+    full = create_transformers_engine(tiny_settings(tiny_model_dir, kv_cache_memory=budget))
+    half = create_transformers_engine(tiny_settings(tiny_model_dir, kv_cache_memory=budget, kv_cache_dtype="bfloat16"))
     try:
         assert full.wait_ready(timeout=60).ready and half.wait_ready(timeout=60).ready
         assert half.core.runner.cache.keys[0].dtype == torch.bfloat16 and full.core.runner.cache.keys[0].dtype == torch.float32

@@ -11,7 +11,7 @@ from tests.unit.test_batching import finals, request, run, stepped  # noqa: F401
 
 _rng = random.Random(11)
 LONG = [[1] + [_rng.randrange(3, 512) for _ in range(29)] for _ in range(6)]
-BLOCK_BYTES = 16 * 256  # tiny model: 2 layers x (K + V) x 2 KV heads x 16 dims x 2 bytes (bf16, the CPU's default) per token
+BLOCK_BYTES = 16 * 512  # tiny model: 2 layers x (K + V) x 2 KV heads x 16 dims x 4 bytes = 512 B per token
 
 
 def test_n_children_share_the_prompts_full_blocks_and_copy_the_partial_one(stepped):
