@@ -152,6 +152,23 @@ print(" ".join(sorted(m for m in sys.modules if m.startswith("gyrfalcon.") and m
     assert done.stdout.split() == []
 
 
+def test_an_api_worker_holds_no_torch(tiny_model_dir):
+    """What an API worker runs — the app, the engine client over a remote core, the tokenizer and
+    its chat template — never imports torch (about 230 MiB a worker): the engine process does."""
+    script = """
+import sys
+import gyrfalcon.api.app, gyrfalcon.api.worker, gyrfalcon.engine_process.remote, gyrfalcon.client
+from gyrfalcon.models.loading import load_tokenizer
+tokenizer = load_tokenizer(sys.argv[1])
+tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+tokenizer.decode(tokenizer("hello")["input_ids"])
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+    done = subprocess.run([sys.executable, "-c", script, tiny_model_dir], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+
+
 def test_modules_and_functions_stay_small():
     """The house plan's sizes: no module over 400 lines, no function over 60, outside ``generated/``."""
     too_long = []
