@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gyrfalcon.engine.model.fast_check import DecodePath, guards_on_the_inputs, one_line
+from gyrfalcon.engine.model.native.cpu import cpu
 from gyrfalcon.models.loading import release_freed_memory
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -69,6 +70,12 @@ class CompiledMode:
         start = time.perf_counter()
         try:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+            if cpu().avx2 and not cpu().avx512:
+                # inductor's vectors at torch's instruction set: capped to AVX2 on an AVX-512 CPU
+                # (ATEN_CPU_CAPABILITY=avx2), its own choice made steps of NaNs on the tiny model
+                import torch._inductor.config
+
+                torch._inductor.config.cpp.simdlen = 256
             # the model's forward (direct where it has one) with one dynamic size, the context width
             # (each bucket's table is marked): dynamic=True made every size symbolic, and dynamo's
             # symbolic reasoning took 219 s tracing the direct forward of the default model (4 s static)

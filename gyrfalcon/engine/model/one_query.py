@@ -37,7 +37,7 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         raise ValueError("one_query_attention takes fp32 queries, contiguous fp32 or bf16 caches, int64 block tables "
                          "and positions")  # fmt: skip
     q, blocks, positions = q.contiguous(), blocks.contiguous(), positions.contiguous()
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     if q.shape[0]:
         status = kernels.one_query_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), blocks.data_ptr(),
                                              positions.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], keys.shape[1],
@@ -50,7 +50,7 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 _operator = native.operator("one_query_attention(Tensor q, Tensor keys, Tensor values, Tensor blocks, "
                             "Tensor positions, int block_size, int window, float scale) -> Tensor",
-                            one_query_attention, lambda q, *_: torch.empty_like(q))
+                            one_query_attention, lambda q, *_: q.new_empty(q.shape))  # contiguous, as the kernel's
 
 
 def applies(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:
