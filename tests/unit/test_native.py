@@ -90,3 +90,36 @@ def test_one_query_attention_reads_the_blocks_in_place_as_sdpa_over_their_copy(t
     assert torch.equal(torch.cat(alone), out)
     assert torch.equal(_operator(q, keys, values, tables, positions, block, window, 0.125), out)
     torch.library.opcheck(_operator, (q[:2], keys, values, tables[:2], positions[:2], block, window, 0.125))
+
+
+@pytest.mark.skipif(not __import__("gyrfalcon.engine.model.native.cpu", fromlist=["cpu"]).cpu().avx512,
+                    reason="needs an AVX-512 CPU to run both builds (on an AVX2 one the AVX2 build is the one tested)")
+def test_the_int4_kernels_give_the_same_bits_built_for_avx2_and_for_avx_512(tmp_path):
+    """``q4_linear.c`` and ``q4q8_linear.c`` sum every output in the same order whatever the vector
+    width: the library built for AVX2 alone (the flags an AVX2-only CPU gets) and the one built for
+    this AVX-512 CPU give the same bits, so a model's tokens do not depend on the CI runner's kind."""
+    import ctypes
+    import subprocess
+
+    from gyrfalcon.engine.model.quant.q4 import KERNELS, pack
+    from gyrfalcon.engine.model.quant.weights import Int4Weights
+
+    cc = native._compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    flags = ["-O3", "-shared", "-fPIC", "-ffp-contract=fast", "-fopenmp"]
+    builds = [ctypes.CDLL(str(native._compile(cc, version, [*flags, *isa], tmp_path / name)))
+              for name, isa in (("avx2", ["-mavx2", "-mfma", "-mf16c"]), ("avx512", native._isa_flags()))]  # fmt: skip
+    weights = Int4Weights.quantize(torch.randn(64, 96, generator=torch.Generator().manual_seed(1)))
+    for inputs, kernel in KERNELS.items():
+        nibbles, scales = pack(weights, inputs)
+        for rows in (1, 3, 7, 130):
+            x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+            outs = []
+            for build in builds:
+                out = torch.empty(rows, 64)
+                status = getattr(build, kernel)(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(nibbles.data_ptr()),
+                                                ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                                                ctypes.c_long(rows), ctypes.c_long(64), ctypes.c_long(96), ctypes.c_int(2))  # fmt: skip
+                assert status == 0
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), (kernel, rows)
