@@ -162,9 +162,13 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
         steps = [[Work([5, 6], 0, scratch, "all"), Work([7], 0, scratch)], [Work([5], 1, scratch), Work([6], 1, scratch)]]
         log.warning("forward: %s", runner.check_direct(steps, required=cfg.model_impl == "direct"))
         log.warning("attention: %s", runner.check_attention(steps, required=cfg.attention_backend == "flex"))
+        if not cfg.enforce_eager:  # decode rows' layers in one call where that gives the operators' bits
+            log.warning("decode layers: %s", runner.check_layer_loop(scratch))
         started = time.perf_counter()
         if runner.decode_steps is not None:
             path = runner.decode_steps.prepare(background=True)
+        elif runner.direct is not None and runner.direct.layer_loop is not None:
+            path = DecodePath("native", runner.direct.layer_loop.describe())
         else:
             path = DecodePath("eager", "--enforce-eager" if cfg.enforce_eager else
                               "--no-compile-decode" if device == "cpu" else "no fast path on this device")  # fmt: skip

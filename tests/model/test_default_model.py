@@ -25,9 +25,10 @@ def default_model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir):
-    # room in the KV cache for every prompt of a test to stay cached (the alone-and-batched test's halves share them)
-    engine = create_transformers_engine(Settings(model=default_model_dir, max_model_len=512, max_num_seqs=4, enforce_eager=True,
-                                                 kv_cache_memory=384 * 2**20))  # fmt: skip
+    # room in the KV cache for every prompt of a test to stay cached (the alone-and-batched test's halves share them);
+    # the defaults' decode path (a step of decode rows through decode_layers.c), never a compile
+    engine = create_transformers_engine(Settings(model=default_model_dir, max_model_len=512, max_num_seqs=4,
+                                                 compile_decode=False, kv_cache_memory=384 * 2**20))  # fmt: skip
     assert engine.wait_ready(timeout=180).ready
     yield engine
     engine.shutdown(grace=1.0)
@@ -120,12 +121,14 @@ def test_at_the_defaults_a_request_gets_the_same_tokens_alone_and_in_a_batch(eng
     time, not only when a sample happens to flip. Measured before the fixes: an fp32 head through
     MKL's ``sgemm`` failed every run; with the oneDNN head, attention without MKL's strict
     reproducibility (``MKL_CBWR=`` in the environment) still failed seeded rows (2 of 16)
-    (:mod:`gyrfalcon.engine.determinism`).
+    (:mod:`gyrfalcon.engine.determinism`). Steps of decode rows alone run their layers in one call
+    (``decode_layers.c``), steps beside a prefill operator by operator: the two agree to the bit.
 
     The halves share the prefix cache: each request run alone finds its prompt's blocks cached by
     the batch and computes only the rest — the same rows as in the batch, since a prefill computes
     its rows in block-aligned groups (before that, 2 of 12 repeated seeded requests drew other tokens)."""
     assert engine.info().quantization == "int4"
+    assert engine.info().decode_path.startswith("native")  # decode rows' layers in one call, mixed steps by operators
     prompts = _mixed_prompts(16, longest=300)
 
     def result(stream):

@@ -224,7 +224,10 @@ class DecodeSteps(CompiledMode):
         own while steps run eagerly, and :meth:`poll` checks and adopts it between two steps. A
         bucket that fails its check runs eagerly.
         """
-        if self.mode == "compiled" and self.runner.direct is None:
+        loop = self.runner.direct.layer_loop if self.runner.direct is not None else None
+        if self.mode == "compiled" and loop is not None:  # the operators' bits without their calls: nothing to compile
+            self.path = DecodePath("native", loop.describe())
+        elif self.mode == "compiled" and self.runner.direct is None:
             self.path = DecodePath("eager", "transformers' forward is not compiled (its compiled step rounds apart from "
                                             "the eager one)")  # fmt: skip
         elif self.mode == "compiled":

@@ -202,6 +202,9 @@ class DirectDecoder:
         self.rotary = RotaryTable(inner.rotary_emb, max_positions, model.dtype, model.device)
         self.head = model.get_output_embeddings()
         self.layers = [_Layer(layer, model.config) for layer in inner.layers[: model.config.num_hidden_layers]]
+        #: runs a step of decode rows only, every layer in one call (the runner sets it once it has
+        #: proved it gives these operators' bits: :mod:`~gyrfalcon.engine.model.layer_loop`)
+        self.layer_loop = None
 
     @property
     def fused(self) -> bool:
@@ -210,8 +213,21 @@ class DirectDecoder:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata, keep) -> torch.Tensor:
         hidden = self.embed(input_ids)
-        cos, sin = self.rotary(hidden, positions)  # [T, 1, D]
         x = hidden[0]
+        tokens = x.shape[0]
+        if self.layer_loop is not None and _decode_rows_only(step, tokens) and not torch.compiler.is_compiling():
+            x = self.layer_loop(x, positions[0], step)
+        else:
+            x = self._layers(x, positions, step)
+        if isinstance(keep, int):  # transformers' logits_to_keep: the last ``keep`` rows (0: all)
+            x = x[-keep:] if keep else x
+        else:
+            x = x[keep]
+        return self.head(_rms_norm(x, self.norm))
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` through every layer, operator by operator."""
+        cos, sin = self.rotary(x, positions)  # [T, 1, D]
         tokens = x.shape[0]
         for layer in self.layers:
             attn = layer.attn
@@ -225,8 +241,10 @@ class DirectDecoder:
                                      sliding_window=layer.window, **{STEP_KWARG: step})  # fmt: skip
             x = x + attn.o_proj(out.reshape(tokens, -1))
             x = x + layer.mlp_forward(_rms_norm(x, layer.post_norm))
-        if isinstance(keep, int):  # transformers' logits_to_keep: the last ``keep`` rows (0: all)
-            x = x[-keep:] if keep else x
-        else:
-            x = x[keep]
-        return self.head(_rms_norm(x, self.norm))
+        return x
+
+
+def _decode_rows_only(step: StepMetadata, tokens: int) -> bool:
+    """Whether every row of the step is a decode row, in order (its decode group is the whole step)."""
+    return step.attention == "gather" and not step.prefills and (
+        step.decode_only or (step.decode_rows is not None and step.decode_rows.shape[0] == tokens))

@@ -18,7 +18,7 @@ import torch
 
 from gyrfalcon.engine.kv.cache import PagedKVCache
 from gyrfalcon.engine.kv.table import BlockTable
-from gyrfalcon.engine.model import flex, one_query, staging
+from gyrfalcon.engine.model import flex, layer_loop, one_query, staging
 from gyrfalcon.engine.model.attention import STEP_KWARG, Segment, StepMetadata, register
 from gyrfalcon.engine.model.captured import DecodeSteps
 from gyrfalcon.engine.model.fast_check import FAST_STEP_RTOL, check_fast_step
@@ -174,6 +174,41 @@ class ModelRunner:
             raise ValueError(f"--attention-backend flex: {problem}")
         self.attention = "gather"
         return f"gather ({problem})"
+
+    @torch.inference_mode()
+    def check_layer_loop(self, scratch: list[int]) -> str:
+        """Serve steps of decode rows only through :class:`~gyrfalcon.engine.model.layer_loop.LayerLoop`
+        if the direct forward's layers allow it and it gives their operators' bits — to the last
+        one, as a compiled step must (a request's rows take it alone and the operators beside a
+        prefill) — on decode steps of 1 to 8 rows over the ``scratch`` block (prefilled first).
+        Returns which runs decode rows' layers, and why."""
+        if self.direct is None:
+            return "operators (transformers' forward)"
+        reason = layer_loop.unsupported(self.direct, self.cache, self.rows_in_place and self.attention == "gather")
+        if reason is not None:
+            return f"operators ({reason})"
+        loop = layer_loop.LayerLoop(self.direct)
+        width = self.cache.block_size
+        steps = [[Work([5 + t for t in range(width // 2)], 0, scratch, "none")], [Work([7], width // 2, scratch)],
+                 [Work([8 + r], (3 * r + 1) % width, scratch) for r in range(5)],
+                 [Work([9 + r], (5 * r + 2) % width, scratch) for r in range(8)]]  # fmt: skip
+
+        def looped(works: list[Work]) -> torch.Tensor:
+            self.direct.layer_loop = loop
+            try:
+                return self.forward(works)[0]
+            finally:
+                self.direct.layer_loop = None
+
+        with self.eager():
+            self.forward(steps[0])
+            for works in steps[1:]:
+                problem = check_fast_step(lambda works=works: looped(works), lambda works=works: self.forward(works)[0],
+                                          0.0, names=("layer loop", "operators' step"))  # fmt: skip
+                if problem is not None:
+                    return f"operators ({problem})"
+        self.direct.layer_loop = loop
+        return loop.describe()
 
     @torch.inference_mode()
     def check_direct(self, steps: list[list[Work]], required: bool = False) -> str:

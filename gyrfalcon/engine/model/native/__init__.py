@@ -8,7 +8,9 @@ and called through ctypes (which drops the GIL for the call); they need no torch
   :mod:`~gyrfalcon.engine.model.quant.q4`);
 - ``mean_square.c``: an RMSNorm's mean of squares (:mod:`~gyrfalcon.engine.model.decoder`);
 - ``one_query_attention.c``: a decode row's attention over its KV blocks, read in place
-  (:mod:`~gyrfalcon.engine.model.one_query`).
+  (:mod:`~gyrfalcon.engine.model.one_query`);
+- ``decode_layers.c``: every decoder layer of a step of decode rows in one call, through the
+  kernels above (:mod:`~gyrfalcon.engine.model.layer_loop`).
 
 Each wrapper becomes an operator a compiled step calls as it is through :func:`operator`.
 
@@ -51,6 +53,9 @@ _SIGNATURES = {
     "q4q8_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
     "mean_square": ([_POINTER] * 2 + [_LONG] * 2 + [_INT], _INT),
     "one_query_attention": ([_POINTER] * 6 + [_LONG] * 7 + [ctypes.c_float, _INT, _INT], _INT),
+    "decode_layers": ([_POINTER, _LONG, _POINTER] + [_LONG] * 6 + [_POINTER] * 3 + [_LONG] * 2 + [_POINTER] * 2
+                      + [ctypes.c_float] * 2 + [_INT] * 3, _INT),
+    "silu_mul": ([_POINTER] * 3 + [_LONG], None),
 }
 
 

@@ -1,0 +1,187 @@
+/* Every decoder layer of a decode step in one call: for each of `rows` single-token rows, the
+ * Llama-shaped layer of gyrfalcon/engine/model/decoder.py (RMSNorm, fused q/k/v in int4, rotary
+ * embedding from a cos/sin table, the new keys and values written to their cache slots, attention
+ * over the row's blocks in place, o_proj and the residual, RMSNorm, fused gate/up in int4,
+ * silu(gate) · up, down_proj and the residual), layer after layer, on the hidden states x in place.
+ * Called by gyrfalcon/engine/model/layer_loop.py.
+ *
+ * Why: the eager step calls about 40 operators a layer (1,200 a step on the default model), whose
+ * dispatch cost more than their arithmetic at small batches; a compiled step fused them, but took
+ * minutes of compiling on a fresh machine and a few hundred MiB of compiler state. This runs the
+ * same kernels as the eager step (q4_linear.c or q4q8_linear.c, mean_square.c,
+ * one_query_attention.c) and does the elementwise work between them operation for operation as
+ * ATen does — each product rounded before the sum it feeds (never fused), silu's exp as ATen's
+ * vectorised one (SLEEF's expf, u10) — so a row gets the eager step's bits to the last one, which
+ * the runner checks before it serves with this. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int q4_linear(const float *x, const uint8_t *nibbles, const uint16_t *sc, float *out, long M, long N, long K,
+              int threads);
+int q4q8_linear(const float *x, const uint8_t *nibbles, const uint16_t *sc, float *out, long M, long N, long K,
+                int threads);
+int mean_square(const float *x, float *out, long rows, long width, int threads);
+int one_query_attention(const float *q, const void *keys, const void *values, const int64_t *blocks,
+                        const int64_t *positions, float *out, long rows, long heads, long kv_heads, long dim,
+                        long table_width, long block_size, long window, float scale, int bf16, int threads);
+
+/* one layer's pointers, in the order of layer_loop.py's LAYER_FIELDS */
+enum {
+    QKV_NIBBLES, QKV_SCALES, QKV_BIAS, O_NIBBLES, O_SCALES, O_BIAS, GATE_UP_NIBBLES, GATE_UP_SCALES, GATE_UP_BIAS,
+    DOWN_NIBBLES, DOWN_SCALES, DOWN_BIAS, INPUT_NORM, POST_NORM, KEYS, VALUES, WINDOW, FIELDS
+};
+
+/* a · b rounded to fp32 before whatever sum it feeds: -ffp-contract=fast would fuse the two */
+static inline float product(float a, float b) {
+    float p = a * b;
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    __asm__("" : "+x"(p));
+#else
+    volatile float kept = p;
+    p = kept;
+#endif
+    return p;
+}
+
+/* 2^q · u in two steps, as SLEEF's ldexp2k (either factor stays a normal float) */
+static inline float ldexp2k(float u, int q) {
+    int a = q >> 1, b = q - a;
+    uint32_t ua = (uint32_t)(a + 127) << 23, ub = (uint32_t)(b + 127) << 23;
+    float fa, fb;
+    memcpy(&fa, &ua, 4);
+    memcpy(&fb, &ub, 4);
+    return u * fa * fb;
+}
+
+/* e^d as ATen's Vectorized<float>::exp (SLEEF's expf_u10, fused multiply-adds): the same bits,
+ * checked against torch.nn.functional.silu by tests/test_native_kernels.py */
+static inline float exp_u10(float d) {
+    float qf = rintf(product(d, 1.442695040888963407359924681001892137426645954152985934135449406931f));
+    float s = fmaf(qf, -0.693145751953125f, d);
+    s = fmaf(qf, -1.428606765330187045e-06f, s);
+    float u = 0.000198527617612853646278381f;
+    u = fmaf(u, s, 0.00139304355252534151077271f);
+    u = fmaf(u, s, 0.00833336077630519866943359f);
+    u = fmaf(u, s, 0.0416664853692054748535156f);
+    u = fmaf(u, s, 0.166666671633720397949219f);
+    u = fmaf(u, s, 0.5f);
+    u = 1.0f + fmaf(product(s, s), u, s);
+    u = ldexp2k(u, (int)qf);
+    if (d < -104.0f) u = 0.0f;
+    if (d > 100.0f) u = INFINITY;
+    return u;
+}
+
+/* out[i] = silu(gate[i]) · up[i] for n values (F.silu then the product, each rounded) */
+void silu_mul(const float *gate, const float *up, float *out, long n) {
+    for (long i = 0; i < n; i++) {
+        float g = gate[i];
+        out[i] = product(g / (1.0f + exp_u10(-g)), up[i]);
+    }
+}
+
+/* an fp32 value as bf16, rounded to nearest even (torch's .to(torch.bfloat16)) */
+static inline uint16_t bf16_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* out = weight · (x · 1/sqrt(mean(x²) + eps)) per row, as decoder.py's _rms_norm */
+static int rms_norm(const float *x, const float *weight, float *out, float *squares, long rows, long width, float eps,
+                    int threads) {
+    if (mean_square(x, squares, rows, width, threads)) return -1;
+    for (long r = 0; r < rows; r++) {
+        float scale = 1.0f / sqrtf(squares[r] + eps);
+        for (long i = 0; i < width; i++) out[r * width + i] = product(weight[i], product(x[r * width + i], scale));
+    }
+    return 0;
+}
+
+/* transformers' rotate_half rotary embedding of `heads` heads of width dim, in place:
+ * x · cos + cat(-x[half:], x[:half]) · sin, each product rounded */
+static void rotate(float *x, long heads, long dim, const float *cos, const float *sin) {
+    long half = dim / 2;
+    for (long h = 0; h < heads; h++) {
+        float *v = x + h * dim, rotated[512];
+        for (long i = 0; i < dim; i++) rotated[i] = i < half ? -v[i + half] : v[i - half];
+        for (long i = 0; i < dim; i++) v[i] = product(v[i], cos[i]) + product(rotated[i], sin[i]);
+    }
+}
+
+static int linear(int int8, const float *x, const int64_t *layer, int field, float *out, long M, long N, long K,
+                  int threads) {
+    const uint8_t *nibbles = (const uint8_t *)(intptr_t)layer[field];
+    const uint16_t *scales = (const uint16_t *)(intptr_t)layer[field + 1];
+    const float *bias = (const float *)(intptr_t)layer[field + 2];
+    int status = int8 ? q4q8_linear(x, nibbles, scales, out, M, N, K, threads)
+                      : q4_linear(x, nibbles, scales, out, M, N, K, threads);
+    if (status || bias == NULL) return status;
+    for (long m = 0; m < M; m++)
+        for (long n = 0; n < N; n++) out[m * N + n] += bias[n];
+    return 0;
+}
+
+/* x[rows, hidden] through every layer of `layers` (FIELDS pointers each), in place. Row b is the
+ * token at positions[b], its keys and values written to slots[b], its context read through
+ * blocks[b, :table_width]; cos/sin: [positions, dim] tables. Returns 0, -1 where a buffer could not
+ * be had, or a kernel's own failure. */
+int decode_layers(const int64_t *layers, long count, float *x, long rows, long hidden, long heads, long kv_heads,
+                  long dim, long intermediate, const int64_t *positions, const int64_t *slots, const int64_t *blocks,
+                  long table_width, long block_size, const float *cos, const float *sin, float eps, float scale,
+                  int bf16, int int8, int threads) {
+    long q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
+    if (dim > 512 || dim % 2) return -3;
+    size_t floats = (size_t)rows * (hidden * 3 + qkv_width + q_width * 2 + intermediate * 3 + 1);
+    float *work = malloc(sizeof(float) * floats);
+    if (work == NULL) return -1;
+    float *normed = work, *qkv = normed + rows * hidden, *q = qkv + rows * qkv_width, *attended = q + rows * q_width;
+    float *projected = attended + rows * q_width, *gate_up = projected + rows * hidden;
+    float *act = gate_up + rows * 2 * intermediate, *squares = act + rows * intermediate;
+    int status = 0;
+    for (long l = 0; l < count && status == 0; l++) {
+        const int64_t *layer = layers + l * FIELDS;
+        char *keys = (char *)(intptr_t)layer[KEYS], *values = (char *)(intptr_t)layer[VALUES];
+        status = rms_norm(x, (const float *)(intptr_t)layer[INPUT_NORM], normed, squares, rows, hidden, eps, threads);
+        if (status == 0) status = linear(int8, normed, layer, QKV_NIBBLES, qkv, rows, qkv_width, hidden, threads);
+        if (status) break;
+        for (long b = 0; b < rows; b++) {
+            float *row = qkv + b * qkv_width, *k = row + q_width, *v = k + kv_width;
+            const float *c = cos + positions[b] * dim, *s = sin + positions[b] * dim;
+            memcpy(q + b * q_width, row, sizeof(float) * q_width);
+            rotate(q + b * q_width, heads, dim, c, s);
+            rotate(k, kv_heads, dim, c, s);
+            size_t at = (size_t)slots[b] * kv_width;
+            if (bf16) {
+                for (long i = 0; i < kv_width; i++) {
+                    ((uint16_t *)keys)[at + i] = bf16_of(k[i]);
+                    ((uint16_t *)values)[at + i] = bf16_of(v[i]);
+                }
+            } else {
+                memcpy((float *)keys + at, k, sizeof(float) * kv_width);
+                memcpy((float *)values + at, v, sizeof(float) * kv_width);
+            }
+        }
+        status = one_query_attention(q, keys, values, blocks, positions, attended, rows, heads, kv_heads, dim,
+                                     table_width, block_size, layer[WINDOW], scale, bf16, threads);
+        if (status == 0) status = linear(int8, attended, layer, O_NIBBLES, projected, rows, hidden, q_width, threads);
+        if (status) break;
+        for (long i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];
+        status = rms_norm(x, (const float *)(intptr_t)layer[POST_NORM], normed, squares, rows, hidden, eps, threads);
+        if (status == 0)
+            status = linear(int8, normed, layer, GATE_UP_NIBBLES, gate_up, rows, 2 * intermediate, hidden, threads);
+        if (status) break;
+        for (long b = 0; b < rows; b++)
+            silu_mul(gate_up + b * 2 * intermediate, gate_up + b * 2 * intermediate + intermediate,
+                     act + b * intermediate, intermediate);
+        status = linear(int8, act, layer, DOWN_NIBBLES, projected, rows, hidden, intermediate, threads);
+        if (status == 0)
+            for (long i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];
+    }
+    free(work);
+    return status;
+}
