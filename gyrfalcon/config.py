@@ -104,9 +104,10 @@ class Settings:
     #: start-up), so a seeded request's tokens stay the same alone and in any batch. The compile
     #: (about 35 s the first time, less from inductor's cache) runs beside eager steps, so the
     #: server is ready as fast either way.
-    compile_decode: bool = option(True, "CPU: compile the decode step of batches 1, 2, 4, 8 and 16, in the background "
-                                  "from start-up (steps run eagerly until it is checked against the eager step, bit "
-                                  "for bit, and found faster; --enforce-eager also turns it off)")  # fmt: skip
+    compile_decode: bool = option(True, "CPU, where the decode step's layers are not int4 (those run in one call of "
+                                  "decode_layers.c): compile the decode step of batches 1, 2, 4, 8 and 16, in the "
+                                  "background from start-up (steps run eagerly until it is checked against the eager "
+                                  "step, bit for bit, and found faster; --enforce-eager also turns it off)")  # fmt: skip
     #: vLLM's --model-impl
     model_impl: str = option("auto", "auto: the direct forward where the architecture has one (Llama, Mistral, Qwen2, "
                              "Qwen3; checked against transformers' at start-up), else transformers'; direct: refuse "

@@ -21,6 +21,12 @@ blocks; their logits are dropped. The fast path replays them:
   from the cache folder in seconds); larger batches take the runner's unpadded eager step;
 - ``static``: the same buffers run eagerly (what a fast step computes, on any device: tests).
 
+Where the direct forward's layers are int4 on the CPU, the compiled mode compiles nothing: a step
+of decode rows runs its layers in one call of ``decode_layers.c`` (:mod:`~gyrfalcon.engine.model.layer_loop`,
+checked against the operators to the last bit when the runner loads), which was faster than the
+compiled step at batch 1 (AVX2 cap, default model, in-process: 96-98 against 86 tok/s) and is ready
+at once; the path is then ``native``.
+
 Every fast step is checked against the eager step on the same synthetic inputs before it serves
 (:func:`check_fast_step`): the same argmax in every row and logits within the model dtype's
 tolerance (:data:`FAST_STEP_RTOL`) for a CUDA graph; for the CPU's compiled step, the same logits

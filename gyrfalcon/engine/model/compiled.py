@@ -1,4 +1,5 @@
-"""The compiled mode of :class:`~gyrfalcon.engine.model.captured.DecodeSteps` (the CPU's fast path):
+"""The compiled mode of :class:`~gyrfalcon.engine.model.captured.DecodeSteps` (the CPU's fast path
+where the layer loop of :mod:`~gyrfalcon.engine.model.layer_loop` does not run the layers):
 ``torch.compile`` of the model's forward for the batch buckets of
 :data:`~gyrfalcon.engine.model.captured.COMPILED_BATCHES`, one after another on a thread of its own
 while steps run eagerly, each checked and timed against the eager step and adopted between two
