@@ -21,7 +21,7 @@ from gyrfalcon.engine.model.runner import ModelRunner
 from gyrfalcon.engine.model.work import Work
 from gyrfalcon.engine_api.config import EngineConfig
 from gyrfalcon.models.default import cache_root
-from gyrfalcon.models.loading import load_tokenizer, load_weights, resolve_dtype
+from gyrfalcon.models.loading import load_tokenizer, load_weights, release_freed_memory, resolve_dtype
 
 log = logging.getLogger("gyrfalcon.engine.transformers_engine")
 
@@ -174,4 +174,5 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
                               "--no-compile-decode" if device == "cpu" else "no fast path on this device")  # fmt: skip
         log.warning("decode path: %s (prepared in %.1f s)", path.describe(), time.perf_counter() - started)
     runner.forwards = 0
+    release_freed_memory()  # what fusing the layers and warming up freed (the parts' own copies of fused weights)
     return LoadedModel(runner, pool, plan, path)

@@ -290,6 +290,8 @@ def _shared_rows(parts: list[torch.nn.Module], name: str, fused: torch.Tensor) -
         else:
             part._buffers[name] = view
         offset += rows
+        if hasattr(part, "forget_tensors"):  # what a layer keeps of its old tensors (Q4Linear's kernel call) goes with them
+            part.forget_tensors()
 
 
 def _fused_bias(parts: list[torch.nn.Module], dtype: torch.dtype) -> torch.Tensor | None:
