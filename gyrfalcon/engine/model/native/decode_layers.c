@@ -75,9 +75,65 @@ static inline float exp_u10(float d) {
     return u;
 }
 
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+/* product() for VW lanes */
+static inline vf vproduct(vf a, vf b) {
+    vf p = a * b;
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    __asm__("" : "+x"(p));
+#else
+    volatile vf kept = p;
+    p = kept;
+#endif
+    return p;
+}
+
+/* exp_u10 in VW lanes, lane for lane the same operations (rintf as the addition and subtraction of
+ * 1.5 · 2^23, which rounds to nearest even as rintf does below 2^22; larger inputs are replaced) */
+static inline vf vexp_u10(vf d) {
+    const vf magic = (vf){0} + 12582912.0f;
+    vf qf = (vproduct(d, (vf){0} + 1.442695040888963407359924681001892137426645954152985934135449406931f) + magic) - magic;
+    vf s = qf * -0.693145751953125f + d;
+    s = qf * -1.428606765330187045e-06f + s;
+    vf u = (vf){0} + 0.000198527617612853646278381f;
+    u = u * s + 0.00139304355252534151077271f;
+    u = u * s + 0.00833336077630519866943359f;
+    u = u * s + 0.0416664853692054748535156f;
+    u = u * s + 0.166666671633720397949219f;
+    u = u * s + 0.5f;
+    u = 1.0f + (vproduct(s, s) * u + s);
+    vi q = __builtin_convertvector(qf, vi), a = q >> 1, b = q - a;
+    vi ua = (a + 127) << 23, ub = (b + 127) << 23;
+    vf fa, fb;
+    memcpy(&fa, &ua, sizeof fa);
+    memcpy(&fb, &ub, sizeof fb);
+    u = vproduct(vproduct(u, fa), fb);
+    vi low = d < -104.0f, high = d > 100.0f;
+    vi ui, inf = (vi){0} + 0x7f800000;
+    memcpy(&ui, &u, sizeof ui);
+    ui = (ui & ~low & ~high) | (inf & high);
+    memcpy(&u, &ui, sizeof u);
+    return u;
+}
+
 /* out[i] = silu(gate[i]) · up[i] for n values (F.silu then the product, each rounded) */
 void silu_mul(const float *gate, const float *up, float *out, long n) {
-    for (long i = 0; i < n; i++) {
+    long i = 0;
+    for (; i + VW <= n; i += VW) {
+        vf g, v;
+        memcpy(&g, gate + i, sizeof g);
+        memcpy(&v, up + i, sizeof v);
+        vf y = vproduct(g / (1.0f + vexp_u10(-g)), v);
+        memcpy(out + i, &y, sizeof y);
+    }
+    for (; i < n; i++) {
         float g = gate[i];
         out[i] = product(g / (1.0f + exp_u10(-g)), up[i]);
     }
