@@ -45,6 +45,8 @@ from gyrfalcon.engine.model.native.cpu import cpu
 log = logging.getLogger(__name__)
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+#: what the sources include (in the library's name too: a change rebuilds it)
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _POINTER, _LONG, _INT = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 #: each kernel's C signature: (argument types, result type)
 _SIGNATURES = {
@@ -93,7 +95,7 @@ def _build(cache: Path) -> Path:
 
 
 def _compile(cc: str, version: str, flags: list[str], cache: Path) -> Path:
-    sources = [f"{path.name}\0{path.read_text()}" for path in _SOURCES]
+    sources = [f"{path.name}\0{path.read_text()}" for path in (*_SOURCES, *_HEADERS)]
     key = hashlib.sha256("\0".join([*sources, *flags, version]).encode()).hexdigest()[:16]
     target = cache / f"kernels-{key}.so"
     if target.exists():

@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vectors.h"
+
 int q4_linear(const float *x, const uint8_t *nibbles, const uint16_t *sc, float *out, long M, long N, long K,
               int threads);
 int q4q8_linear(const float *x, const uint8_t *nibbles, const uint16_t *sc, float *out, long M, long N, long K,
@@ -34,15 +36,27 @@ enum {
     DOWN_NIBBLES, DOWN_SCALES, DOWN_BIAS, INPUT_NORM, POST_NORM, KEYS, VALUES, WINDOW, FIELDS
 };
 
-/* a · b rounded to fp32 before whatever sum it feeds: -ffp-contract=fast would fuse the two */
+/* `p` kept as computed, rounded to fp32, before whatever sum it feeds: -ffp-contract=fast would fuse the two */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define ROUNDED(p) __asm__("" : "+x"(p))
+#else
+#define ROUNDED(p)                                                                                                     \
+    do {                                                                                                               \
+        volatile __typeof__(p) kept_ = (p);                                                                            \
+        (p) = kept_;                                                                                                   \
+    } while (0)
+#endif
+
 static inline float product(float a, float b) {
     float p = a * b;
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-    __asm__("" : "+x"(p));
-#else
-    volatile float kept = p;
-    p = kept;
-#endif
+    ROUNDED(p);
+    return p;
+}
+
+/* product() for VW lanes */
+static inline vf vproduct(vf a, vf b) {
+    vf p = a * b;
+    ROUNDED(p);
     return p;
 }
 
@@ -73,26 +87,6 @@ static inline float exp_u10(float d) {
     if (d < -104.0f) u = 0.0f;
     if (d > 100.0f) u = INFINITY;
     return u;
-}
-
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef int32_t vi __attribute__((vector_size(VW * 4)));
-
-/* product() for VW lanes */
-static inline vf vproduct(vf a, vf b) {
-    vf p = a * b;
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-    __asm__("" : "+x"(p));
-#else
-    volatile vf kept = p;
-    p = kept;
-#endif
-    return p;
 }
 
 /* exp_u10 in VW lanes, lane for lane the same operations (rintf as the addition and subtraction of
