@@ -19,16 +19,22 @@ PROMPTS = [[1, 5, 9, 12], [1, 40, 41], [1, 7, 7, 7, 7, 8], [1, 99]]
 SEEDED = SamplingParams(temperature=1.0, seed=4, max_tokens=12, ignore_eos=True, logprobs=3)
 
 
-def test_silu_mul_gives_atens_bits(tmp_path):
-    """``silu(gate) · up`` of ``decode_layers.c`` (SLEEF's exp, as ATen's vectorised silu) equals
-    ``F.silu(gate) * up`` to the last bit, far into both tails (where exp under- and overflows)."""
+@pytest.mark.parametrize("width", [1536, 100])
+def test_silu_mul_gives_atens_bits(tmp_path, width):
+    """``silu(gate) · up`` of ``decode_layers.c`` over a layer's rows (``gate`` and ``up`` the two
+    halves of a fused product's rows, as the decoder chunks them) equals ``F.silu(gate) * up`` to
+    the last bit, far into both tails (where exp under- and overflows): whole pairs of vectors in
+    SLEEF's exp, and (a width of 100) the rest of a row in the C library's, as ATen's loop does."""
     kernels = native.library(tmp_path)
     torch.manual_seed(0)
     for scale in (1.0, 8.0, 60.0):
-        gate, up = torch.randn(400_003) * scale, torch.randn(400_003)  # whole vectors and a tail
+        gate, up = (torch.randn(260, 2 * width) * scale).chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+        gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty_like(gate)
-        kernels.silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), ctypes.c_long(gate.numel()))
-        assert torch.equal(out, torch.nn.functional.silu(gate) * up)
+        for row in range(gate.shape[0]):
+            kernels.silu_mul(gate[row].data_ptr(), up[row].data_ptr(), out[row].data_ptr(), ctypes.c_long(width))
+        assert torch.equal(out, want), scale
 
 
 def _results(engine, together: bool) -> list[tuple[list[int], list]]:

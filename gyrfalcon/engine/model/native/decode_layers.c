@@ -11,13 +11,16 @@
  * same kernels as the eager step (q4_linear.c or q4q8_linear.c, mean_square.c,
  * one_query_attention.c) and does the elementwise work between them operation for operation as
  * ATen does — each product rounded before the sum it feeds (never fused), silu's exp as ATen's
- * vectorised one (SLEEF's expf, u10) — so a row gets the eager step's bits to the last one, which
+ * (SLEEF's expf_u10 in vectors, the C library's past the last pair of vectors of a row) — so a row gets the eager step's bits to the last one, which
  * the runner checks before it serves with this. */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include "vectors.h"
 
@@ -60,49 +63,36 @@ static inline vf vproduct(vf a, vf b) {
     return p;
 }
 
-/* 2^q · u in two steps, as SLEEF's ldexp2k (either factor stays a normal float) */
-static inline float ldexp2k(float u, int q) {
-    int a = q >> 1, b = q - a;
-    uint32_t ua = (uint32_t)(a + 127) << 23, ub = (uint32_t)(b + 127) << 23;
-    float fa, fb;
-    memcpy(&fa, &ua, 4);
-    memcpy(&fb, &ub, 4);
-    return u * fa * fb;
+/* a · b + c rounded once, in VW lanes */
+static inline vf vfma(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__) && VW == 8
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    vf r;
+    for (int lane = 0; lane < VW; lane++) r[lane] = fmaf(a[lane], b[lane], c[lane]);
+    return r;
+#endif
 }
 
-/* e^d as ATen's Vectorized<float>::exp (SLEEF's expf_u10, fused multiply-adds): the same bits,
- * checked against torch.nn.functional.silu by tests/test_native_kernels.py */
-static inline float exp_u10(float d) {
-    float qf = rintf(product(d, 1.442695040888963407359924681001892137426645954152985934135449406931f));
-    float s = fmaf(qf, -0.693145751953125f, d);
-    s = fmaf(qf, -1.428606765330187045e-06f, s);
-    float u = 0.000198527617612853646278381f;
-    u = fmaf(u, s, 0.00139304355252534151077271f);
-    u = fmaf(u, s, 0.00833336077630519866943359f);
-    u = fmaf(u, s, 0.0416664853692054748535156f);
-    u = fmaf(u, s, 0.166666671633720397949219f);
-    u = fmaf(u, s, 0.5f);
-    u = 1.0f + fmaf(product(s, s), u, s);
-    u = ldexp2k(u, (int)qf);
-    if (d < -104.0f) u = 0.0f;
-    if (d > 100.0f) u = INFINITY;
-    return u;
-}
-
-/* exp_u10 in VW lanes, lane for lane the same operations (rintf as the addition and subtraction of
- * 1.5 · 2^23, which rounds to nearest even as rintf does below 2^22; larger inputs are replaced) */
+/* e^d in VW lanes as ATen's Vectorized<float>::exp (SLEEF's expf_u10 with fused multiply-adds),
+ * operation for operation: the same bits, checked against torch.nn.functional.silu by
+ * tests/unit/test_layer_loop.py. rint is the addition and subtraction of 1.5 · 2^23 (to nearest
+ * even below 2^22; larger inputs are replaced at the end), 2^q is applied in two factors (each a
+ * normal float) as SLEEF's ldexp2k. */
 static inline vf vexp_u10(vf d) {
-    const vf magic = (vf){0} + 12582912.0f;
-    vf qf = (vproduct(d, (vf){0} + 1.442695040888963407359924681001892137426645954152985934135449406931f) + magic) - magic;
-    vf s = qf * -0.693145751953125f + d;
-    s = qf * -1.428606765330187045e-06f + s;
-    vf u = (vf){0} + 0.000198527617612853646278381f;
-    u = u * s + 0.00139304355252534151077271f;
-    u = u * s + 0.00833336077630519866943359f;
-    u = u * s + 0.0416664853692054748535156f;
-    u = u * s + 0.166666671633720397949219f;
-    u = u * s + 0.5f;
-    u = 1.0f + (vproduct(s, s) * u + s);
+    const vf zero = {0}, magic = zero + 12582912.0f;
+    vf qf = (vproduct(d, zero + 1.442695040888963407359924681001892137426645954152985934135449406931f) + magic) - magic;
+    vf s = vfma(qf, zero - 0.693145751953125f, d);
+    s = vfma(qf, zero - 1.428606765330187045e-06f, s);
+    vf u = zero + 0.000198527617612853646278381f;
+    u = vfma(u, s, zero + 0.00139304355252534151077271f);
+    u = vfma(u, s, zero + 0.00833336077630519866943359f);
+    u = vfma(u, s, zero + 0.0416664853692054748535156f);
+    u = vfma(u, s, zero + 0.166666671633720397949219f);
+    u = vfma(u, s, zero + 0.5f);
+    u = 1.0f + vfma(vproduct(s, s), u, s);
     vi q = __builtin_convertvector(qf, vi), a = q >> 1, b = q - a;
     vi ua = (a + 127) << 23, ub = (b + 127) << 23;
     vf fa, fb;
@@ -117,10 +107,12 @@ static inline vf vexp_u10(vf d) {
     return u;
 }
 
-/* out[i] = silu(gate[i]) · up[i] for n values (F.silu then the product, each rounded) */
+/* out[i] = silu(gate[i]) · up[i] for a row of n values (F.silu then the product, each rounded), as
+ * ATen's loop over a row: pairs of vectors in SLEEF's exp, the values past the last pair in the C
+ * library's expf (std::exp) */
 void silu_mul(const float *gate, const float *up, float *out, long n) {
-    long i = 0;
-    for (; i + VW <= n; i += VW) {
+    long i = 0, paired = n - n % (2 * VW);
+    for (; i < paired; i += VW) {
         vf g, v;
         memcpy(&g, gate + i, sizeof g);
         memcpy(&v, up + i, sizeof v);
@@ -129,7 +121,7 @@ void silu_mul(const float *gate, const float *up, float *out, long n) {
     }
     for (; i < n; i++) {
         float g = gate[i];
-        out[i] = product(g / (1.0f + exp_u10(-g)), up[i]);
+        out[i] = product(g / (1.0f + expf(-g)), up[i]);
     }
 }
 
