@@ -57,7 +57,8 @@ def test_the_layer_loop_serves_the_operators_bits(tiny_model_dir, kv_cache_dtype
 
     settings = dict(quantization="int4", kv_cache_dtype=kv_cache_dtype)
     operators = create_transformers_engine(tiny_settings(tiny_model_dir, **settings))
-    looped = create_transformers_engine(tiny_settings(tiny_model_dir, enforce_eager=False, compile_decode=False, **settings))
+    looped = create_transformers_engine(tiny_settings(tiny_model_dir, enforce_eager=False, compile_decode=False,
+                                                      **settings))  # fmt: skip
     try:
         assert operators.wait_ready(timeout=60).ready and looped.wait_ready(timeout=60).ready
         assert operators.core.decode_path.name == "eager"

@@ -6,7 +6,7 @@ about 10). The compiled step (:mod:`~gyrfalcon.engine.model.compiled`) fused the
 7 minutes of compiling on a fresh 2-core machine and kept a few hundred MiB of compiler state in
 the engine. The loop of ``decode_layers.c`` calls the same kernels as the eager step and does the
 elementwise work between them as ATen does, so it gives the eager step's bits, with nothing to
-compile: :meth:`LayerLoop.check` proves it on the warm-up steps before it serves
+compile: :meth:`~gyrfalcon.engine.model.runner.ModelRunner.check_layer_loop` proves it at start-up before it serves
 (``DirectDecoder`` then runs every step made only of decode rows through it, and mixed steps
 through the operators, to the same bits).
 
@@ -22,10 +22,6 @@ import torch
 
 from gyrfalcon.engine.model import native
 from gyrfalcon.engine.model.quant.q4 import KERNELS, Q4Linear
-
-#: each layer's pointers, as ``decode_layers.c`` reads them
-LAYER_FIELDS = ("qkv", "o", "gate_up", "down", "input_norm", "post_norm", "keys", "values", "window")
-
 
 def unsupported(decoder, cache, rows_in_place: bool) -> str | None:
     """Why :class:`LayerLoop` cannot run ``decoder``'s layers over ``cache`` (None: it can)."""
@@ -68,7 +64,9 @@ class LayerLoop:
         self._table: tuple[object, torch.Tensor] | None = None
 
     def _layers(self, cache) -> torch.Tensor:
-        """The ``[layers, 17]`` pointer table over ``cache`` (made once per cache)."""
+        """The ``[layers, 17]`` table over ``cache`` (made once per cache), in the order of
+        ``decode_layers.c``'s field enum: nibbles, scales and bias (0: none) of q/k/v, o_proj,
+        gate/up and down_proj; the two norms' weights; the layer's keys and values; its window."""
         if self._table is not None and self._table[0] is cache:
             return self._table[1]
         rows = []
@@ -99,9 +97,11 @@ class LayerLoop:
                 cache.block_size, self.decoder.rotary.cos.data_ptr(), self.decoder.rotary.sin.data_ptr(), self.eps,
                 self.scale, int(cache.keys[0].dtype == torch.bfloat16), self.int8, torch.get_num_threads())
             if status:
-                raise MemoryError(f"decode_layers failed ({status}: -1 a buffer, -2 or -3 a shape a kernel does not take)")
+                raise MemoryError(f"decode_layers failed ({status}: -1 a buffer, -2 or -3 a shape a kernel does "
+                                  "not take)")
         return x
 
     def describe(self) -> str:
         """For the start-up line."""
-        return f"decode_layers.c: a decode step's {len(self.decoder.layers)} layers in one call ({KERNELS[torch.int8 if self.int8 else torch.float32]}.c)"
+        kernel = KERNELS[torch.int8 if self.int8 else torch.float32]
+        return f"decode_layers.c: a decode step's {len(self.decoder.layers)} layers in one call ({kernel}.c)"

@@ -11,8 +11,9 @@
  * same kernels as the eager step (q4_linear.c or q4q8_linear.c, mean_square.c,
  * one_query_attention.c) and does the elementwise work between them operation for operation as
  * ATen does — each product rounded before the sum it feeds (never fused), silu's exp as ATen's
- * (SLEEF's expf_u10 in vectors, the C library's past the last pair of vectors of a row) — so a row gets the eager step's bits to the last one, which
- * the runner checks before it serves with this. */
+ * (SLEEF's expf_u10 in vectors, the C library's past the last pair of vectors of a row) — so a
+ * row gets the eager step's bits to the last one, which the runner checks before it serves with
+ * this. */
 
 #include <math.h>
 #include <stdint.h>
@@ -33,7 +34,7 @@ int one_query_attention(const float *q, const void *keys, const void *values, co
                         const int64_t *positions, float *out, long rows, long heads, long kv_heads, long dim,
                         long table_width, long block_size, long window, float scale, int bf16, int threads);
 
-/* one layer's pointers, in the order of layer_loop.py's LAYER_FIELDS */
+/* one layer's fields, as layer_loop.py's LayerLoop._layers lays them out */
 enum {
     QKV_NIBBLES, QKV_SCALES, QKV_BIAS, O_NIBBLES, O_SCALES, O_BIAS, GATE_UP_NIBBLES, GATE_UP_SCALES, GATE_UP_BIAS,
     DOWN_NIBBLES, DOWN_SCALES, DOWN_BIAS, INPUT_NORM, POST_NORM, KEYS, VALUES, WINDOW, FIELDS
