@@ -99,7 +99,9 @@ def worker_engine(settings: Settings, pm: pluggy.PluginManager) -> Engine:
     from gyrfalcon.client import EngineClient
     from gyrfalcon.engine_process.remote import RemoteEngineCore
 
-    return EngineClient(RemoteEngineCore(address), model_name=settings.served_names()[0])
+    client = EngineClient(RemoteEngineCore(address), model_name=settings.served_names()[0])
+    client.tokenizer  # noqa: B018 - loaded now, not on the first request
+    return client
 
 
 def app(settings: Settings, engine: Engine, pm: pluggy.PluginManager) -> Any:

@@ -33,6 +33,7 @@ from gyrfalcon.api.resources import (
 )
 from gyrfalcon.config import Settings
 from gyrfalcon.engine_api.interface import Engine
+from gyrfalcon.heap import QuietTrimmer
 from gyrfalcon.protocol.endpoints import DETOKENIZE, ENDPOINTS, TOKENIZE
 
 #: routes that answer without an API key
@@ -71,13 +72,20 @@ class App(falcon.asgi.App):
 
 class EngineLifespan:
     """Falcon middleware: plugins' start-up and shut-down hooks, and the engine's shutdown, with
-    the ASGI server's lifespan."""
+    the ASGI server's lifespan; the worker's heap trimmed when it goes quiet after requests
+    (:class:`~gyrfalcon.heap.QuietTrimmer`)."""
 
     def __init__(self, engine: Engine, pm: pluggy.PluginManager, settings: Settings) -> None:
         self.engine, self.pm, self.settings = engine, pm, settings
+        self.trimmer: QuietTrimmer | None = None
 
     async def process_startup(self, scope: dict, event: dict) -> None:
         self.pm.hook.gyrfalcon_startup(settings=self.settings)
+        self.trimmer = QuietTrimmer().start()
+
+    async def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        if self.trimmer is not None:
+            self.trimmer.worked()
 
     async def process_shutdown(self, scope: dict, event: dict) -> None:
         self.pm.hook.gyrfalcon_shutdown()

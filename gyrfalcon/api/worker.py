@@ -11,7 +11,6 @@ own hard kill comes later (``graceful_timeout`` in :mod:`gyrfalcon.gunicorn_conf
 
 from __future__ import annotations
 
-import functools
 import resource
 import sys
 import threading
@@ -22,7 +21,6 @@ from gunicorn.arbiter import Arbiter
 from uvicorn import Config, Server
 from uvicorn_worker import UvicornWorker
 
-from gyrfalcon.api.protocol import ConnectionLimits, GuardedHttpProtocol
 from gyrfalcon.config import Settings
 
 
@@ -54,15 +52,28 @@ class DrainingServer(Server):
         super().handle_exit(sig, frame)
 
 
+def guarded_protocol(header_timeout: float, send_timeout: float) -> Any:
+    """uvicorn's ``http`` protocol factory: :class:`~gyrfalcon.api.protocol.GuardedHttpProtocol`
+    with these limits, imported at the first connection. gunicorn's master builds each worker
+    object before it forks, so what this module imports the master holds too (falcon's 5 MiB)."""
+
+    def protocol(*args: Any, **kwargs: Any) -> Any:
+        from gyrfalcon.api.protocol import ConnectionLimits, GuardedHttpProtocol
+
+        limits = ConnectionLimits(header_timeout=header_timeout, send_timeout=send_timeout)
+        return GuardedHttpProtocol(*args, limits=limits, **kwargs)
+
+    return protocol
+
+
 class Worker(UvicornWorker):
     """uvicorn with the guarded protocol, the app's lifespan on, and the settings' time limits."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         settings = Settings.from_env()
-        limits = ConnectionLimits(header_timeout=settings.client_header_timeout, send_timeout=settings.send_timeout)
         self.CONFIG_KWARGS = {
             "loop": "auto",
-            "http": functools.partial(GuardedHttpProtocol, limits=limits),
+            "http": guarded_protocol(settings.client_header_timeout, settings.send_timeout),
             "lifespan": "on",
             "timeout_graceful_shutdown": settings.drain_timeout + DRAIN_MARGIN_S,
         }

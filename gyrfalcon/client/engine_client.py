@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import threading
 import time
 from typing import Any
 
@@ -85,23 +87,36 @@ class ClientStream(OutputStream):
 
 class EngineClient(Engine):
     """Tokenizer, chat template, detokenizer and stop strings around ``core``; every other call
-    goes to the core. ``tokenizer``: the served model's (loaded from ``core.info().model_path``
-    when None); ``model_name`` labels its request metrics."""
+    goes to the core. ``tokenizer``: the served model's (when None, loaded from
+    ``core.info().model_path`` at its first use: a client whose core alone is served, as in the
+    engine process, never loads it); ``model_name`` labels its request metrics."""
 
     def __init__(self, core: EngineCore, tokenizer: Any = None, *, model_name: str | None = None,
                  metrics: bool = True) -> None:  # fmt: skip
-        if tokenizer is None:
-            from gyrfalcon.models.loading import load_tokenizer
-
-            tokenizer = load_tokenizer(core.info().model_path)
         self.core = core
-        self.tokenizer = tokenizer
-        self.special_ids = frozenset(tokenizer.all_special_ids)
+        self._tokenizer = tokenizer
+        self._tokenizer_lock = threading.Lock()
         self._token_bytes = None  # gyrfalcon.client.token_bytes.TokenBytes, built on first use
         #: request metrics (prometheus-client, this process's), labelled with ``model_name`` (default:
         #: the model folder's name); False: not counted
         self._metrics = metrics
         self._model_name = model_name
+
+    @property
+    def tokenizer(self) -> Any:
+        """The served model's tokenizer (loaded at the first use when none was given)."""
+        if self._tokenizer is None:
+            from gyrfalcon.models.loading import load_tokenizer
+
+            with self._tokenizer_lock:
+                if self._tokenizer is None:
+                    self._tokenizer = load_tokenizer(self.core.info().model_path)
+        return self._tokenizer
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The tokenizer's special token ids (what ``skip_special_tokens`` leaves out)."""
+        return frozenset(self.tokenizer.all_special_ids)
 
     # ------------------------------------------------------------------ the core's calls
 

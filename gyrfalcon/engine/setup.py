@@ -21,7 +21,8 @@ from gyrfalcon.engine.model.runner import ModelRunner
 from gyrfalcon.engine.model.work import Work
 from gyrfalcon.engine_api.config import EngineConfig
 from gyrfalcon.models.default import cache_root
-from gyrfalcon.models.loading import load_tokenizer, load_weights, release_freed_memory, resolve_dtype
+from gyrfalcon.heap import release_freed_memory
+from gyrfalcon.models.loading import load_tokenizer, load_weights, resolve_dtype
 
 log = logging.getLogger("gyrfalcon.engine.transformers_engine")
 
@@ -44,17 +45,18 @@ def capture_mode(cfg: EngineConfig, device: str) -> str:
 
 @dataclass
 class ModelFacts:
-    """A model folder's config, tokenizer, end-of-text ids, context length and sampling defaults."""
+    """A model folder's config, end-of-text ids, context length and sampling defaults."""
 
     config: Any
-    tokenizer: Any
     eos_token_ids: list[int]
     max_model_len: int
     sampling_defaults: dict[str, Any]
 
 
 def read_model(path: str, cfg: EngineConfig) -> ModelFacts:
-    """The facts of the model folder at ``path`` (config and tokenizer only: no weights)."""
+    """The facts of the model folder at ``path`` (config and tokenizer only: no weights). The
+    tokenizer is read for its end-of-text id and let go: the core deals in token ids, and the
+    process that serves it (the engine process) has no other use for the 13 MiB it holds."""
     from transformers import AutoConfig, GenerationConfig
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -67,7 +69,7 @@ def read_model(path: str, cfg: EngineConfig) -> ModelFacts:
     if cfg.max_model_len and cfg.max_model_len > model_max:
         log.warning("max_model_len %d exceeds the model's %d positions; using %d", cfg.max_model_len, model_max, model_max)
     defaults = _sampling_defaults(generation) if cfg.generation_config == "auto" else {}
-    return ModelFacts(config, tokenizer, _eos_ids(generation, tokenizer), min(cfg.max_model_len or model_max, model_max),
+    return ModelFacts(config, _eos_ids(generation, tokenizer), min(cfg.max_model_len or model_max, model_max),
                       defaults)  # fmt: skip
 
 

@@ -38,6 +38,7 @@ from gyrfalcon.engine.validation import NATIVE_CAPABILITIES, validate_request
 from gyrfalcon.engine_api.config import EngineConfig
 from gyrfalcon.engine_api.errors import SHUTTING_DOWN, ShuttingDown
 from gyrfalcon.errors import RequestError
+from gyrfalcon.heap import QuietTrimmer
 from gyrfalcon.models.loading import resolve_device, resolve_dtype, resolve_quantization
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class TransformersEngine(EngineCore):
         #: the decode steps' fast path (see gyrfalcon.engine.model.captured)
         self.capture = capture_mode(cfg, self.device)
         facts = read_model(self.model_path, cfg)
-        self.config, self.tokenizer, self.eos_token_ids = facts.config, facts.tokenizer, facts.eos_token_ids
+        self.config, self.eos_token_ids = facts.config, facts.eos_token_ids
         base = EngineInfo(
             model_path=self.model_path,
             vocab_size=int(self.config.vocab_size),
@@ -110,6 +111,7 @@ class TransformersEngine(EngineCore):
         #: monotonic time at which running requests are cut short (drain); None: not draining
         self._cut_at: float | None = None
         self._stop = threading.Event()
+        self._trimmer = QuietTrimmer()  # the heap goes back to the system once the loop is quiet
         #: monotonic start of the step running now (None between steps): the loop's heartbeat
         self._step_started: float | None = None
         self._health = EngineHealth(ready=False, message="loading model")
@@ -310,7 +312,10 @@ class TransformersEngine(EngineCore):
                     self._step_started = time.monotonic()
                     stepped = self.batcher.step()
                     self._step_started = None
-                    if not stepped:
+                    if stepped:
+                        self._trimmer.worked()
+                    else:
+                        self._trimmer.poll()
                         self.scheduler.wait(timeout=0.05)
                 except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
                     self._step_started = None

@@ -77,6 +77,7 @@ def load_weights(path: str | os.PathLike[str], dtype: str | None = "float32", de
     from transformers import AutoModelForCausalLM
 
     from gyrfalcon.engine.model.quant.apply import quantize_model
+    from gyrfalcon.heap import release_freed_memory
     from gyrfalcon.models.default import cache_root
     from gyrfalcon.models.gguf_bits import read_bits
 
@@ -91,22 +92,27 @@ def load_weights(path: str | os.PathLike[str], dtype: str | None = "float32", de
     report = quantize_model(model, mode, bits, compute, device, kernels=cache_root(cache_dir) / "kernels")
     if mode != "none":
         del bits
+        _copy_small_tensors(model)
         release_freed_memory()
     return model, report
 
 
-def release_freed_memory() -> None:
-    """Hand the freed heap back to the system: the replaced fp weights' before the KV cache is
-    allocated (glibc keeps it otherwise: measured on the default model, the start-up's peak resident
-    memory drops from 3,127 to 2,715 MiB with a 2 GiB cache), a compile's once it is done."""
-    import ctypes
-    import gc
+#: bytes under which a parameter left after quantising is copied out of the weights file
+SMALL_TENSOR_BYTES = 1 << 20
 
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim, or nothing we can ask
-        pass
+
+def _copy_small_tensors(model: Any) -> None:
+    """Copy the small parameters left after quantising (norms, biases) into memory of their own:
+    each one still read from the weights file keeps the whole file mapped, with every page the load
+    touched (12 MiB on the default model, for 61 norms of 2 KiB). Large ones (an embedding left
+    unquantised) stay mapped: only the rows read become resident. The quantised layers' buffers are
+    the kernels' own memory already (and may be views the kernels hold: never replaced here)."""
+    import torch
+
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.device.type == "cpu" and parameter.nbytes < SMALL_TENSOR_BYTES:
+                parameter.data = parameter.data.clone()
 
 
 def load_model(path: str | os.PathLike[str], dtype: str | None = "float32", device: str | None = "cpu"):

@@ -35,7 +35,7 @@ def create_transformers_engine(
 
         pm = settings_plugin_manager(settings)
     core = TransformersEngine(EngineConfig.from_settings(settings, model_path), pm, start=start)
-    return EngineClient(core, core.tokenizer, model_name=settings.served_names()[0])
+    return EngineClient(core, model_name=settings.served_names()[0])
 
 
 def build_engine(settings: Settings, pm: Any) -> Any:

@@ -226,7 +226,23 @@ def test_quantize_at_load_on_the_tiny_model(tiny_model_dir, mode):
         ours, theirs = model(ids).logits, reference(ids).logits
     assert ours.dtype == torch.float32
     assert relative_error(theirs, ours) < (0.2 if mode == "int4" else 0.05)
+    # what quantising left (norms, the head) is the model's own memory: none of it keeps the file mapped
+    assert [n for n, p in model.named_parameters() if _in_file_mapping(p, tiny_model_dir)] == []
+    assert any(_in_file_mapping(p, tiny_model_dir) for p in reference.parameters())  # the check can see one
     assert load_weights(tiny_model_dir, "float32", "cpu", "auto")[1].mode == "none"  # no GGUF bits: kept as is
+
+
+def _in_file_mapping(tensor: torch.Tensor, folder) -> bool:
+    """Whether ``tensor``'s memory lies in a mapping of a file of ``folder`` (Linux's /proc/self/maps)."""
+    address = tensor.untyped_storage().data_ptr()
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) > 5 and fields[5].startswith(str(folder)):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address < end:
+                    return True
+    return False
 
 
 def test_quantize_model_refuses_a_device_without_the_kernel(tiny_model_dir):

@@ -17,7 +17,7 @@ import torch
 
 from gyrfalcon.engine.model.fast_check import DecodePath, guards_on_the_inputs, one_line
 from gyrfalcon.engine.model.native.cpu import cpu
-from gyrfalcon.models.loading import release_freed_memory
+from gyrfalcon.heap import release_freed_memory
 
 if TYPE_CHECKING:  # pragma: no cover
     from gyrfalcon.engine.model.captured import _Bucket
