@@ -92,9 +92,10 @@ class ServerContext:
         return await read_raw(req, self.settings.max_body_bytes, self.settings.client_body_timeout)
 
     def parse_body(self, raw: bytes) -> Any:
-        """A body from :meth:`read_body` as JSON (a 400 when malformed or holding an array longer
-        than any field takes); CPU work, for a worker thread."""
-        return parse_json(raw, self.translator().max_array_items)
+        """A body from :meth:`read_body` as JSON (a 400 when malformed or holding an array longer,
+        or an object larger, than any field takes); CPU work, for a worker thread."""
+        translator = self.translator()
+        return parse_json(raw, translator.max_array_items, translator.max_object_keys)
 
     def served_spec_bytes(self) -> bytes:
         if self._spec is None:

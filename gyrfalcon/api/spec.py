@@ -8,11 +8,13 @@ from typing import Any
 
 from gyrfalcon.engine_api.interface import Engine
 from gyrfalcon.engine_api.types import EngineInfo
-from gyrfalcon.openapi.limits import ServedLimits, walk_schemas
+from gyrfalcon.openapi.limits import ServedLimits, largest_object, longest_array, walk_schemas
 from gyrfalcon.openapi.served import bundle, request_field_names, served_spec
 from gyrfalcon.protocol.capabilities import unsupported_fields
 from gyrfalcon.protocol.endpoints import ENDPOINTS
 from gyrfalcon.protocol.runtime_rules import served_table
+from gyrfalcon.protocol.translate import SPEC_MAX_ITEMS, SPEC_MAX_PROPERTIES
+from gyrfalcon.protocol.wire import MAX_DEPTH
 
 #: a plugin marks an integer schema of its extension fragment as a token id with this key
 TOKEN_ID_MARK = "x-token-id"
@@ -170,6 +172,10 @@ def deployment_spec(
         "max_request_seqs": max_seqs,
         "kv_cache": kv_cache,
         "unspellable_bytes": unspellable or [],
+        # any body: refused before it is walked when it nests deeper, or holds a longer array or a
+        # larger object, than any request field takes
+        "body": {"max_depth": MAX_DEPTH, "max_array_items": longest_array(limits, SPEC_MAX_ITEMS),
+                 "max_object_keys": largest_object(limits, SPEC_MAX_PROPERTIES)},
     }
     if responses_store is not None:  # the Responses API's stored responses: how many, how long
         spec["x-limits"]["responses_store"] = responses_store

@@ -152,6 +152,13 @@ def longest_array(limits: ServedLimits, spec_max_items: int) -> int:
     return max(limits.max_model_len, limits.max_prompts or 0, spec_max_items)
 
 
+def largest_object(limits: ServedLimits, spec_max_properties: int) -> int:
+    """The most keys any object of any request may hold on this deployment: a larger one is refused
+    before the body is walked. ``logit_bias`` may hold a key per token of the vocabulary; every other
+    map has a fixed ``maxProperties`` in the documents (``spec_max_properties``: the largest)."""
+    return max(limits.vocab_size, spec_max_properties)
+
+
 # ---------------------------------------------------------------------- helpers
 
 

@@ -29,7 +29,7 @@ from gyrfalcon.protocol.requests import ServingRequest, ToolUse, WireNames
 from gyrfalcon.protocol.responses import as_chat, input_items, refuse_unsupported
 from gyrfalcon.protocol.rules import RequestFields, check_rules
 from gyrfalcon.protocol.tools import tool_constraint, tool_use
-from gyrfalcon.openapi.limits import ServedLimits, limits_of, longest_array, walk_schemas
+from gyrfalcon.openapi.limits import ServedLimits, largest_object, limits_of, longest_array, walk_schemas
 from gyrfalcon.openapi.served import bundle, request_schema_names
 from gyrfalcon.protocol.wire import sent_fields, validate
 
@@ -66,6 +66,17 @@ def _spec_max_items() -> int:
 
 
 SPEC_MAX_ITEMS = _spec_max_items()
+
+
+def _spec_max_properties() -> int:
+    """The largest fixed ``maxProperties`` of any request object in the documents."""
+    spec = bundle()
+    schemas = spec["components"]["schemas"]
+    return max(sub["maxProperties"] for name in request_schema_names(spec) for sub in walk_schemas(schemas[name])
+               if isinstance(sub.get("maxProperties"), int))  # fmt: skip
+
+
+SPEC_MAX_PROPERTIES = _spec_max_properties()
 
 #: OpenAI request fields that change nothing in the output: accepted and recorded (access log)
 RECORDED_FIELDS = ("metadata", "service_tier", "safety_identifier", "prompt_cache_key")
@@ -104,6 +115,8 @@ class Translator:
         )  # fmt: skip
         #: the longest array any request may hold here: longer ones are refused before the body is walked
         self.max_array_items = longest_array(self.limits, SPEC_MAX_ITEMS)
+        #: the most keys any request object may hold here: larger ones are refused before the body is walked
+        self.max_object_keys = largest_object(self.limits, SPEC_MAX_PROPERTIES)
 
     # ------------------------------------------------------------------ steps
     def translate(self, endpoint: Endpoint | str, body: Any, header_request_id: str | None = None,

@@ -22,21 +22,22 @@ _NOT_A_FIELD = re.compile(r"^(str|int|float|bool|list|dict|tuple|none|is-instanc
 MAX_DEPTH = 64
 
 
-def parse_json(raw: bytes, max_items: int | None = None) -> Any:
+def parse_json(raw: bytes, max_items: int | None = None, max_keys: int | None = None) -> Any:
     """Parse a body with orjson; whole floats become ints (JSON has one number type).
 
-    Raises a 400 for malformed JSON, for nesting deeper than :data:`MAX_DEPTH`, and for an array
-    longer than ``max_items`` (no request field takes one: refused before the body is walked, so a
-    huge id list costs no Python work).
+    Raises a 400 for malformed JSON, for nesting deeper than :data:`MAX_DEPTH`, for an array longer
+    than ``max_items`` and for an object with more than ``max_keys`` keys (no request field takes
+    one: refused before the body is walked, so a huge id list or map costs no Python work).
     """
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise RequestError(f"Malformed JSON body: {exc}", None) from None
-    return _ints_from_whole_floats(data, max_items, None, 0)
+    return _ints_from_whole_floats(data, max_items, max_keys, None, 0)
 
 
-def _ints_from_whole_floats(value: Any, max_items: int | None, path: str | None, depth: int) -> Any:
+def _ints_from_whole_floats(value: Any, max_items: int | None, max_keys: int | None, path: str | None,
+                            depth: int) -> Any:  # fmt: skip
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
         return int(value)
     if isinstance(value, (list, dict)) and depth >= MAX_DEPTH:
@@ -44,11 +45,16 @@ def _ints_from_whole_floats(value: Any, max_items: int | None, path: str | None,
     if isinstance(value, list):
         if max_items is not None and len(value) > max_items:
             where = f"'{path}'" if path else "The body"
-            raise RequestError(f"{where} holds {len(value)} items; no request field takes more than {max_items} here", path)
-        return [_ints_from_whole_floats(v, max_items, f"{path}.{i}" if isinstance(v, (list, dict)) else path, depth + 1)
-                for i, v in enumerate(value)]  # fmt: skip
+            raise RequestError(f"{where} holds {len(value):,} items; no request field takes more than {max_items:,} here",
+                               path)  # fmt: skip
+        return [_ints_from_whole_floats(v, max_items, max_keys, f"{path}.{i}" if isinstance(v, (list, dict)) else path,
+                                        depth + 1) for i, v in enumerate(value)]  # fmt: skip
     if isinstance(value, dict):
-        return {k: _ints_from_whole_floats(v, max_items, k if path is None else f"{path}.{k}", depth + 1)
+        if max_keys is not None and len(value) > max_keys:
+            where = f"'{path}'" if path else "The body"
+            raise RequestError(f"{where} holds {len(value):,} keys; no request object takes more than {max_keys:,} here",
+                               path)  # fmt: skip
+        return {k: _ints_from_whole_floats(v, max_items, max_keys, k if path is None else f"{path}.{k}", depth + 1)
                 for k, v in value.items()}  # fmt: skip
     return value
 

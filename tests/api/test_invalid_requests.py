@@ -267,17 +267,34 @@ def test_deep_nesting_is_a_400_not_a_500(client):
 
 
 def test_many_bad_logit_bias_keys_name_a_few_and_count_the_rest(client):
-    """4,000 keys that are not token ids (as many as this client's body limit takes): a 400 naming
-    the first, the next few, and how many more. At 20,000 keys the message was 409 KB and finding
-    them a quadratic search, 1.6 s of CPU per request: six such requests at once held every
-    thread of a default server's worker."""
-    r = client.simulate_post(CHAT, json={"messages": MSG, "logit_bias": {f"k{i}": 1 for i in range(4_000)}})
+    """As many keys that are not token ids as an object may hold here (a key per token of the
+    vocabulary): a 400 naming the first, the next few, and how many more. At 20,000 keys the message
+    was 409 KB and finding them a quadratic search, 1.6 s of CPU per request: six such requests at
+    once held every thread of a default server's worker."""
+    keys = client.simulate_get("/openapi.json").json["x-limits"]["body"]["max_object_keys"]
+    r = client.simulate_post(CHAT, json={"messages": MSG, "logit_bias": {f"k{i}": 1 for i in range(keys)}})
     assert r.status_code == 400, r.text
     error = r.json["error"]
     assert error["param"] == "logit_bias.k0"
     assert "'logit_bias.k1'" in error["message"] and "'logit_bias.k8'" in error["message"]
-    assert "'logit_bias.k9'" not in error["message"] and "and 3,991 more" in error["message"]
+    assert "'logit_bias.k9'" not in error["message"] and f"and {keys - 9:,} more" in error["message"]
     assert len(error["message"]) < 1000
+
+
+def test_an_object_larger_than_any_field_takes_is_refused_before_it_is_walked(client):
+    """The served spec states the most keys an object may hold (the vocabulary's size: a
+    ``logit_bias`` entry per token); one key more is a 400 naming the object, wherever it is."""
+    limits = client.simulate_get("/openapi.json").json["x-limits"]["body"]
+    keys = limits["max_object_keys"]
+    assert limits["max_array_items"] >= 1 and limits["max_depth"] >= 8
+    too_many = {str(i): 1 for i in range(keys + 1)}
+    r = client.simulate_post(CHAT, json={"messages": MSG, "logit_bias": too_many})
+    assert r.status_code == 400 and r.json["error"]["param"] == "logit_bias", r.text
+    assert f"holds {keys + 1:,} keys" in r.json["error"]["message"]
+    r = client.simulate_post(CHAT, json={"messages": [{"role": "user", "content": "hi", "extra": too_many}]})
+    assert r.status_code == 400 and r.json["error"]["param"] == "messages.0.extra", r.text
+    r = client.simulate_post(CHAT, json={"messages": MSG, "logit_bias": {"1": 1}})
+    assert r.status_code == 200, r.text
 
 
 def test_a_compressed_body_is_a_415(client):
