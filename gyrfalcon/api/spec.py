@@ -15,6 +15,7 @@ from gyrfalcon.protocol.endpoints import ENDPOINTS
 from gyrfalcon.protocol.runtime_rules import served_table
 from gyrfalcon.protocol.translate import SPEC_MAX_ITEMS, SPEC_MAX_PROPERTIES
 from gyrfalcon.protocol.wire import MAX_DEPTH
+from gyrfalcon.structured.grammar import MAX_CONSTRAINT_BYTES, MAX_CONSTRAINT_NODES
 
 #: a plugin marks an integer schema of its extension fragment as a token id with this key
 TOKEN_ID_MARK = "x-token-id"
@@ -176,6 +177,8 @@ def deployment_spec(
         # larger object, than any request field takes
         "body": {"max_depth": MAX_DEPTH, "max_array_items": longest_array(limits, SPEC_MAX_ITEMS),
                  "max_object_keys": largest_object(limits, SPEC_MAX_PROPERTIES)},
+        # a constraint (structured_outputs, response_format's schema) or a tool's parameters schema
+        "constraints": {"max_bytes": MAX_CONSTRAINT_BYTES, "max_nodes": MAX_CONSTRAINT_NODES},
     }
     if responses_store is not None:  # the Responses API's stored responses: how many, how long
         spec["x-limits"]["responses_store"] = responses_store

@@ -17,6 +17,7 @@ them. On the CPU the forward is synchronous and the fill follows it (measured by
 from __future__ import annotations
 
 import collections
+import hashlib
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +54,7 @@ class StructuredOutputProcessor(LogitsProcessor):
     def __init__(self, info: EngineInfo) -> None:
         self.info = info
         self._tokenizer: Any = None  # llguidance's view of the served tokenizer, built on first use
-        self._compiled: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._compiled: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
         self._lock = threading.Lock()  # submit (validate) and the step loop both compile
         self._rows: dict[int, _Row] = {}
         self._executor: Any = None
@@ -77,7 +78,7 @@ class StructuredOutputProcessor(LogitsProcessor):
         """A fresh matcher for ``constraint`` (compiled once, then copied from the cache)."""
         import llguidance
 
-        key = constraint_key(constraint)
+        key = hashlib.sha256(constraint_key(constraint).encode("utf-8", "surrogatepass")).digest()
         with self._lock:
             matcher = self._compiled.get(key)
             if matcher is not None:

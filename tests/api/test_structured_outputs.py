@@ -106,10 +106,23 @@ def test_streamed_choices_follow_the_constraint(client):
          "response_format.json_schema.schema"),
         ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"structured_outputs": {"regex": "("}}},
          "sampling_params.structured_outputs.regex"),
+        # malformed structural tags: a begin that is not a string was an uncaught AttributeError (a 500)
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"structural_tag": json.dumps(
+            {"structures": [{"begin": 3, "end": "</f>"}], "triggers": ["<f>"]})}}, "structured_outputs.structural_tag"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"structural_tag": json.dumps(
+            {"structures": [7], "triggers": ["<f>"]})}}, "structured_outputs.structural_tag"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"structural_tag": "[]"}}, "structured_outputs.structural_tag"),
     ],
 )  # fmt: skip
 def test_a_bad_constraint_is_a_400_naming_its_field(client, path, body, param):
     refused(client.simulate_post(path, json={"model": "tiny", **body}), param)
+
+
+def test_the_served_spec_states_the_constraints_bounds(client):
+    from gyrfalcon.structured.grammar import MAX_CONSTRAINT_BYTES, MAX_CONSTRAINT_NODES
+
+    limits = client.simulate_get("/openapi.json").json["x-limits"]["constraints"]
+    assert limits == {"max_bytes": MAX_CONSTRAINT_BYTES, "max_nodes": MAX_CONSTRAINT_NODES}
 
 
 def test_structural_tag_is_compiled_and_checked(client):
