@@ -41,6 +41,28 @@ def test_the_kernels_build_without_openmp_and_are_refused_without_a_compiler(tmp
     assert torch.equal(mean_square(x), x.pow(2).mean(-1, keepdim=True))  # no kernels: ATen's
 
 
+def test_a_library_that_others_could_write_is_built_again_never_loaded(tmp_path):
+    """The kernel cache is private: made 0700; a library there that another user could have
+    written (group- or world-writable, or not this user's) is built again in a new private folder,
+    and a cache folder others may write is not used at all."""
+    import os
+    import stat
+
+    target = native._build(tmp_path / "kernels")
+    assert stat.S_IMODE((tmp_path / "kernels").stat().st_mode) & 0o077 == 0 and native._private(target)
+    assert native._build(tmp_path / "kernels") == target  # a private library is used as it is
+    target.chmod(0o666)
+    rebuilt = native._build(tmp_path / "kernels")
+    assert rebuilt != target and rebuilt.name == target.name and native._private(rebuilt)
+    assert native._private(rebuilt.parent) and rebuilt.parent != target.parent
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match="writable by others"):
+        native._build(shared)
+    assert not list(shared.iterdir()) and os.access(rebuilt, os.R_OK)
+
+
 @pytest.mark.parametrize("width", [64, 100, 576, 9000])
 def test_a_rows_mean_square_has_the_same_bits_alone_and_in_any_batch(tmp_path, width):
     """``mean_square.c`` sums each row in one order whatever the rows beside it (widths that are

@@ -21,7 +21,8 @@ The library is compiled once per machine with its C compiler (``$CC``, else ``cc
 ``clang``; the compiled step's inductor needs one too), for the instruction set torch found
 (AVX-512, AVX2, or portable vectors), with OpenMP where the compiler has it (else on one thread),
 and kept in ``<cache>/kernels`` under a name that hashes its sources, flags and compiler (about
-0.3 s the first time). Where no compiler works, :func:`library` raises :class:`KernelUnavailable`
+0.3 s the first time). A library is loaded only from a folder and file of this user's that no one
+else may write (made 0700); anything else is built again in a new private temporary folder. Where no compiler works, :func:`library` raises :class:`KernelUnavailable`
 and the callers keep torch's kernels (the start-up line says so).
 """
 
@@ -94,13 +95,31 @@ def _build(cache: Path) -> Path:
     raise failure
 
 
+def _private(path: Path) -> bool:
+    """Whether ``path`` is this user's and nobody else may write it (a library loaded from there
+    runs as this process: another local user must not have been able to plant or change it)."""
+    info = path.lstat()
+    return info.st_uid == os.getuid() and not info.st_mode & 0o022 and not path.is_symlink()
+
+
+def _private_folder(folder: Path) -> Path:
+    """``folder``, made (0700) if it is not there; a PermissionError unless it is :func:`_private`."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not _private(folder):
+        raise PermissionError(f"{folder} is another user's or writable by others")
+    return folder
+
+
 def _compile(cc: str, version: str, flags: list[str], cache: Path) -> Path:
     sources = [f"{path.name}\0{path.read_text()}" for path in (*_SOURCES, *_HEADERS)]
     key = hashlib.sha256("\0".join([*sources, *flags, version]).encode()).hexdigest()[:16]
-    target = cache / f"kernels-{key}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
+    target = _private_folder(cache) / f"kernels-{key}.so"
+    if target.exists() or target.is_symlink():
+        if _private(target):
+            return target
+        log.warning("%s is another user's or writable by others: built again in a folder of our own", target)
+        cache = Path(tempfile.mkdtemp(prefix="gyrfalcon-kernels-"))
+        target = cache / target.name
     start = time.perf_counter()
     fd, partial = tempfile.mkstemp(dir=cache, suffix=".so")
     os.close(fd)
@@ -120,7 +139,7 @@ def _compile(cc: str, version: str, flags: list[str], cache: Path) -> Path:
 def _library(cache: Path) -> ctypes.CDLL:
     try:
         path = _build(cache)
-    except OSError:  # a cache that cannot be written: build in a folder of our own
+    except OSError:  # a cache that cannot be written, or is not private: build in a folder of our own
         path = _build(Path(tempfile.mkdtemp(prefix="gyrfalcon-kernels-")))
     library = ctypes.CDLL(str(path))
     for name, (arguments, result) in _SIGNATURES.items():
