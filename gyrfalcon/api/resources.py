@@ -25,6 +25,7 @@ from gyrfalcon.protocol.endpoints import Endpoint
 from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.serving.responses import conversation_after
 from gyrfalcon.errors import RequestError
+from gyrfalcon.logtext import loggable
 from gyrfalcon.serving.runner import FORMATTERS, StreamedResponse, complete, stream_chunks, submit_all
 
 
@@ -134,7 +135,8 @@ class InferenceResource:
         """Parse, translate and submit (in a worker thread)."""
         body = self.ctx.parse_body(raw)
         serving = self.ctx.translator().translate(self.endpoint, body, request_id, history=self._history(body))
-        access_log.info("%s %s user=%r prompts=%d n=%d stream=%s%s", self.endpoint.name, serving.response_id, serving.user,
+        access_log.info("%s %s user=%r prompts=%d n=%d stream=%s%s", self.endpoint.name, loggable(serving.response_id),
+                        serving.user,
                         len(serving.requests), serving.n, serving.stream,
                         "".join(f" {k}={v!r}" for k, v in serving.recorded.items()))  # fmt: skip
         return serving, [] if serving.prompt_only else submit_all(self.ctx.engine, serving)
@@ -182,7 +184,7 @@ class ResponsesResource(InferenceResource):
             body = FORMATTERS[serving.endpoint](serving, self.ctx.engine).body("failed", [], None)
             body["error"] = {"code": exc.type, "message": exc.message}
         except Exception as exc:  # noqa: BLE001 - the task has no client to answer: the store says it
-            log.exception("background response %s failed", serving.response_id)
+            log.exception("background response %s failed", loggable(serving.response_id))
             body = FORMATTERS[serving.endpoint](serving, self.ctx.engine).body("failed", [], None)
             body["error"] = {"code": "server_error", "message": f"Internal error: {type(exc).__name__}"}
         finally:

@@ -34,6 +34,7 @@ from gyrfalcon.engine_api.interface import EngineCore, OutputStream
 from gyrfalcon.engine_api.streams import CoalescingOutputStream
 from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, RequestOutput
 from gyrfalcon.engine_api import codec
+from gyrfalcon.logtext import loggable
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ class RayEngineCore(EngineCore):
             call.cancel()  # Ray cancels the replica's generator, which aborts the request there
             return  # whoever cancelled ends the stream, if it is to be ended
         except Exception as exc:  # noqa: BLE001 - the replica died or the call failed mid-stream
-            log.warning("request %s lost its engine replica: %s", request_id, exc)
+            log.warning("request %s lost its engine replica: %s", loggable(request_id), exc)
             stream.put(RequestOutput(request_id, [], finished=True, error=EngineError(
                 f"the engine replica running this request failed ({type(exc).__name__})",
                 type=ShuttingDown.type, retry_after=1.0)))  # fmt: skip

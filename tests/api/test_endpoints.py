@@ -213,6 +213,16 @@ def test_user_is_recorded_in_the_access_log(client, caplog):
     assert any("user='user-42'" in rec.getMessage() for rec in caplog.records)
 
 
+def test_a_request_id_cannot_forge_an_access_log_line(client, caplog):
+    """A client's request id with a line break and a terminal escape is logged escaped."""
+    with caplog.at_level("INFO", logger="gyrfalcon.access"):
+        r = post(client, "/v1/completions", {"prompt": "x", "max_tokens": 1, "request_id": "a\nINFO forged\x1b[2J"})
+    assert r.status_code == 200
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "gyrfalcon.access"]
+    assert lines and all("\n" not in line and "\x1b" not in line for line in lines)
+    assert any("a\\x0aINFO forged\\x1b[2J" in line for line in lines)
+
+
 def test_stream_chunks_carry_every_field_the_spec_requires(client):
     """usage: null on every chunk but the usage chunk; prompt_token_ids once per choice."""
     body = {"prompt": [[5, 6], [7]], "n": 2, "max_tokens": 3, "stream": True, "return_token_ids": True, **SAMPLED}

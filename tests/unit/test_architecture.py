@@ -23,7 +23,7 @@ PACKAGE = Path(gyrfalcon.__file__).parent
 
 #: the rooms, lowest first: each may import only rooms before it (and the package's face)
 LAYERS = [
-    "errors", "heap", "generated", "kernels", "engine_api", "openapi", "models", "policies", "engine", "structured",
+    "errors", "logtext", "heap", "generated", "kernels", "engine_api", "openapi", "models", "policies", "engine", "structured",
     "client", "tools", "protocol", "hookspecs", "serving", "config", "plugins", "engine_process", "api",
     "compose", "ray", "gunicorn_conf", "entrypoints", "cli",
     # tooling: beside the runtime, above it
