@@ -17,6 +17,7 @@ from gyrfalcon.api import errors
 from gyrfalcon.api.connection import WatchedApp
 from gyrfalcon.api.context import ServerContext
 from gyrfalcon.api.errors import APIError
+from gyrfalcon.api.response_store import owner_of
 from gyrfalcon.api.resources import (
     DetokenizeResource,
     HealthResource,
@@ -58,6 +59,7 @@ class APIKeyMiddleware:
         # the scheme is case-insensitive (RFC 9110 §11.1): "bearer" is "Bearer"
         if scheme.lower() != "bearer" or not any(hmac.compare_digest(token, k) for k in self.keys):
             raise APIError(401, "Missing or invalid API key", headers={"WWW-Authenticate": "Bearer"})
+        req.context.owner = owner_of(token.decode())  # whose stored responses this request may see
 
 
 class App(falcon.asgi.App):

@@ -29,8 +29,8 @@ from gyrfalcon.protocol.translate import Translator
 from gyrfalcon.protocol.wire import parse_json
 
 
-#: the stored responses' file in the cache folder
-RESPONSES_FILE = "responses.sqlite3"
+#: the stored responses' file in the cache folder (in a folder of its own: 0700)
+RESPONSES_FILE = "responses/responses.sqlite3"
 
 
 class ServerContext:

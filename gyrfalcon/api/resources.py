@@ -41,6 +41,12 @@ async def offload(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
+def owner_of_request(req: falcon.Request) -> str:
+    """Whose stored responses a request may see: its API key's owner (set by the key check), '' on a
+    server without keys."""
+    return getattr(req.context, "owner", "")
+
+
 def _json(resp: falcon.Response, body: object, status: int = 200) -> None:
     resp.status = falcon.code_to_http_status(status)
     resp.content_type = falcon.MEDIA_JSON
@@ -100,7 +106,9 @@ class InferenceResource:
 
     async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         raw = await self.ctx.read_body(req)
-        accepting = asyncio.get_running_loop().run_in_executor(None, self._accept, raw, req.get_header("X-Request-Id"))
+        owner = owner_of_request(req)
+        accepting = asyncio.get_running_loop().run_in_executor(None, self._accept, raw, req.get_header("X-Request-Id"),
+                                                                owner)  # fmt: skip
         try:
             serving, streams = await asyncio.shield(accepting)
         except asyncio.CancelledError:  # the server is stopping this task: what was submitted is aborted
@@ -113,28 +121,29 @@ class InferenceResource:
         if serving.stream:
             chunks = stream_chunks(engine, serving, streams, connection)
             await chunks.started()  # the status waits for the first output: an error before it is a status
-            start_stream(resp, self.streamed(serving, chunks), named=self.endpoint.stored)
+            start_stream(resp, self.streamed(serving, chunks, owner), named=self.endpoint.stored)
         else:
-            _json(resp, await self.respond(serving, streams, connection))
+            _json(resp, await self.respond(serving, streams, connection, owner))
         # ids come from clients: percent-encode whatever a header cannot carry
         resp.set_header("X-Request-Id", quote(serving.response_id, safe="-_.~:/+="))
 
-    async def respond(self, serving: ServingRequest, streams: list[OutputStream], connection: Any) -> dict[str, Any]:
-        """The whole answer of a request that does not stream."""
+    async def respond(self, serving: ServingRequest, streams: list[OutputStream], connection: Any,
+                      owner: str) -> dict[str, Any]:  # fmt: skip
+        """The whole answer of a request that does not stream (``owner``: of what it stores)."""
         return await complete(self.ctx.engine, serving, streams, connection)
 
-    def streamed(self, serving: ServingRequest, chunks: StreamedResponse) -> Any:
+    def streamed(self, serving: ServingRequest, chunks: StreamedResponse, owner: str) -> Any:
         """A streamed answer's chunks as they go out."""
         return chunks
 
-    def _history(self, body: Any) -> list[dict[str, Any]] | None:
-        """The stored turns a request continues (none here)."""
+    def _history(self, body: Any, owner: str) -> list[dict[str, Any]] | None:
+        """The stored turns of ``owner``'s a request continues (none here)."""
         return None
 
-    def _accept(self, raw: bytes, request_id: str | None) -> tuple[ServingRequest, list[OutputStream]]:
+    def _accept(self, raw: bytes, request_id: str | None, owner: str) -> tuple[ServingRequest, list[OutputStream]]:
         """Parse, translate and submit (in a worker thread)."""
         body = self.ctx.parse_body(raw)
-        serving = self.ctx.translator().translate(self.endpoint, body, request_id, history=self._history(body))
+        serving = self.ctx.translator().translate(self.endpoint, body, request_id, history=self._history(body, owner))
         access_log.info("%s %s user=%r prompts=%d n=%d stream=%s%s", self.endpoint.name, loggable(serving.response_id),
                         serving.user,
                         len(serving.requests), serving.n, serving.stream,
@@ -151,31 +160,32 @@ def _close_accepted(accepting: asyncio.Future[tuple[ServingRequest, list[OutputS
 class ResponsesResource(InferenceResource):
     """``POST /v1/responses``: as chat, continuing a stored response and storing its answer."""
 
-    def _history(self, body: Any) -> list[dict[str, Any]] | None:
+    def _history(self, body: Any, owner: str) -> list[dict[str, Any]] | None:
         previous = body.get("previous_response_id") if isinstance(body, dict) else None
         if not isinstance(previous, str):
             return None  # (a wrong type is the translator's 400)
-        return self.ctx.response_store().conversation(previous, "previous_response_id")
+        return self.ctx.response_store().conversation(previous, "previous_response_id", owner)
 
-    def _keep(self, serving: ServingRequest, response: dict[str, Any]) -> None:
+    def _keep(self, serving: ServingRequest, response: dict[str, Any], owner: str) -> None:
         if response.get("store", True):
-            self.ctx.response_store().put(response, serving.input_items, conversation_after(serving, response))
+            self.ctx.response_store().put(response, serving.input_items, conversation_after(serving, response), owner)
 
-    async def respond(self, serving: ServingRequest, streams: list[OutputStream], connection: Any) -> dict[str, Any]:
+    async def respond(self, serving: ServingRequest, streams: list[OutputStream], connection: Any,
+                      owner: str) -> dict[str, Any]:  # fmt: skip
         if not serving.response_fields.get("background"):
             body = await complete(self.ctx.engine, serving, streams, connection)
-            await offload(self._keep, serving, body)
+            await offload(self._keep, serving, body, owner)
             return body
         # background: answered at once, in progress; the answer is stored when it ends (the client
         # may leave: its connection is not watched)
         started = FORMATTERS[serving.endpoint](serving, self.ctx.engine).body("in_progress", [], None)
-        await offload(self._keep, serving, started)
-        task = asyncio.ensure_future(self._background(serving, streams))
+        await offload(self._keep, serving, started, owner)
+        task = asyncio.ensure_future(self._background(serving, streams, owner))
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
         return started
 
-    async def _background(self, serving: ServingRequest, streams: list[OutputStream]) -> None:
+    async def _background(self, serving: ServingRequest, streams: list[OutputStream], owner: str) -> None:
         store = self.ctx.response_store()
         watch = asyncio.ensure_future(_stop_when_cancelled(store, serving.response_id, streams))
         try:
@@ -189,10 +199,11 @@ class ResponsesResource(InferenceResource):
             body["error"] = {"code": "server_error", "message": f"Internal error: {type(exc).__name__}"}
         finally:
             watch.cancel()
-        await offload(store.put, body, serving.input_items, conversation_after(serving, body), True)
+        if body.get("store", True):  # over the stored one only: not over a cancel, a delete, an eviction
+            await offload(store.put, body, serving.input_items, conversation_after(serving, body), owner, True)
 
-    def streamed(self, serving: ServingRequest, chunks: StreamedResponse) -> Any:
-        return _Storing(chunks, lambda response: offload(self._keep, serving, response))
+    def streamed(self, serving: ServingRequest, chunks: StreamedResponse, owner: str) -> Any:
+        return _Storing(chunks, lambda response: offload(self._keep, serving, response, owner))
 
 
 #: background responses running in this worker (kept from the garbage collector)
@@ -237,10 +248,10 @@ class StoredResponseResource:
         self.ctx = ctx
 
     async def on_get(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
-        _json(resp, await offload(self.ctx.response_store().response, response_id))
+        _json(resp, await offload(self.ctx.response_store().response, response_id, None, owner_of_request(req)))
 
     async def on_delete(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
-        await offload(self.ctx.response_store().delete, response_id)
+        await offload(self.ctx.response_store().delete, response_id, owner_of_request(req))
         _json(resp, {"id": response_id, "object": "response", "deleted": True})
 
 
@@ -251,7 +262,7 @@ class ResponseInputItemsResource:
         self.ctx = ctx
 
     async def on_get(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
-        items = await offload(self.ctx.response_store().input_items, response_id)
+        items = await offload(self.ctx.response_store().input_items, response_id, owner_of_request(req))
         limit = req.get_param_as_int("limit", min_value=1, max_value=100, default=20)
         order = req.get_param("order", default="desc")
         if order not in ("asc", "desc"):
@@ -279,9 +290,10 @@ class CancelResponseResource:
 
     async def on_post(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
         store = self.ctx.response_store()
-        if not (await offload(store.response, response_id)).get("background"):
+        owner = owner_of_request(req)
+        if not (await offload(store.response, response_id, None, owner)).get("background"):
             raise APIError(400, "Only a background response can be cancelled", param="response_id")
-        _json(resp, await offload(store.cancel, response_id))
+        _json(resp, await offload(store.cancel, response_id, owner))
 
 
 class TokenizeResource:

@@ -6,10 +6,20 @@ store is bounded: at most ``--responses-store-size`` responses, each kept ``--re
 seconds; the oldest go first. An id that went is remembered (a bounded list of tombstones), so
 asking for it says it was evicted rather than that it never existed. Under Ray, ingress replicas
 on one machine share the file; replicas on other machines do not see it (see the README).
+
+Each response has an owner: a hash of the API key that created it ('' on a server without keys).
+Every read, cancel and delete names its owner, and a response of another owner is "not stored" (a
+404 that says nothing of its existence). Ids are the server's own (never a client's request id),
+so no request can replace another's response. A deleted response stays deleted: a background
+response's last write does not bring it back. The file is 0600 in a 0700 folder (SQLite gives its
+WAL files the database's mode), and expired rows are dropped by every read that meets them and by
+every write.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sqlite3
 import threading
 import time
@@ -29,12 +39,26 @@ CREATE TABLE IF NOT EXISTS responses (
     created REAL NOT NULL,
     response BLOB NOT NULL,
     input_items BLOB NOT NULL,
-    conversation BLOB NOT NULL
+    conversation BLOB NOT NULL,
+    owner TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
-CREATE TABLE IF NOT EXISTS evicted (id TEXT PRIMARY KEY, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS evicted (id TEXT PRIMARY KEY, at REAL NOT NULL, owner TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS evicted_at ON evicted (at);
 """
+
+
+def owner_of(api_key: str | None) -> str:
+    """The owner recorded for responses made with ``api_key`` (a SHA-256, never the key; '' without one)."""
+    return hashlib.sha256(api_key.encode()).hexdigest() if api_key else ""
+
+
+def _private_file(path: Path) -> None:
+    """``path``'s folder made 0700 and the file itself (created empty if missing) 0600."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    os.chmod(path, 0o600)
 
 
 class ResponseStore:
@@ -42,29 +66,35 @@ class ResponseStore:
 
     def __init__(self, path: str | Path, size: int, ttl: float) -> None:
         self.path, self.size, self.ttl = str(path), size, ttl
-        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        _private_file(Path(self.path))
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, timeout=30.0, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        for table in ("responses", "evicted"):  # a file from before owners: its rows are nobody's
+            columns = [row[1] for row in self._db.execute(f"PRAGMA table_info({table})")]
+            if "owner" not in columns:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
 
     def put(self, response: dict[str, Any], input_items: list[dict[str, Any]], conversation: list[dict[str, Any]],
-            unless_cancelled: bool = False) -> bool:  # fmt: skip
-        """Keep ``response`` (by its id) with its input items and the turns a continuation starts
-        from; with ``unless_cancelled``, not over a response cancelled meanwhile (False then)."""
+            owner: str = "", update: bool = False) -> bool:  # fmt: skip
+        """Keep ``response`` (by its id) for ``owner`` with its input items and the turns a
+        continuation starts from. ``update``: a later state of a response stored before (a
+        background one's end), written only over that response as it is, never over one cancelled,
+        deleted or evicted meanwhile (False then); a new response never replaces another's."""
         now = time.time()
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                if unless_cancelled:
-                    row = self._db.execute("SELECT response FROM responses WHERE id = ?", (response["id"],)).fetchone()
-                    if row is not None and orjson.loads(row[0]).get("status") == "cancelled":
-                        self._db.execute("COMMIT")
-                        return False
-                self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
+                row = self._db.execute("SELECT response, owner FROM responses WHERE id = ?", (response["id"],)).fetchone()
+                if (row is not None and row[1] != owner) or (update and (row is None or orjson.loads(row[0]).get("status")
+                                                                         == "cancelled")):  # fmt: skip
+                    self._db.execute("COMMIT")
+                    return False
+                self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
                                  (response["id"], now, orjson.dumps(response), orjson.dumps(input_items),
-                                  orjson.dumps(conversation)))  # fmt: skip
+                                  orjson.dumps(conversation), owner))  # fmt: skip
                 self._evict(now)
                 self._db.execute("COMMIT")
             except BaseException:
@@ -73,53 +103,60 @@ class ResponseStore:
         return True
 
     def _evict(self, now: float) -> None:
-        gone = [row[0] for row in self._db.execute("SELECT id FROM responses WHERE created < ?", (now - self.ttl,))]
+        gone = list(self._db.execute("SELECT id, owner FROM responses WHERE created < ?", (now - self.ttl,)))
         over = int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]) - len(gone) - self.size
         if over > 0:  # the oldest first (the index on created: no scan of the whole table)
-            gone += [row[0] for row in self._db.execute(
-                "SELECT id FROM responses WHERE created >= ? ORDER BY created LIMIT ?", (now - self.ttl, over))]  # fmt: skip
+            gone += list(self._db.execute(
+                "SELECT id, owner FROM responses WHERE created >= ? ORDER BY created LIMIT ?", (now - self.ttl, over)))  # fmt: skip
         if not gone:
             return
-        self._db.executemany("DELETE FROM responses WHERE id = ?", [(i,) for i in gone])
-        self._db.executemany("INSERT OR REPLACE INTO evicted VALUES (?, ?)", [(i, now) for i in gone])
+        self._db.executemany("DELETE FROM responses WHERE id = ?", [(i,) for i, _ in gone])
+        self._db.executemany("INSERT OR REPLACE INTO evicted VALUES (?, ?, ?)", [(i, now, o) for i, o in gone])
         self._db.execute("DELETE FROM evicted WHERE id NOT IN (SELECT id FROM evicted ORDER BY at DESC LIMIT ?)",
                          (self.size * TOMBSTONES_PER_SLOT,))  # fmt: skip
 
-    def _row(self, response_id: str, column: str, param: str | None) -> Any:
+    def _row(self, response_id: str, column: str, param: str | None, owner: str) -> Any:
+        now = time.time()
         with self._lock:
-            row = self._db.execute(f"SELECT {column}, created FROM responses WHERE id = ?", (response_id,)).fetchone()  # noqa: S608 - a fixed column name
-            if row is not None and row[1] >= time.time() - self.ttl:
+            row = self._db.execute(f"SELECT {column}, created FROM responses WHERE id = ? AND owner = ?",  # noqa: S608 - a fixed column name
+                                   (response_id, owner)).fetchone()  # fmt: skip
+            if row is not None and row[1] >= now - self.ttl:
                 return orjson.loads(row[0])
-            evicted = row is not None or self._db.execute("SELECT 1 FROM evicted WHERE id = ?", (response_id,)).fetchone()
+            if row is not None:  # expired: dropped now, not at the next write
+                self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+                self._db.execute("INSERT OR REPLACE INTO evicted VALUES (?, ?, ?)", (response_id, now, owner))
+            evicted = row is not None or self._db.execute("SELECT 1 FROM evicted WHERE id = ? AND owner = ?",
+                                                          (response_id, owner)).fetchone()  # fmt: skip
         if evicted:
             raise RequestError(f"The response '{response_id}' is no longer stored: it was evicted (the store keeps "
                                f"{self.size} responses for {self.ttl:g} s)", param, status=404, type="NotFoundError")  # fmt: skip
         raise RequestError(f"No stored response has the id '{response_id}'", param, status=404, type="NotFoundError")
 
-    def response(self, response_id: str, param: str | None = None) -> dict[str, Any]:
-        """The stored response (a 404 naming ``param`` when it is not stored)."""
-        return self._row(response_id, "response", param)
+    def response(self, response_id: str, param: str | None = None, owner: str = "") -> dict[str, Any]:
+        """The stored response of ``owner`` (a 404 naming ``param`` when it is not stored)."""
+        return self._row(response_id, "response", param, owner)
 
-    def conversation(self, response_id: str, param: str | None = None) -> list[dict[str, Any]]:
+    def conversation(self, response_id: str, param: str | None = None, owner: str = "") -> list[dict[str, Any]]:
         """The chat turns up to and including the stored response's answer."""
-        return self._row(response_id, "conversation", param)
+        return self._row(response_id, "conversation", param, owner)
 
-    def input_items(self, response_id: str) -> list[dict[str, Any]]:
-        return self._row(response_id, "input_items", None)
+    def input_items(self, response_id: str, owner: str = "") -> list[dict[str, Any]]:
+        return self._row(response_id, "input_items", None, owner)
 
     def status(self, response_id: str) -> str | None:
-        """The stored response's status, None when it is not stored (a cheap poll)."""
+        """The stored response's status, None when it is not stored (a cheap poll by its own worker)."""
         with self._lock:
             row = self._db.execute("SELECT response FROM responses WHERE id = ?", (response_id,)).fetchone()
         return None if row is None else orjson.loads(row[0]).get("status")
 
-    def cancel(self, response_id: str) -> dict[str, Any]:
-        """Mark a queued or running response cancelled (its worker stops it at its next poll);
-        the response as it now is. One that has ended is left as it is."""
+    def cancel(self, response_id: str, owner: str = "") -> dict[str, Any]:
+        """Mark a queued or running response of ``owner`` cancelled (its worker stops it at its next
+        poll); the response as it now is. One that has ended is left as it is."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                row = self._db.execute("SELECT response FROM responses WHERE id = ?", (response_id,)).fetchone()
+                row = self._db.execute("SELECT response FROM responses WHERE id = ? AND owner = ?",
+                                       (response_id, owner)).fetchone()  # fmt: skip
                 response = None if row is None else orjson.loads(row[0])
                 if response is not None and response.get("status") in ("queued", "in_progress"):
                     response["status"] = "cancelled"
@@ -128,13 +165,13 @@ class ResponseStore:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-        return response if response is not None else self.response(response_id)
+        return response if response is not None else self.response(response_id, owner=owner)
 
-    def delete(self, response_id: str) -> None:
-        """Forget a stored response (a 404 when it is not stored)."""
-        self.response(response_id)
+    def delete(self, response_id: str, owner: str = "") -> None:
+        """Forget a stored response of ``owner`` (a 404 when it is not stored)."""
+        self.response(response_id, owner=owner)
         with self._lock:
-            self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+            self._db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner))
 
     def __len__(self) -> int:
         with self._lock:

@@ -157,7 +157,9 @@ class Translator:
         model = self._model_name(fields.get("model"))
         self._check_limits(fields)
         external_id = header_request_id or fields.get("request_id")
-        response_id = endpoint.response_id(external_id or uuid.uuid4().hex)
+        # a stored response's id is always the server's: a client's id could name (and so replace)
+        # another's stored response; the client's id is recorded (the access log) instead
+        response_id = endpoint.response_id(uuid.uuid4().hex if endpoint.stored or not external_id else external_id)
         tools = tool_use(fields, body, self.tool_parser) if endpoint.chat else None
         prompts, prompt_texts, prompt_param = self._prompts(fields, tools)
         sampling = self._sampling(fields)
@@ -168,7 +170,10 @@ class Translator:
             )
         names = wire_names(fields)
         requests = self._engine_requests(fields, response_id, prompts, prompt_param, sampling, names)
-        return self._serving_request(fields, model, response_id, requests, prompt_texts, tools, names)
+        serving = self._serving_request(fields, model, response_id, requests, prompt_texts, tools, names)
+        if endpoint.stored and external_id:
+            serving.recorded["request_id"] = external_id
+        return serving
 
     def _engine_requests(self, fields: RequestFields, response_id: str, prompts: list[list[int]], prompt_param: str,
                          sampling: SamplingParams, names: WireNames) -> list[EngineRequest]:  # fmt: skip

@@ -130,3 +130,39 @@ def test_refusals_name_the_responses_field(client, extra, param):
     r = client.simulate_post(PATH, json={"input": "hi", "max_output_tokens": 2, **extra})
     assert r.status_code == 400, r.text
     assert r.json["error"]["param"] == param, r.json
+
+
+def test_stored_responses_are_owned_by_their_key_and_named_by_the_server(tiny_engine, tiny_model_dir, tmp_path):
+    """Two clients with the same request id each get a response of their own (the server names
+    it); a response is another key's 404 for every verb, and the continuation of another key's
+    response is a 404 naming previous_response_id; the file is 0600 in a 0700 folder."""
+    import os
+    import stat
+
+    client = _client(tiny_engine, tiny_model_dir, tmp_path, api_keys=["key-a", "key-b"])
+    a, b = ({"Authorization": f"Bearer key-{k}"} for k in "ab")
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2}
+    first = client.simulate_post(PATH, json=body, headers={**a, "X-Request-Id": "same"}).json
+    second = client.simulate_post(PATH, json={**body, "request_id": "same"}, headers=b).json
+    assert first["id"] != second["id"] and "same" not in first["id"] + second["id"]
+    assert client.simulate_get(f"{PATH}/{first['id']}", headers=a).json["id"] == first["id"]
+    for verb, path in (("GET", ""), ("DELETE", ""), ("GET", "/input_items"), ("POST", "/cancel")):
+        r = client.simulate_request(verb, f"{PATH}/{first['id']}{path}", headers=b)
+        assert r.status_code == 404 and "No stored response" in r.json["error"]["message"], (verb, path, r.text)
+    r = client.simulate_post(PATH, json={**body, "previous_response_id": first["id"]}, headers=b)
+    assert r.status_code == 404 and r.json["error"]["param"] == "previous_response_id"
+    assert client.simulate_post(PATH, json={**body, "previous_response_id": first["id"]}, headers=a).status_code == 200
+    folder = tmp_path / "responses"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(os.stat(f).st_mode) & 0o077 == 0 for f in folder.iterdir())
+
+
+def test_a_deleted_background_response_stays_deleted(client):
+    r = client.simulate_post(PATH, json={"model": "tiny", "input": "hi", "max_output_tokens": 40, "background": True})
+    assert r.status_code == 200 and r.json["status"] in ("queued", "in_progress")
+    rid = r.json["id"]
+    assert client.simulate_delete(f"{PATH}/{rid}").json["deleted"] is True
+    deadline = time.monotonic() + 3.0  # the background response ends meanwhile (each request runs the
+    while time.monotonic() < deadline:  # loop it runs on): its last write must not bring it back
+        assert client.simulate_get(f"{PATH}/{rid}").status_code == 404
+        time.sleep(0.05)
