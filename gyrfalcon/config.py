@@ -73,7 +73,8 @@ class Settings:
     max_model_len: int | None = option(None, "context length (default: the model's)", type=int)
     max_num_seqs: int = option(16, "sequences decoded together (the running batch)")
     max_num_batched_tokens: int = option(4096, "most tokens of one step (prefill chunks and decode tokens)")
-    max_queue_len: int = option(1024, "requests (prompts) waiting for the engine; beyond it a 503 with Retry-After")
+    max_queue_len: int = option(1024, "requests (prompts) waiting for the engine beyond those its free --max-num-seqs "
+                                "seats take at the next step; beyond it a 503 with Retry-After")  # fmt: skip
     max_request_seqs: int = option(1024, "most sequences (prompts x n) one request may ask for; the choices beyond "
                                    "the running batch wait their turn")  # fmt: skip
     max_logprobs: int = option(20, "most top logprobs a request may ask for")

@@ -99,13 +99,25 @@ class Scheduler:
     # ----------------------------------------------------------------- the queue (any thread)
 
     def add(self, state: RequestState) -> None:
-        """Enqueue, or raise :class:`QueueFull` (a 503 with ``Retry-After``) when the queue is full."""
+        """Enqueue, or raise :class:`QueueFull` (a 503 with ``Retry-After``) when the queue is full:
+        when ``max_queue_len`` requests wait beyond those the free running seats will take at the
+        next step (requests sent at once, or right after others were answered, reach the queue
+        before the engine admits them: up to ``max_num_seqs`` of them are not queued but about to run)."""
         with self._cond:
-            if len(self._waiting) >= self.max_queue_len:
+            if self._queued() >= self.max_queue_len:
                 raise QueueFull(f"the server is busy: {self.max_queue_len} requests are already waiting")
             state.arrival = next(self._arrivals)
             bisect.insort(self._waiting, state, key=self.order)
             self._cond.notify()
+
+    def _queued(self) -> int:
+        """How many waiting requests the running seats free now will not take (under ``_cond``)."""
+        seats = self.max_num_seqs - sum(len(running.unfinished()) for running in tuple(self.running))
+        for index, waiting in enumerate(self._waiting):
+            seats -= len(waiting.sequences)
+            if seats < 0:
+                return len(self._waiting) - index
+        return 0
 
     def order(self, state: RequestState) -> tuple[int, int]:
         """A request's place in the queue and the running list (see the module docstring)."""

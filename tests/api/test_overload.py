@@ -13,10 +13,11 @@ from tests.helpers import api_client
 
 
 def test_a_full_queue_is_503_with_retry_after(tiny_model_dir):
-    engine = create_transformers_engine(tiny_settings(tiny_model_dir, max_queue_len=1), start=False)
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir, max_queue_len=1, max_num_seqs=1), start=False)
     assert engine.core.prepare()  # ready, but no loop runs: what is queued stays queued
     try:
-        waiting = engine.submit(EngineRequest("filler", [1, 2, 3], SamplingParams(max_tokens=2)))
+        # the first takes the one free seat at the next step, the second waits: the queue is full
+        fillers = [engine.submit(EngineRequest(f"filler-{i}", [1, 2, 3], SamplingParams(max_tokens=2))) for i in range(2)]
         app = create_app(engine, Settings(model=tiny_model_dir, served_model_name=["tiny"]), plugin_manager())
         client = api_client(app)
         r = client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 2})
@@ -25,4 +26,4 @@ def test_a_full_queue_is_503_with_retry_after(tiny_model_dir):
         assert "busy" in r.json["error"]["message"]
     finally:
         engine.shutdown(0)
-    assert list(waiting)[-1].outputs[0].finish_reason == "abort"
+    assert all(list(waiting)[-1].outputs[0].finish_reason == "abort" for waiting in fillers)

@@ -170,18 +170,45 @@ def test_unknown_extension_is_rejected(tiny_engine):
 
 
 def test_queue_full_is_503_with_retry_after(tiny_model_dir):
-    engine = create_transformers_engine(tiny_settings(tiny_model_dir, max_queue_len=2), start=False)
-    streams = [engine.submit(request()) for _ in range(2)]
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir, max_queue_len=2, max_num_seqs=1), start=False)
+    streams = [engine.submit(request()) for _ in range(3)]  # one about to take the free seat, two queued
     with pytest.raises(QueueFull) as err:
         engine.submit(request())
     assert err.value.retry_after == 1
-    assert engine.stats()["waiting"] == 2
+    assert engine.stats()["waiting"] == 3
     engine.shutdown(0)
     for stream in streams:
         (last,) = list(stream)
         assert last.finished and last.outputs[0].finish_reason == "abort"
     with pytest.raises(ShuttingDown):
         engine.submit(request())
+
+
+def test_requests_within_the_stated_capacity_are_never_refused(tiny_model_dir):
+    """max_num_seqs + max_queue_len requests sent at once, then one more right after their
+    answers: none is refused (they reached the queue before the engine admitted any, and the
+    queue was counted full at max_queue_len)."""
+    import threading
+
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir, max_queue_len=2, max_num_seqs=2))
+    assert engine.wait_ready(60).ready
+    refused = []
+
+    def ask(name):
+        try:
+            list(engine.submit(EngineRequest(name, [1, 2, 3], SamplingParams(temperature=0, max_tokens=3))))
+        except QueueFull as exc:
+            refused.append((name, exc))
+
+    try:
+        for trial in range(10):
+            threads = [threading.Thread(target=ask, args=(f"t{trial}-{i}",)) for i in range(4)]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+            ask(f"t{trial}-after")
+    finally:
+        engine.shutdown(1.0)
+    assert refused == []
 
 
 def wait_for(predicate, timeout=10.0):

@@ -128,15 +128,21 @@ def test_a_request_that_could_never_fit_is_refused_at_submit():
 
 
 def test_full_queue_is_503_and_remove_frees_a_place():
-    s = scheduler(max_queue_len=2)
-    s.add(state("a", 3))
+    """max_queue_len requests may wait beyond those the free seats take at the next step (requests
+    sent at once reach the queue before any is admitted: with 2 seats and a queue of 2, the 4th of
+    4 sent at once was refused)."""
+    s = scheduler(max_queue_len=2, max_num_seqs=1)
+    s.add(state("a", 3))  # takes the free seat at the next step
     s.add(state("b", 3))
+    s.add(state("c", 3))
     with pytest.raises(QueueFull) as err:
-        s.add(state("c", 3))
+        s.add(state("d", 3))
     assert err.value.retry_after == 1
     assert s.remove("a").request_id == "a" and s.remove("a") is None
-    s.add(state("c", 3))
-    assert [st.request_id for st in s.drain()] == ["b", "c"]
+    s.add(state("d", 3))
+    with pytest.raises(QueueFull):
+        s.add(state("e", 3, n=2))  # two choices need two seats: it would wait with two before it
+    assert [st.request_id for st in s.drain()] == ["b", "c", "d"]
 
 
 def test_an_abort_while_the_head_is_being_admitted_loses_no_request_and_no_block():
