@@ -4,7 +4,8 @@ Settings come from the environment (as for the API workers). The process is the 
 session, so a signal to the server's process group (Ctrl-C in a terminal) never reaches it: its
 launcher signals it. SIGUSR1 drains the engine (health 503, queued requests end with a 503, running
 ones have ``--drain-timeout``) while the workers finish their streams; SIGTERM, or the launcher's
-death, stops it.
+death, stops it. An engine whose model cannot load exits with status 1 (its launcher then stops
+the server, so that a supervisor sees the failure).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 
 
 def main(argv: list[str]) -> int:
@@ -36,12 +39,34 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: server.stop())
     if early:
         server.drain(settings.drain_timeout)
+    failed = _stop_if_the_model_fails(core, server)
     logging.getLogger(__name__).info("serving the engine at %s", argv[0])
     try:
         server.serve()
     finally:
         core.shutdown(grace=0.0)
+    if failed:  # non-zero: the supervisor (gyrfalcon serve's launcher, systemd, k8s) sees it
+        logging.getLogger(__name__).error("exiting: %s", failed[0])
+        return 1
     return 0
+
+
+def _stop_if_the_model_fails(core, server) -> list[str]:
+    """Watch the model load (in the core's own thread); if it fails, stop serving. Returns the list
+    the failure's message is put in."""
+    failed: list[str] = []
+
+    def watch() -> None:
+        health = core.health()
+        while not health.ready and not health.message.startswith("model failed"):
+            time.sleep(0.2)
+            health = core.health()
+        if not health.ready:
+            failed.append(health.message)
+            server.stop()
+
+    threading.Thread(target=watch, name="gyrfalcon-load-watch", daemon=True).start()
+    return failed
 
 
 if __name__ == "__main__":

@@ -182,3 +182,22 @@ def test_health_reports_a_step_that_hangs(slow_engine, monkeypatch):
     list(stream)
     time.sleep(0.1)
     assert slow_engine.health().ready
+
+
+def test_an_engine_whose_model_cannot_load_exits_non_zero(tiny_model_dir, tmp_path):
+    """Weights that cannot be read: the engine process says why and exits 1, so its launcher (and
+    a supervisor) sees it, instead of serving a health 503 for ever."""
+    import os
+    import shutil
+
+    from tests.conftest import tiny_settings
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    env = {**os.environ, "GYRFALCON_SETTINGS": tiny_settings(str(broken)).to_env()}
+    address = f"ipc://{tmp_path}/engine.sock"
+    done = subprocess.run([sys.executable, "-m", "gyrfalcon.engine_process", address], env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "exiting: model failed to load" in done.stderr

@@ -40,6 +40,35 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir)
         engine.shutdown(0)
 
 
+def test_steps_that_keep_failing_turn_health_unhealthy_until_one_succeeds(tiny_model_dir):
+    """Three steps in a row that fail for the server's sake (nothing computed) make health say so
+    (a 503 at /health); a step that computes
+    tokens makes the engine healthy again."""
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir))
+    try:
+        assert engine.wait_ready(60).ready
+        forward = engine.core.runner.step
+        broken = [True]
+
+        def failing(works):
+            if broken[0]:
+                raise RuntimeError("device lost")
+            return forward(works)
+
+        engine.core.runner.step = failing
+        for i in range(3):
+            assert engine.health().ready, i
+            (last,) = list(engine.submit(request(PROMPTS[0], max_tokens=3)))
+            assert last.error is not None and "device lost" in last.error.message
+        health = engine.health()
+        assert not health.ready and "the last 3 steps failed" in health.message and "device lost" in health.message
+        broken[0] = False
+        (ok,) = list(engine.submit(request(PROMPTS[1], temperature=0.0, max_tokens=3, ignore_eos=True)))
+        assert ok.error is None and engine.health().ready
+    finally:
+        engine.shutdown(0)
+
+
 class LoopKilled(BaseException):
     """Something the step loop's own handler does not catch."""
 
