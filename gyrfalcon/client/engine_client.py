@@ -179,6 +179,12 @@ class EngineClient(Engine):
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
+    @functools.cache  # noqa: B019 - one client per process, one value
+    def longest_token_chars(self) -> int | None:
+        """The longest token string of the vocabulary (added tokens included): a byte-level or
+        SentencePiece token's string has at least as many characters as the text it spells."""
+        return max((len(piece) for piece in self.tokenizer.get_vocab()), default=0) or None
+
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens,
                                      clean_up_tokenization_spaces=False)  # fmt: skip

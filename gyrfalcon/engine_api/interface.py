@@ -172,6 +172,11 @@ class Engine(EngineCore):
         a character. Default: the UTF-8 of :meth:`token_strings`."""
         return [text.encode("utf-8") for text in self.token_strings(token_ids)]
 
+    def longest_token_chars(self) -> int | None:
+        """The most characters of text one token can stand for (so a text longer than the context
+        times this cannot fit it, and is refused before it is tokenized); None: unknown (no bound)."""
+        return None
+
     @abc.abstractmethod
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, *,
                             continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:  # fmt: skip

@@ -274,11 +274,34 @@ class Translator:
             return self._completion_prompts(f.get(name))
         batch = given is Prompts.CONVERSATIONS
         conversations = f.get(name) if batch else [f.get(name)]
+        for i, messages in enumerate(conversations):
+            self._check_text_length(messages, f"{name}.{i}" if batch else name)
         options = ChatRendering.of(f)
         prompts = [self.chat.render(messages, options, f"{name}.{i}" if batch else name, tools)
                    for i, messages in enumerate(conversations)]  # fmt: skip
         echoed = [options.echoed(messages) for messages in conversations] if f.get("echo") is True else []
         return prompts, echoed, name
+
+    def _check_text_length(self, value: Any, param: str) -> None:
+        """A 400 naming ``param`` when the text in ``value`` (a string, or the strings anywhere in
+        messages) is longer than any prompt that fits the context: the model's length times the most
+        characters a token spells. Found before tokenizing (or rendering), whose cost grows with it."""
+        longest = self.engine.longest_token_chars()
+        if not longest:
+            return
+        bound = self.info.max_model_len * longest
+        chars, stack = 0, [value]
+        while stack and chars <= bound:
+            item = stack.pop()
+            if isinstance(item, str):
+                chars += len(item)
+            elif isinstance(item, dict):
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
+        if chars > bound:
+            raise RequestError(f"The text of '{param}' is over {bound:,} characters: more than the model's context of "
+                               f"{self.info.max_model_len:,} tokens can hold", param)
 
     # ------------------------------------------------------------------ tokenize / detokenize
     def tokenize(self, body: Any) -> tuple[list[int], list[str] | None]:
@@ -289,8 +312,10 @@ class Translator:
         sent = sent_fields(validate(model, body))
         self._model_name(sent.get("model"))
         if chat:
+            self._check_text_length(sent["messages"], "messages")
             ids = self.chat.render(sent["messages"], ChatRendering(sent.get("add_generation_prompt", True)), "messages")
         else:
+            self._check_text_length(sent["prompt"], "prompt")
             ids = self.engine.tokenize(sent["prompt"], add_special_tokens=sent.get("add_special_tokens", True))
         return ids, self.engine.token_pieces(ids) if sent.get("return_token_strs") else None
 
@@ -312,6 +337,7 @@ class Translator:
         for i, item in enumerate(items):
             param = "prompt" if len(items) == 1 else f"prompt.{i}"
             if isinstance(item, str):
+                self._check_text_length(item, param)
                 tokens = self.engine.tokenize(item, add_special_tokens=True)
                 text = item
             else:  # ids inside the vocabulary: checked with the field's limits

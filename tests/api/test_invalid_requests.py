@@ -297,6 +297,27 @@ def test_an_object_larger_than_any_field_takes_is_refused_before_it_is_walked(cl
     assert r.status_code == 200, r.text
 
 
+def test_a_text_longer_than_the_context_can_hold_is_refused_before_it_is_tokenized(client, tiny_engine, monkeypatch):
+    """A prompt (or the messages' text) of more characters than the context times the longest
+    token's: a 400 naming it, and the tokenizer and the chat template never see it."""
+    bound = tiny_engine.info().max_model_len * tiny_engine.longest_token_chars()
+    assert client.simulate_get("/openapi.json").json["x-limits"]["max_text_chars"] == bound
+    seen = []
+    monkeypatch.setattr(tiny_engine, "tokenize", lambda text, **kw: seen.append(len(text)) or [1])
+    text = "ab" * (bound // 2 + 1)
+    for path, body, param in (
+        (COMPLETIONS, {"prompt": text, "max_tokens": 1}, "prompt"),
+        (COMPLETIONS, {"prompt": ["x", text], "max_tokens": 1}, "prompt.1"),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}, "messages"),
+        ("/tokenize", {"prompt": text}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": text}]}, "messages"),
+    ):
+        r = client.simulate_post(path, json=body)
+        assert r.status_code == 400 and r.json["error"]["param"] == param, (path, r.text)
+        assert "more than the model's context" in r.json["error"]["message"]
+    assert all(length < bound for length in seen)  # only the short prompt "x" was tokenized
+
+
 def test_a_compressed_body_is_a_415(client):
     import gzip
 
