@@ -151,6 +151,8 @@ class Settings:
     api_keys: list[str] = option(help=f"a key clients must send as 'Authorization: Bearer <key>' (also ${API_KEY_ENV})",
                                  factory=list, flag="--api-key", action="append")  # fmt: skip
     allowed_origins: list[str] = option(help="CORS: origins browsers may call from ('*': any)", factory=list, nargs="*")
+    metrics_require_key: bool = option(False, "/metrics asks for an API key too (off: public, as vLLM's)",
+                                       action="store_true")  # fmt: skip
     ssl_keyfile: str | None = option(None, "TLS private key (PEM)", type=str)
     ssl_certfile: str | None = option(None, "TLS certificate (PEM)", type=str)
     #: :mod:`gyrfalcon.ray`: the API workers are then Ray Serve ingress replicas

@@ -44,13 +44,14 @@ PUBLIC_ROUTES = frozenset({"/health", "/version", "/openapi.json", "/metrics"})
 class APIKeyMiddleware:
     """``Authorization: Bearer <key>`` on every route but the public ones, when keys are configured."""
 
-    def __init__(self, keys: list[str], preflights: bool = False) -> None:
+    def __init__(self, keys: list[str], preflights: bool = False, public: frozenset[str] = PUBLIC_ROUTES) -> None:
         self.keys = [k.encode() for k in keys]
         #: CORS is on: a browser's preflight (which carries no key) passes
         self.preflights = preflights
+        self.public = public
 
     async def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if not self.keys or req.path in PUBLIC_ROUTES:
+        if not self.keys or req.path in self.public:
             return
         if self.preflights and req.method == "OPTIONS" and req.get_header("Access-Control-Request-Method"):
             return
@@ -98,7 +99,8 @@ def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager, *, 
     """An ASGI app serving ``engine``; plugins may add routes. With ``lifespan`` the ASGI server's
     start-up and shut-down run the plugins' hooks and shut the engine down."""
     ctx = ServerContext(engine, settings, pm)
-    middleware: list[object] = [APIKeyMiddleware(settings.api_keys, preflights=bool(settings.allowed_origins))]
+    public = PUBLIC_ROUTES - {"/metrics"} if settings.metrics_require_key else PUBLIC_ROUTES
+    middleware: list[object] = [APIKeyMiddleware(settings.api_keys, preflights=bool(settings.allowed_origins), public=public)]
     if settings.allowed_origins:  # before the key check sees it: a browser's preflight carries no key
         origins = "*" if "*" in settings.allowed_origins else settings.allowed_origins
         middleware.insert(0, falcon.CORSMiddleware(allow_origins=origins, expose_headers=["X-Request-Id", "Retry-After"]))

@@ -5,7 +5,9 @@ protocol (translation) and serving (submit, collect or stream, shape)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -323,7 +325,31 @@ class MetricsResource:
         # the engine labels its request metrics; an engine without a name takes the served one
         model_name = getattr(ctx.engine, "model_name", None) or ctx.served_model_names[0]
         self.exposition = MetricsExposition(ctx.engine, model_name)
+        #: rendered on a thread of its own, never the requests' pool (a render asks the engine)
+        self._renderer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gyrfalcon-metrics")
+        self._rendered: tuple[float, bytes] | None = None
+        self._rendering: asyncio.Future[bytes] | None = None
 
     async def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.content_type = CONTENT_TYPE_LATEST
-        resp.data = await offload(self.exposition.render)
+        resp.data = await self._latest()
+
+    async def _latest(self) -> bytes:
+        """The exposition, rendered at most once every METRICS_MAX_AGE_S: scrapes meanwhile (and
+        those that come while a render runs) share it, so scraping costs the engine nothing more."""
+        rendered = self._rendered
+        if rendered is not None and time.monotonic() - rendered[0] < METRICS_MAX_AGE_S:
+            return rendered[1]
+        loop = asyncio.get_running_loop()
+        if self._rendering is None or self._rendering.done() or self._rendering.get_loop() is not loop:
+            self._rendering = loop.run_in_executor(self._renderer, self._render)
+        return await asyncio.shield(self._rendering)
+
+    def _render(self) -> bytes:
+        data = self.exposition.render()
+        self._rendered = (time.monotonic(), data)
+        return data
+
+
+#: the oldest a /metrics answer may be (Prometheus scrapes every 15 s or so)
+METRICS_MAX_AGE_S = 1.0

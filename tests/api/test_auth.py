@@ -24,6 +24,14 @@ def test_api_key_required(tiny_engine, tiny_model_dir):
         assert client.simulate_get(public).status_code == 200, public
 
 
+def test_metrics_may_ask_for_a_key(tiny_engine, tiny_model_dir):
+    settings = Settings(model=tiny_model_dir, api_keys=["s3cret"], metrics_require_key=True)
+    client = api_client(create_app(tiny_engine, settings, plugin_manager()))
+    assert client.simulate_get("/metrics").status_code == 401
+    assert client.simulate_get("/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert client.simulate_get("/health").status_code == 200
+
+
 def test_cors_for_the_allowed_origins_and_preflights_need_no_key(tiny_engine, tiny_model_dir):
     settings = Settings(model=tiny_model_dir, api_keys=["s3cret"], allowed_origins=["https://ui.example"])
     client = api_client(create_app(tiny_engine, settings, plugin_manager()))

@@ -7,11 +7,32 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gyrfalcon.api import resources
 from tests.helpers import sse_events
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "gyrfalcon-dashboard.json"
+
+
+@pytest.fixture(autouse=True)
+def fresh_metrics(monkeypatch):
+    """These tests read what each request moved: every scrape renders anew (the server's answers
+    may be up to resources.METRICS_MAX_AGE_S old: test_a_scrape_within_a_second_is_the_last_render)."""
+    monkeypatch.setattr(resources, "METRICS_MAX_AGE_S", 0.0)
+
+
+def test_a_scrape_within_a_second_is_the_last_render(client, tiny_engine, monkeypatch):
+    """Scrapes within METRICS_MAX_AGE_S share one render (one engine call), off the requests' pool."""
+    monkeypatch.setattr(resources, "METRICS_MAX_AGE_S", 60.0)
+    calls = []
+    stats = tiny_engine.stats
+    monkeypatch.setattr(tiny_engine, "stats", lambda: calls.append(1) or stats())
+    first = client.simulate_get("/metrics").text
+    assert client.simulate_post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    assert [client.simulate_get("/metrics").text for _ in range(5)] == [first] * 5
+    assert len(calls) <= 1
 
 
 def scrape(client, model_name: str) -> dict[str, float]:
