@@ -125,7 +125,9 @@ class InferenceResource:
             await chunks.started()  # the status waits for the first output: an error before it is a status
             start_stream(resp, self.streamed(serving, chunks, owner), named=self.endpoint.stored)
         else:
-            _json(resp, await self.respond(serving, streams, connection, owner))
+            body = await self.respond(serving, streams, connection, owner)
+            resp.content_type = falcon.MEDIA_JSON
+            resp.data = await offload(orjson.dumps, body)  # off the event loop, as the body was built
         # ids come from clients: percent-encode whatever a header cannot carry
         resp.set_header("X-Request-Id", quote(serving.response_id, safe="-_.~:/+="))
 

@@ -42,12 +42,13 @@ class SigtermReport:
         ]
 
 
-def _in_engine(client: Client) -> tuple[int, int]:
-    """(running, waiting) requests, from the engine's gauges."""
+def _in_engine(client: Client) -> tuple[int, int, int]:
+    """(requests submitted since the engine started, running, waiting), from the engine's stats on
+    /metrics (which may be up to a second old)."""
     _, body = client.get("/metrics")
-    values = {line.split()[0]: int(float(line.split()[1])) for line in body.decode().splitlines()
-              if line.startswith(("gyrfalcon_running ", "gyrfalcon_waiting "))}  # fmt: skip
-    return values.get("gyrfalcon_running", 0), values.get("gyrfalcon_waiting", 0)
+    names = ("gyrfalcon_requests_submitted ", "gyrfalcon_running ", "gyrfalcon_waiting ")
+    values = {line.split()[0]: int(float(line.split()[1])) for line in body.decode().splitlines() if line.startswith(names)}
+    return tuple(values.get(name.strip(), 0) for name in names)  # type: ignore[return-value]
 
 
 def _classify(status: Any, content_type: str, body: bytes, retry_after: str | None) -> str:
@@ -93,15 +94,19 @@ def run(server: Server, requests: int = 48, body: dict[str, Any] | None = None) 
         finally:
             conn.close()
 
+    submitted = _in_engine(client)[0]
     threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(requests)]
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 60
-    while sum(counts := _in_engine(client)) < requests:
+    # every one has reached the engine (a counter: /metrics may be a second old, and the first
+    # requests may have ended meanwhile)
+    while (counts := _in_engine(client))[0] - submitted < requests:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"only {counts} requests in the engine; the end of the log:\n{server.log_tail()}")
-        time.sleep(0.01)
-    waiting = counts[1]
+            raise RuntimeError(f"only {counts[0] - submitted} requests reached the engine; the end of the log:\n"
+                               f"{server.log_tail()}")  # fmt: skip
+        time.sleep(0.05)
+    waiting = counts[2]
     os.kill(server.proc.pid, signal.SIGTERM)  # the gunicorn master, as a supervisor sends it
     started = time.monotonic()
     server.proc.wait(timeout=120)

@@ -31,6 +31,7 @@ from gyrfalcon.engine.sample.sampler import Sampler
 from gyrfalcon.engine.scheduler import Scheduler
 from gyrfalcon.engine.setup import capture_mode, load_runner, read_model
 from gyrfalcon.engine.sequence import Sequence
+from gyrfalcon.engine.step_health import StepFailures
 from gyrfalcon.engine.stopping import StopChecker
 from gyrfalcon.engine_api.streams import CoalescingOutputStream
 from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind, TokenLogprobs
@@ -50,13 +51,6 @@ PREFILL_CHUNK_TOKENS = 512
 #: seconds one step may run before health reports the step loop hung (a step is at most
 #: max_num_batched_tokens tokens: seconds on a CPU, milliseconds on a GPU)
 STEP_STALL_S = 60.0
-#: steps failing in a row after which health reports the engine unhealthy (a 503 at /health, so a
-#: balancer or supervisor sees it), until a step succeeds or FAILED_STEPS_PROBATION_S pass without
-#: another failure (an idle engine runs no step that could succeed)
-FAILED_STEPS_UNHEALTHY = 3
-FAILED_STEPS_PROBATION_S = 30.0
-#: in-band error kinds that are the request's doing (or a retry's matter), not a failure of the server
-CLIENT_ERROR_TYPES = frozenset({"invalid_request_error", "server_shutting_down", "server_overloaded"})
 
 
 class TransformersEngine(EngineCore):
@@ -118,12 +112,9 @@ class TransformersEngine(EngineCore):
         #: monotonic time at which running requests are cut short (drain); None: not draining
         self._cut_at: float | None = None
         self._stop = threading.Event()
-        #: (steps failed in a row, when the last one failed, why): health says so (see FAILED_STEPS_UNHEALTHY)
-        self._failing: tuple[int, float, str] | None = None
-        self._server_failure: str | None = None  # the last server failure of the step running now
-        self._trimmer = QuietTrimmer()  # the heap goes back to the system once the loop is quiet
-        #: monotonic start of the step running now (None between steps): the loop's heartbeat
-        self._step_started: float | None = None
+        # steps failing in a row (health says so); the heap handed back once the loop is quiet
+        self._failures, self._trimmer = StepFailures(), QuietTrimmer()
+        self._step_started: float | None = None  # when the step running now began (the loop's heartbeat)
         self._health = EngineHealth(ready=False, message="loading model")
         self._counters = dict.fromkeys(
             ("requests_submitted", "requests_finished", "requests_aborted", "requests_failed",
@@ -147,12 +138,7 @@ class TransformersEngine(EngineCore):
         if started is not None and self._health.ready and time.monotonic() - started > STEP_STALL_S:
             return EngineHealth(ready=False, message=f"the step loop is stuck: one step has run for "
                                                      f"{time.monotonic() - started:.0f} s")  # fmt: skip
-        failing = self._failing
-        if (self._health.ready and failing is not None and failing[0] >= FAILED_STEPS_UNHEALTHY
-                and time.monotonic() - failing[1] < FAILED_STEPS_PROBATION_S):  # fmt: skip
-            return EngineHealth(ready=False, message=f"the last {failing[0]} steps failed: {failing[2]}",
-                                decode_path=self._health.decode_path)  # fmt: skip
-        return self._health
+        return self._failures.health(self._health)
 
     def wait_ready(self, timeout: float = 60.0) -> EngineHealth:
         """Block until the model is loaded and warmed up (or failed); returns the health."""
@@ -325,19 +311,20 @@ class TransformersEngine(EngineCore):
                             self._fail(state, SHUTTING_DOWN)
                     self._adopt_decode_path()
                     self._step_started = time.monotonic()
-                    progress, self._server_failure = self._progress(), None
+                    progress = self._progress()
+                    self._failures.step_started()
                     stepped = self.batcher.step()
                     self._step_started = None
                     if stepped:
                         self._trimmer.worked()
-                        self._judge_step(progress, self._server_failure)
+                        self._failures.step_ended(self._progress() > progress)
                     else:
                         self._trimmer.poll()
                         self.scheduler.wait(timeout=0.05)
                 except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
                     self._step_started = None
                     log.exception("engine step failed")
-                    self._judge_step(None, f"{type(exc).__name__}: {exc}")
+                    self._failures.step_ended(False, f"{type(exc).__name__}: {exc}")
                     self._fail_running(f"internal error: {exc}")
         except BaseException as exc:  # the loop itself died: say so, and never leave a client waiting
             log.exception("engine thread stopped")
@@ -384,24 +371,13 @@ class TransformersEngine(EngineCore):
         """Tokens the steps have computed so far (prompt and generated)."""
         return self._counters["prompt_tokens"] + self._counters["generation_tokens"]
 
-    def _judge_step(self, progress: int | None, failure: str | None) -> None:
-        """After a step: one that failed for the server's sake and computed nothing (``progress``:
-        :meth:`_progress` before it; None: the loop itself failed) adds to the failures in a row
-        health reports; one that computed tokens ends them."""
-        if failure is not None and (progress is None or self._progress() == progress):
-            count = self._failing[0] + 1 if self._failing is not None else 1
-            self._failing = (count, time.monotonic(), failure[:300])
-        elif progress is not None and self._progress() > progress:
-            self._failing = None
-
     def _fail(self, state: RequestState, error: EngineError | str) -> None:
         """End ``state`` in-band with ``error`` (a message: a 500 engine error); no-op once closed."""
         if state.closed:
             return
         state.closed = True
         error = error if isinstance(error, EngineError) else EngineError(error)
-        if error.type not in CLIENT_ERROR_TYPES:  # the server's failure, not the request's: health counts it
-            self._server_failure = error.message
+        self._failures.request_failed(error.type, error.message)
         state.stream.put(state.fail(error))
         state.stream.finish()
         self._forget(state, "requests_failed")

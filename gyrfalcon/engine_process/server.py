@@ -1,9 +1,13 @@
 """The engine process's side: one ROUTER socket serving an :class:`EngineCore` to every API worker.
 
 One thread (the caller of :meth:`EngineServer.serve`) owns the socket: it takes the workers'
-messages, submits and aborts in the core, and sends the outputs the core's step loop produced,
-batched per worker. The step loop never touches the socket: a stream's waker only notes which
-request has something new (:class:`~gyrfalcon.engine_process.wakeup.PollWakeup`).
+messages, sends the heartbeats, and sends the outputs the core's step loop produced, batched per
+worker. The step loop never touches the socket: a stream's waker only notes which request has
+something new (:class:`~gyrfalcon.engine_process.wakeup.PollWakeup`). Submits, aborts and finished
+choices go to the core from a thread of their own, in the order they came: a submit validates the
+request (a grammar's check, a plugin's validation) and may take a while, and the workers take 3 s
+without a heartbeat for the engine's death — one slow submit on the socket's thread cut every open
+stream. Its answer comes back to the socket's thread the way outputs do.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from gyrfalcon.engine_process import BEAT_S, SILENCE_S
 from gyrfalcon.engine_process.wakeup import PollWakeup
 
 log = logging.getLogger(__name__)
+
+#: the wake-up key of a submit the core has answered
+_SUBMITTED = "submitted"
 
 
 @dataclasses.dataclass
@@ -58,6 +65,11 @@ class EngineServer:
         self._ready = PollWakeup()
         self._stop = threading.Event()
         self._draining = False
+        #: work for the core, in arrival order (None: stop), and the submits it answered
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._submitted: queue.SimpleQueue[tuple[bytes, Any, str, Any]] = queue.SimpleQueue()
+        self._submitter = threading.Thread(target=self._run_jobs, name="gyrfalcon-submit", daemon=True)
+        self._submitter.start()
 
     # ------------------------------------------------------------------ control (any thread)
 
@@ -95,6 +107,8 @@ class EngineServer:
                 except Exception:  # noqa: BLE001 - the engine outlives any one bad message or output
                     log.exception("engine server loop")
         finally:
+            self._jobs.put(None)
+            self._submitter.join(timeout=5.0)
             self._abort_all()
             self._socket.close(linger=0)
             self._context.term()
@@ -136,12 +150,12 @@ class EngineServer:
     def _handle(self, worker: _Worker, kind: bytes, data: Any) -> None:
         if kind == b"submit":
             call_id, request = data
-            self._send(worker.identity, b"reply", [call_id, self._submit(worker, request)])
+            self._jobs.put((self._submit, worker.identity, call_id, request))
         elif kind == b"abort":
-            self.core.abort(self._engine_id(worker, data[0]))
+            self._jobs.put((self.core.abort, self._engine_id(worker.identity, data[0])))
         elif kind == b"finish":
             request_id, index, stop_reason = data
-            self.core.finish_choice(self._engine_id(worker, request_id), index, stop_reason)
+            self._jobs.put((self.core.finish_choice, self._engine_id(worker.identity, request_id), index, stop_reason))
         elif kind == b"call":
             call_id, name, _args = data
             if name == "stats":
@@ -155,29 +169,60 @@ class EngineServer:
         # b"ping": last_seen is all it carries
 
     @staticmethod
-    def _engine_id(worker: _Worker, request_id: str) -> str:
-        return f"{worker.identity.decode(errors='replace')}:{request_id}"
+    def _engine_id(identity: bytes, request_id: str) -> str:
+        """The core's id of a worker's request (ids are the workers' own: two may use the same)."""
+        return f"{identity.decode(errors='replace')}:{request_id}"
 
-    def _submit(self, worker: _Worker, data: list[Any]) -> list[Any] | None:
-        """None when accepted, else the refusal."""
-        request = codec.decode_request(data)
-        local_id = request.request_id
-        request.request_id = self._engine_id(worker, local_id)
+    def _run_jobs(self) -> None:
+        """The submitter thread: the core's calls, in the order the messages came."""
+        while (job := self._jobs.get()) is not None:
+            call, *arguments = job
+            try:
+                call(*arguments)
+            except Exception:  # noqa: BLE001 - one bad message never stops the engine
+                log.exception("engine call %s failed", getattr(call, "__name__", call))
+
+    def _submit(self, identity: bytes, call_id: Any, data: list[Any]) -> None:
+        """Submit to the core (the submitter thread); the socket's thread answers (:meth:`_answer`)."""
         try:
-            stream = self.core.submit(request)
+            request = codec.decode_request(data)
+            local_id = request.request_id
+            request.request_id = self._engine_id(identity, local_id)
+            result: Any = self.core.submit(request)
         except Exception as exc:  # noqa: BLE001 - a refusal travels back to the worker
-            return codec.encode_refusal(exc)
-        worker.streams[local_id] = stream
-        key = (worker.identity, local_id)
-        stream.set_waker(lambda: self._ready.notify(key))
-        self._ready.notify(key)  # an output may have come before the waker was set
-        return None
+            local_id, result = "", exc
+        self._submitted.put((identity, call_id, local_id, result))
+        self._ready.notify(_SUBMITTED)
+
+    def _answer(self) -> None:
+        """Reply to the submits the core has taken or refused; an accepted one's stream is the
+        worker's from now on (its outputs flushed as they come), or aborted if the worker is gone."""
+        while True:
+            try:
+                identity, call_id, local_id, result = self._submitted.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(result, Exception):
+                self._send(identity, b"reply", [call_id, codec.encode_refusal(result)])
+                continue
+            worker = self._workers.get(identity)
+            if worker is None:  # it left (or died) while its request was being submitted
+                result.close()
+                self.core.abort(self._engine_id(identity, local_id))
+                continue
+            worker.streams[local_id] = result
+            key = (identity, local_id)
+            result.set_waker(lambda key=key: self._ready.notify(key))
+            self._ready.notify(key)  # an output may have come before the waker was set
+            self._send(identity, b"reply", [call_id, None])
 
     def _flush(self, keys: list[Any]) -> None:
-        """Send every ready stream's outputs, one message per worker."""
+        """Answer the submits done meanwhile, then send every ready stream's outputs, one message per worker."""
+        if _SUBMITTED in keys:
+            self._answer()
         batches: dict[bytes, list[Any]] = {}
         for key in set(keys):
-            if key is None:
+            if key is None or key == _SUBMITTED:
                 continue
             identity, local_id = key
             worker = self._workers.get(identity)
@@ -221,7 +266,7 @@ class EngineServer:
         stream = worker.streams.pop(local_id, None)
         if stream is not None:
             stream.set_waker(None)
-            self.core.abort(self._engine_id(worker, local_id))
+            self.core.abort(self._engine_id(worker.identity, local_id))
         error = EngineError(message, type=ShuttingDown.type if unavailable else "server_error",
                             retry_after=1.0 if unavailable else None)  # fmt: skip
         batch += [[local_id, codec.encode_output(RequestOutput(local_id, [], finished=True, error=error))], [local_id, None]]

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from gyrfalcon.openapi.limits import ServedLimits, limits_of
+from gyrfalcon.openapi.limits import ServedLimits, limits_of, walk_schemas
 
 OPENAPI_DIR = Path(__file__).resolve().parent
 #: The source documents, in bundling order (shared components first).
@@ -203,3 +203,12 @@ def x_rules(spec: dict[str, Any]) -> list[tuple[str, str]]:
 def rule_ids(spec: dict[str, Any]) -> set[str]:
     """The set of ``x-rule`` ids stated in ``spec`` (compare with the protocol layer's rules)."""
     return {rule for _, rule in x_rules(spec)}
+
+
+def spec_max(keyword: str) -> int:
+    """The largest fixed value of ``keyword`` (``maxItems``, ``maxProperties``) of any request schema
+    in the documents: an array or object beyond every field's is refused before a body is walked."""
+    spec = bundle()
+    schemas = spec["components"]["schemas"]
+    return max(sub[keyword] for name in request_schema_names(spec) for sub in walk_schemas(schemas[name])
+               if isinstance(sub.get(keyword), int))  # fmt: skip

@@ -30,8 +30,8 @@ from gyrfalcon.protocol.responses import as_chat, input_items, refuse_unsupporte
 from gyrfalcon.protocol.rules import RequestFields, check_rules
 from gyrfalcon.protocol.tools import tool_constraint, tool_use
 from gyrfalcon.openapi.limits import ServedLimits, largest_object, limits_of, longest_array, walk_schemas
-from gyrfalcon.openapi.served import bundle, request_schema_names
-from gyrfalcon.protocol.wire import sent_fields, validate
+from gyrfalcon.openapi.served import bundle, request_schema_names, spec_max
+from gyrfalcon.protocol.wire import check_text_length, sent_fields, validate
 
 #: wire fields copied as they are into SamplingParams
 _COPIED = (
@@ -57,26 +57,8 @@ MAX_PROPERTIES: dict[str, int] = _stated("maxProperties")
 UNIQUE_ITEMS = frozenset(name for name, unique in _stated("uniqueItems").items() if unique)
 
 
-def _spec_max_items() -> int:
-    """The largest fixed ``maxItems`` of any request array in the documents."""
-    spec = bundle()
-    schemas = spec["components"]["schemas"]
-    return max(sub["maxItems"] for name in request_schema_names(spec) for sub in walk_schemas(schemas[name])
-               if isinstance(sub.get("maxItems"), int))  # fmt: skip
-
-
-SPEC_MAX_ITEMS = _spec_max_items()
-
-
-def _spec_max_properties() -> int:
-    """The largest fixed ``maxProperties`` of any request object in the documents."""
-    spec = bundle()
-    schemas = spec["components"]["schemas"]
-    return max(sub["maxProperties"] for name in request_schema_names(spec) for sub in walk_schemas(schemas[name])
-               if isinstance(sub.get("maxProperties"), int))  # fmt: skip
-
-
-SPEC_MAX_PROPERTIES = _spec_max_properties()
+SPEC_MAX_ITEMS = spec_max("maxItems")
+SPEC_MAX_PROPERTIES = spec_max("maxProperties")
 
 #: OpenAI request fields that change nothing in the output: accepted and recorded (access log)
 RECORDED_FIELDS = ("metadata", "service_tier", "safety_identifier", "prompt_cache_key")
@@ -283,25 +265,10 @@ class Translator:
         return prompts, echoed, name
 
     def _check_text_length(self, value: Any, param: str) -> None:
-        """A 400 naming ``param`` when the text in ``value`` (a string, or the strings anywhere in
-        messages) is longer than any prompt that fits the context: the model's length times the most
-        characters a token spells. Found before tokenizing (or rendering), whose cost grows with it."""
+        """Refuse a text that cannot fit the context before tokenizing it (:func:`check_text_length`)."""
         longest = self.engine.longest_token_chars()
-        if not longest:
-            return
-        bound = self.info.max_model_len * longest
-        chars, stack = 0, [value]
-        while stack and chars <= bound:
-            item = stack.pop()
-            if isinstance(item, str):
-                chars += len(item)
-            elif isinstance(item, dict):
-                stack.extend(item.values())
-            elif isinstance(item, list):
-                stack.extend(item)
-        if chars > bound:
-            raise RequestError(f"The text of '{param}' is over {bound:,} characters: more than the model's context of "
-                               f"{self.info.max_model_len:,} tokens can hold", param)
+        if longest:
+            check_text_length(value, param, self.info.max_model_len * longest, self.info.max_model_len)
 
     # ------------------------------------------------------------------ tokenize / detokenize
     def tokenize(self, body: Any) -> tuple[list[int], list[str] | None]:

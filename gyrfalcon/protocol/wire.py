@@ -59,6 +59,27 @@ def _ints_from_whole_floats(value: Any, max_items: int | None, max_keys: int | N
     return value
 
 
+def check_text_length(value: Any, param: str, bound: int, context: int) -> None:
+    """A 400 when the text in ``value`` (a string, or the strings anywhere in messages) is over
+    ``bound`` characters: more than a context of ``context`` tokens can hold. It names the one string
+    over the bound by itself where there is one (``messages.1.tool_calls.0.function.arguments``),
+    else ``param``. Found before tokenizing or rendering, whose cost grows with the text."""
+    chars, stack = 0, [(value, param)]
+    while stack and chars <= bound:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            chars += len(item)
+            if len(item) > bound:
+                param = path
+        elif isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}") for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}.{i}") for i, v in enumerate(item))
+    if chars > bound:
+        raise RequestError(f"The text of '{param}' is over {bound:,} characters: more than the model's context of "
+                           f"{context:,} tokens can hold", param)
+
+
 @functools.cache
 def _model_names() -> frozenset[str]:
     """Names of the generated models: a union of models tags its members' errors with them."""

@@ -199,7 +199,9 @@ async def complete(
         if last is None or not last.finished:
             raise RequestError("The engine ended the request without a final output", None, status=500, type="engine_error")
         finals.append(last)
-    return formatter.final(finals)
+    # built on a worker thread: n x logprobs entries can take long, and the event loop also serves
+    # every other connection and gunicorn's heartbeat
+    return await asyncio.get_running_loop().run_in_executor(None, formatter.final, finals)
 
 
 class StreamedResponse:

@@ -201,3 +201,23 @@ def test_an_engine_whose_model_cannot_load_exits_non_zero(tiny_model_dir, tmp_pa
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 1, done.stderr[-2000:]
     assert "exiting: model failed to load" in done.stderr
+
+
+def test_a_slow_submit_delays_only_its_own_request(served, remote, slow_engine, monkeypatch):
+    """A submit that takes longer than the workers wait for a heartbeat (a slow validation or
+    grammar check): the engine's heartbeats go on, an open stream is not cut, and the slow request
+    is served when its submit ends."""
+    open_stream = remote.submit(_request(remote, "open", OutputKind.DELTA, max_tokens=60, ignore_eos=True))
+    assert open_stream.get(timeout=10) is not None
+    submit = slow_engine.core.submit
+
+    def slow(request):
+        if request.request_id.endswith(":slow"):
+            time.sleep(2.5)  # the remote takes 1 s of silence for the engine's death
+        return submit(request)
+
+    monkeypatch.setattr(slow_engine.core, "submit", slow)
+    (last,) = list(remote.submit(_request(remote, "slow", max_tokens=3)))
+    assert last.finished and last.error is None and remote.health().ready
+    outputs = list(open_stream)
+    assert outputs[-1].finished and outputs[-1].error is None

@@ -308,9 +308,10 @@ def test_a_text_longer_than_the_context_can_hold_is_refused_before_it_is_tokeniz
     for path, body, param in (
         (COMPLETIONS, {"prompt": text, "max_tokens": 1}, "prompt"),
         (COMPLETIONS, {"prompt": ["x", text], "max_tokens": 1}, "prompt.1"),
-        (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}, "messages"),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}, "messages.0.content.0.text"),
+        (CHAT, {"messages": [{"role": "user", "content": text[: bound // 2 + 1]}] * 2}, "messages"),  # together
         ("/tokenize", {"prompt": text}, "prompt"),
-        ("/tokenize", {"messages": [{"role": "user", "content": text}]}, "messages"),
+        ("/tokenize", {"messages": [{"role": "user", "content": text}]}, "messages.0.content"),
     ):
         r = client.simulate_post(path, json=body)
         assert r.status_code == 400 and r.json["error"]["param"] == param, (path, r.text)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import requests
@@ -169,6 +170,7 @@ def test_metrics_under_gunicorn_count_across_the_multiprocess_directory(live_ser
     r = requests.post(live_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "n": 3,
                                                                   "ignore_eos": True, **SAMPLED}, timeout=60)  # fmt: skip
     assert r.status_code == 200
+    time.sleep(1.05)  # a scrape is at most a second old (resources.METRICS_MAX_AGE_S)
     after = samples()
     key = ("gyrfalcon:request_success_total", "length")
     assert after[key] - before.get(key, 0) == 3
