@@ -46,7 +46,7 @@ def _in_engine(client: Client) -> tuple[int, int, int]:
     """(requests submitted since the engine started, running, waiting), from the engine's stats on
     /metrics (which may be up to a second old)."""
     _, body = client.get("/metrics")
-    names = ("gyrfalcon_requests_submitted ", "gyrfalcon_running ", "gyrfalcon_waiting ")
+    names = ("gyrfalcon_requests_submitted_total ", "gyrfalcon_running ", "gyrfalcon_waiting ")
     values = {line.split()[0]: int(float(line.split()[1])) for line in body.decode().splitlines() if line.startswith(names)}
     return tuple(values.get(name.strip(), 0) for name in names)  # type: ignore[return-value]
 

@@ -33,7 +33,7 @@ def test_sigterm_under_load(tiny_model_dir, tmp_path):
         "128", "--max-num-seqs", "2", "--num-threads", "1", "--drain-timeout", "1", "--enforce-eager"]  # fmt: skip
     server = launch(argv, str(tmp_path / "server.log"), timeout_s=180)
     try:
-        report = sigterm.run(server, requests=16)
+        report = sigterm.run(server, requests=48)  # enough queued to outlast a /metrics render a second old
     finally:
         server.stop()
     print("\n".join(report.lines()))
