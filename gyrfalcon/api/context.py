@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -22,15 +23,27 @@ from gyrfalcon.api.spec import (
 )
 from gyrfalcon.config import Settings
 from gyrfalcon.engine_api.interface import Engine
-from gyrfalcon.api.response_store import ResponseStore
+from gyrfalcon.api.response_store import PURGE_INTERVAL_S, ResponseStore
 from gyrfalcon.engine_api.types import EngineInfo
 from gyrfalcon.plugins import merged_dict
 from gyrfalcon.protocol.translate import Translator
 from gyrfalcon.protocol.wire import parse_json
 
+log = logging.getLogger(__name__)
+
 
 #: the stored responses' file in the cache folder (in a folder of its own: 0700)
 RESPONSES_FILE = "responses/responses.sqlite3"
+
+
+def _purge_every(store: ResponseStore, interval_s: float) -> None:
+    """Purge ``store``'s expired responses every ``interval_s`` seconds (a daemon thread)."""
+    while True:
+        time.sleep(interval_s)
+        try:
+            store.purge()
+        except Exception:  # noqa: BLE001 - a busy or closed file: the next round tries again
+            log.warning("purging the stored responses failed", exc_info=True)
 
 
 class ServerContext:
@@ -59,6 +72,8 @@ class ServerContext:
 
                     path = cache_root(self.settings.cache_dir) / RESPONSES_FILE
                     self._store = ResponseStore(path, self.settings.responses_store_size, self.settings.responses_ttl)
+                    threading.Thread(target=_purge_every, args=(self._store, PURGE_INTERVAL_S), daemon=True,
+                                     name="gyrfalcon-responses-purge").start()  # fmt: skip
         return self._store
 
     def ready_info(self) -> EngineInfo:

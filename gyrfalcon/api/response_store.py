@@ -12,8 +12,8 @@ Every read, cancel and delete names its owner, and a response of another owner i
 404 that says nothing of its existence). Ids are the server's own (never a client's request id),
 so no request can replace another's response. A deleted response stays deleted: a background
 response's last write does not bring it back. The file is 0600 in a 0700 folder (SQLite gives its
-WAL files the database's mode), and expired rows are dropped by every read that meets them and by
-every write.
+WAL files the database's mode), and expired rows are dropped by every read that meets them, by
+every write, and every few minutes by each API worker (:meth:`ResponseStore.purge`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from gyrfalcon.errors import RequestError
 
 #: tombstones kept per stored response allowed (evicted ids remembered)
 TOMBSTONES_PER_SLOT = 4
+#: seconds between two purges of the expired responses by each API worker
+PURGE_INTERVAL_S = 300.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -101,6 +103,18 @@ class ResponseStore:
                 self._db.execute("ROLLBACK")
                 raise
         return True
+
+    def purge(self) -> None:
+        """Drop the expired responses (and those over the size) now: a store nobody writes to would
+        keep them otherwise (``ServerContext`` calls this every :data:`PURGE_INTERVAL_S`)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._evict(time.time())
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def _evict(self, now: float) -> None:
         gone = list(self._db.execute("SELECT id, owner FROM responses WHERE created < ?", (now - self.ttl,)))

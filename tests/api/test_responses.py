@@ -60,6 +60,19 @@ def test_a_response_lives_its_time_to_live(tiny_engine, tiny_model_dir, tmp_path
     assert later.status_code == 404 and later.json["error"]["param"] == "previous_response_id"
 
 
+def test_a_purge_drops_what_expired_without_a_read_or_a_write(tmp_path):
+    from gyrfalcon.api.response_store import ResponseStore
+
+    store = ResponseStore(tmp_path / "responses" / "r.sqlite3", size=10, ttl=0.2)
+    store.put({"id": "resp_a", "status": "completed"}, [], [])
+    assert len(store) == 1
+    time.sleep(0.3)
+    store.purge()
+    assert len(store) == 0
+    with pytest.raises(Exception, match="no longer stored"):
+        store.response("resp_a")
+
+
 def test_store_false_keeps_nothing_and_cancel_is_only_for_background(client):
     kept = client.simulate_post(PATH, json={"input": "hi", "max_output_tokens": 2}).json["id"]
     unkept = client.simulate_post(PATH, json={"input": "hi", "max_output_tokens": 2, "store": False}).json["id"]
