@@ -31,6 +31,7 @@ from gyrfalcon.api.resources import (
     StoredResponseResource,
     TokenizeResource,
     VersionResource,
+    finish_background,
 )
 from gyrfalcon.config import Settings
 from gyrfalcon.engine_api.interface import Engine
@@ -92,6 +93,9 @@ class EngineLifespan:
 
     async def process_shutdown(self, scope: dict, event: dict) -> None:
         self.pm.hook.gyrfalcon_shutdown()
+        # the drain has cut what still ran by now; a few seconds more for the background responses
+        # to store how they ended
+        await finish_background(self.settings.drain_timeout + 5.0)
         self.engine.shutdown(grace=5.0)
 
 

@@ -201,6 +201,11 @@ class ResponsesResource(InferenceResource):
             log.exception("background response %s failed", loggable(serving.response_id))
             body = FORMATTERS[serving.endpoint](serving, self.ctx.engine).body("failed", [], None)
             body["error"] = {"code": "server_error", "message": f"Internal error: {type(exc).__name__}"}
+        except asyncio.CancelledError:  # the worker stops (finish_background): the store says so, then it goes
+            body = FORMATTERS[serving.endpoint](serving, self.ctx.engine).body("failed", [], None)
+            body["error"] = {"code": "server_shutting_down", "message": "The server stopped before the response ended"}
+            store.put(body, serving.input_items, conversation_after(serving, body), owner, True)
+            raise
         finally:
             watch.cancel()
         if body.get("store", True):  # over the stored one only: not over a cancel, a delete, an eviction
@@ -212,6 +217,20 @@ class ResponsesResource(InferenceResource):
 
 #: background responses running in this worker (kept from the garbage collector)
 _BACKGROUND: set[asyncio.Future[None]] = set()
+
+
+async def finish_background(timeout: float) -> None:
+    """A stopping worker's background responses: ``timeout`` seconds to end (a drain cuts what the
+    engine still runs, and each stores how it ended), then the rest are cancelled and stored as
+    failed: none is left ``in_progress`` in the store by a worker that is gone."""
+    running = [task for task in _BACKGROUND if not task.done()]
+    if not running:
+        return
+    _, late = await asyncio.wait(running, timeout=timeout)
+    for task in late:
+        task.cancel()
+    if late:
+        await asyncio.wait(late, timeout=5.0)
 #: seconds between a background response's looks at the store for a cancel (from any worker)
 CANCEL_POLL_S = 0.25
 

@@ -179,3 +179,24 @@ def test_a_deleted_background_response_stays_deleted(client):
     while time.monotonic() < deadline:  # loop it runs on): its last write must not bring it back
         assert client.simulate_get(f"{PATH}/{rid}").status_code == 404
         time.sleep(0.05)
+
+
+def test_a_stopping_worker_leaves_no_background_response_in_progress(slow_engine, tiny_model_dir, tmp_path):
+    """A worker that stops while a background response runs: it gets the drain's time to end, then
+    it is cancelled and stored as failed, never left in_progress by a worker that is gone."""
+    import asyncio
+
+    from gyrfalcon.api import resources
+
+    client = _client(slow_engine, tiny_model_dir, tmp_path)
+    r = client.simulate_post(PATH, json={"input": "hi", "max_output_tokens": 200, "background": True, "ignore_eos": True})
+    assert r.status_code == 200 and r.json["status"] == "in_progress"
+    (task,) = [t for t in resources._BACKGROUND if not t.done()]
+    # the app's loop runs while the test client serves a request: the stop runs beside the polls
+    stopping = asyncio.run_coroutine_threadsafe(resources.finish_background(0.05), task.get_loop())
+    deadline = time.monotonic() + 10
+    while not stopping.done() and time.monotonic() < deadline:
+        client.simulate_get("/health")
+        time.sleep(0.02)
+    body = client.simulate_get(f"{PATH}/{r.json['id']}").json
+    assert stopping.done() and body["status"] == "failed" and body["error"]["code"] == "server_shutting_down", body
