@@ -6,6 +6,7 @@ would have had alone."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -60,6 +61,9 @@ def test_steps_that_keep_failing_turn_health_unhealthy_until_one_succeeds(tiny_m
             assert engine.health().ready, i
             (last,) = list(engine.submit(request(PROMPTS[0], max_tokens=3)))
             assert last.error is not None and "device lost" in last.error.message
+        deadline = time.monotonic() + 5  # the stream ends inside the step; the step is counted as it ends
+        while engine.health().ready and time.monotonic() < deadline:
+            time.sleep(0.01)
         health = engine.health()
         assert not health.ready and "the last 3 steps failed" in health.message and "device lost" in health.message
         broken[0] = False
