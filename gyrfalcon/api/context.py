@@ -126,7 +126,7 @@ class ServerContext:
                 kv_cache=kv_cache_limits(self.engine.stats()),
                 unspellable=unspellable_bytes(self.engine, info.vocab_size),
                 responses_store={"size": self.settings.responses_store_size, "ttl_s": self.settings.responses_ttl},
-                longest_token_chars=self.engine.longest_token_chars(),
+                max_text_chars=self.translator().max_text_chars,
             )
             self._spec = orjson.dumps(spec)
         return self._spec

@@ -143,7 +143,7 @@ def deployment_spec(
     kv_cache: dict[str, int] | None = None,
     unspellable: list[int] | None = None,
     responses_store: dict[str, float] | None = None,
-    longest_token_chars: int | None = None,
+    max_text_chars: int | None = None,
 ) -> dict[str, Any]:
     """The spec served at ``/openapi.json``: what is valid there is valid for this server.
 
@@ -179,7 +179,7 @@ def deployment_spec(
         "body": {"max_depth": MAX_DEPTH, "max_array_items": longest_array(limits, SPEC_MAX_ITEMS),
                  "max_object_keys": largest_object(limits, SPEC_MAX_PROPERTIES)},
         # a prompt's text (or a conversation's): longer cannot fit the context (refused before tokenizing)
-        "max_text_chars": info.max_model_len * longest_token_chars if longest_token_chars else None,
+        "max_text_chars": max_text_chars,
         # a constraint (structured_outputs, response_format's schema) or a tool's parameters schema
         "constraints": {"max_bytes": MAX_CONSTRAINT_BYTES, "max_nodes": MAX_CONSTRAINT_NODES},
     }

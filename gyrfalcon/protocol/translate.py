@@ -264,11 +264,18 @@ class Translator:
         echoed = [options.echoed(messages) for messages in conversations] if f.get("echo") is True else []
         return prompts, echoed, name
 
+    @property
+    def max_text_chars(self) -> int | None:
+        """The longest text a prompt may have here: the context times the most characters a token
+        spells (None: unknown, no bound); the served spec states it (``x-limits.max_text_chars``)."""
+        longest = self.engine.longest_token_chars()
+        return self.info.max_model_len * longest if longest else None
+
     def _check_text_length(self, value: Any, param: str) -> None:
         """Refuse a text that cannot fit the context before tokenizing it (:func:`check_text_length`)."""
-        longest = self.engine.longest_token_chars()
-        if longest:
-            check_text_length(value, param, self.info.max_model_len * longest, self.info.max_model_len)
+        bound = self.max_text_chars
+        if bound:
+            check_text_length(value, param, bound, self.info.max_model_len)
 
     # ------------------------------------------------------------------ tokenize / detokenize
     def tokenize(self, body: Any) -> tuple[list[int], list[str] | None]:

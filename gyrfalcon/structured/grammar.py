@@ -37,6 +37,11 @@ CACHE_BYTES = 8 * 1024 * 1024
 CACHE_ENTRY_BYTES = 256 * 1024
 
 
+def digest(text: str) -> bytes:
+    """The SHA-256 of a constraint's canonical text: what caches key it by."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
 class DigestCache:
     """A least-recently-used map from a text's SHA-256 to what was computed from it, holding at most
     ``budget`` bytes of values (``size(value)``); a value larger than ``entry_bytes`` is not kept.
@@ -50,18 +55,18 @@ class DigestCache:
 
     def get(self, text: str, compute: Callable[[str], Any]) -> Any:
         """The value of ``text``: cached, else ``compute(text)`` (kept when it fits)."""
-        digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+        key = digest(text)
         with self._lock:
-            hit = self._entries.get(digest)
+            hit = self._entries.get(key)
             if hit is not None:
-                self._entries.move_to_end(digest)
+                self._entries.move_to_end(key)
                 return hit[0]
         value = compute(text)
-        size = self._size(value) + len(digest) + 64  # the entry's own overhead, roughly
+        size = self._size(value) + len(key) + 64  # the entry's own overhead, roughly
         if size <= self.entry_bytes:
             with self._lock:
-                if digest not in self._entries:
-                    self._entries[digest] = (value, size)
+                if key not in self._entries:
+                    self._entries[key] = (value, size)
                     self._bytes += size
                     while self._bytes > self.budget:
                         self._bytes -= self._entries.popitem(last=False)[1][1]

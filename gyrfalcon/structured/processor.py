@@ -17,7 +17,6 @@ them. On the CPU the forward is synchronous and the fill follows it (measured by
 from __future__ import annotations
 
 import collections
-import hashlib
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +25,7 @@ import torch
 
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.policies import BatchRows, LogitsProcessor, NewRow, put_rows, row_index, take_rows, to_device
-from gyrfalcon.structured.grammar import check, constraint_key
+from gyrfalcon.structured.grammar import check, constraint_key, digest
 
 #: compiled grammars kept (a request with a known constraint skips compilation)
 CACHE_SIZE = 256
@@ -78,7 +77,7 @@ class StructuredOutputProcessor(LogitsProcessor):
         """A fresh matcher for ``constraint`` (compiled once, then copied from the cache)."""
         import llguidance
 
-        key = hashlib.sha256(constraint_key(constraint).encode("utf-8", "surrogatepass")).digest()
+        key = digest(constraint_key(constraint))
         with self._lock:
             matcher = self._compiled.get(key)
             if matcher is not None:
