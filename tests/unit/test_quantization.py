@@ -84,7 +84,7 @@ def test_a_q8_0_embedding_looks_up_exactly_the_dequantised_rows():
 
 def test_the_q8_0_head_gives_each_row_the_same_bits_at_any_row_count(tmp_path):
     """The Q8_0 head (``q8_linear.c``): every row the same bits alone and in batches of every size
-    around its tiles (4 input rows, 4 weight rows: 50 outputs leave a tail), the dequantised
+    around its tiles (6 input rows on AVX2, 12 on AVX-512; 50 outputs leave a partial panel of 16), the dequantised
     product within fp32's rounding, the bias added, the table's rows dequantised exactly for a tied
     embedding, and the operator a compiled step calls agreeing with its fake."""
     from gyrfalcon.engine.model.quant.q8 import Q8Linear, _q8_linear
@@ -102,7 +102,7 @@ def test_the_q8_0_head_gives_each_row_the_same_bits_at_any_row_count(tmp_path):
     assert head(x.view(19, 1, 96)).shape == (19, 1, 50) and head(x[:0]).shape == (0, 50)
     ids = torch.tensor([[4, 0], [49, 4]])
     assert torch.equal(head.rows(ids, torch.float32), table[ids])
-    torch.library.opcheck(_q8_linear, (x[:3], head.q8, head.scale))
+    torch.library.opcheck(_q8_linear, (x[:3], head.q8, head.scale, head.out_features))
 
 
 @pytest.mark.parametrize("inputs", [torch.int8, torch.float32])

@@ -3,9 +3,10 @@
 the same bits. Where the kernels cannot be built the caller keeps its fp32 head
 (:class:`~gyrfalcon.engine.model.quant.layers.PackedLinear`) and the start-up line says why.
 
-Measured on the default model's head (49,152 × 576; 2 threads): 1.0 ms at one row against 5.3 for
-the fp32 head through oneDNN, 2.1 against 4.9 at four rows, 6.3 against 6.5 at sixteen, 19.9
-against 18.3 at sixty-four — a quarter of the bytes, and at large batches the same arithmetic.
+Measured on the default model's head (49,152 × 576; 2 threads, Sapphire Rapids), ms against the fp32
+head through torch: AVX-512 1.4 / 2.3 at one row, 1.9 / 5.1 at four, 4.8 / 7.1 at sixteen, 17.0 /
+17.0 at sixty-four; AVX2 1.5 / 2.5, 2.1 / 6.3, 5.4 / 10.9, 20.2 / 22.7 — a quarter of the bytes,
+and at large batches the same arithmetic.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import torch
 from gyrfalcon.engine.model.native import KernelUnavailable, library, loaded, operator
 from gyrfalcon.engine.model.quant.layers import UnsupportedQuantization, check_rows_alone
 from gyrfalcon.engine.model.quant.weights import GROUP
+
+
+#: rows of ``W`` per panel of the table as the kernel reads it (``P`` in ``q8_linear.c``)
+PANEL = 16
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
@@ -56,8 +61,9 @@ class Q8Embedding(torch.nn.Module):
 
 class Q8Linear(torch.nn.Module):
     """An fp32 ``y = x Wᵀ + b`` on the CPU over a ``Q8_0`` table — ``q8`` ``[N, K]`` int8, ``scale``
-    ``[N, K // 32]`` — read as it is by ``q8_linear.c``: the output head beside the int4 layers.
-    ``rows`` serves a tied input embedding from the same bits (:class:`~gyrfalcon.engine.model.quant.layers.TiedEmbedding`)."""
+    ``[N, K // 32]`` — read by ``q8_linear.c`` in the layout it reads fastest (:func:`panels`): the
+    output head beside the int4 layers. ``rows`` serves a tied input embedding from the same bits
+    (:class:`~gyrfalcon.engine.model.quant.layers.TiedEmbedding`)."""
 
     def __init__(self, q8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, cache: Path | None) -> None:
         super().__init__()
@@ -68,44 +74,58 @@ class Q8Linear(torch.nn.Module):
             library(cache)
         except KernelUnavailable as error:
             raise UnsupportedQuantization(str(error)) from error
-        self.register_buffer("q8", _own(q8))
-        self.register_buffer("scale", _own(scale.float()))
+        q, s = panels(q8, scale.float())
+        self.register_buffer("q8", q)
+        self.register_buffer("scale", s)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        check_rows_alone(self, q8_rows(self.q8, self.scale, torch.arange(self.out_features), torch.float32))
+        check_rows_alone(self, self.rows(torch.arange(self.out_features), torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         # eager calls the kernel directly (the operator's dispatch costs about 10 µs); compiled, the
         # operator keeps the head inside the graph
         product = _q8_linear if torch.compiler.is_compiling() else _product
-        y = product(flat, self.q8, self.scale)
+        y = product(flat, self.q8, self.scale, self.out_features)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The dequantised rows ``ids`` of ``W`` (a tied embedding's lookup)."""
-        return q8_rows(self.q8, self.scale, ids, dtype)
+        """The dequantised rows ``ids`` of ``W`` (a tied embedding's lookup), exactly."""
+        panel, column = ids // PANEL, ids % PANEL
+        q = self.q8[panel, :, column].reshape(*ids.shape, -1, GROUP).float()
+        return (self.scale[panel, :, column][..., None] * q).reshape(*ids.shape, self.in_features).to(dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, Q8_0 table, float32 logits"
 
 
-def _product(flat: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``flat`` ``[M, K]`` times the table's transpose, ``[M, N]`` fp32."""
+def panels(q8: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``Q8_0`` table as ``q8_linear.c`` reads it: panels of :data:`PANEL` rows of ``W`` side by
+    side — ``[ceil(N / 16), K, 16]`` int8 and ``[ceil(N / 16), K // 32, 16]`` fp32 scales, the last
+    panel padded with zeros — in memory of their own (a view of the file kept it mapped)."""
+    rows = -len(q8) % PANEL
+    q8 = torch.nn.functional.pad(q8, (0, 0, 0, rows)) if rows else q8
+    scale = torch.nn.functional.pad(scale, (0, 0, 0, rows)) if rows else scale
+    return (q8.reshape(-1, PANEL, q8.shape[1]).transpose(1, 2).contiguous(),
+            scale.reshape(-1, PANEL, scale.shape[1]).transpose(1, 2).contiguous())  # fmt: skip
+
+
+def _product(flat: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``flat`` ``[M, K]`` times the table's transpose (the table in :func:`panels`), ``[M, N]`` fp32."""
     if flat.device.type != "cpu" or flat.shape[-1] != q8.shape[1]:
         raise ValueError(f"q8_linear takes [M, {q8.shape[1]}] CPU rows, got {list(flat.shape)} on {flat.device}")
     flat = flat.float().contiguous()  # the kernel reads raw fp32 rows (a no-op for the layer's own calls)
-    out = torch.empty(flat.shape[0], q8.shape[0])
+    out = torch.empty(flat.shape[0], out_features)
     if flat.shape[0]:
         kernels = loaded()
         assert kernels is not None, "a Q8Linear loads the kernels before its first product"
         status = kernels.q8_linear(flat.data_ptr(), q8.data_ptr(), scale.data_ptr(), out.data_ptr(),
-                                      flat.shape[0], q8.shape[0], q8.shape[1], torch.get_num_threads())  # fmt: skip
+                                   flat.shape[0], out_features, q8.shape[1], torch.get_num_threads())  # fmt: skip
         if status:
             raise MemoryError("q8_linear could not allocate its per-thread buffer")
     return out
 
 
-_q8_linear = operator("q8_linear(Tensor flat, Tensor q8, Tensor scale) -> Tensor", _product,
-                      lambda flat, q8, scale: flat.new_empty((flat.shape[0], q8.shape[0])))
+_q8_linear = operator("q8_linear(Tensor flat, Tensor q8, Tensor scale, SymInt out_features) -> Tensor", _product,
+                      lambda flat, q8, scale, out_features: flat.new_empty((flat.shape[0], out_features)))
