@@ -10,6 +10,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from gyrfalcon.engine.model.quant import QUANTIZATIONS
+from gyrfalcon.engine_api.lengths import default_request_tokens
 
 #: Environment variable through which `gyrfalcon serve` hands its settings to gunicorn workers.
 SETTINGS_ENV = "GYRFALCON_SETTINGS"
@@ -77,6 +78,9 @@ class Settings:
                                 "seats take at the next step; beyond it a 503 with Retry-After")  # fmt: skip
     max_request_seqs: int = option(1024, "most sequences (prompts x n) one request may ask for; the choices beyond "
                                    "the running batch wait their turn")  # fmt: skip
+    max_request_tokens: int | None = option(None, "most tokens one request may generate: prompts x n x max_tokens, "
+                                            "a token with logprobs counting 1 + entries/20 (default: twice "
+                                            "--max-num-seqs x the context)", type=int)  # fmt: skip
     max_logprobs: int = option(20, "most top logprobs a request may ask for")
     seed: int = option(0, "the engine's seed (unseeded requests draw theirs from it)")
     dtype: str = option("auto", "the model's dtype (auto: bfloat16 on cuda, float32 on cpu)", choices=DTYPES, checked=True)
@@ -180,7 +184,7 @@ class Settings:
             "max_num_seqs", "max_num_batched_tokens", "max_queue_len", "max_request_seqs", "num_threads", "max_body_bytes",
             "block_size", "api_workers", "responses_store_size",
         )
-        for name in positive:
+        for name in (*positive, *(["max_request_tokens"] if self.max_request_tokens is not None else [])):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for key in self.api_keys:
@@ -222,6 +226,11 @@ class Settings:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: no such file")
         if self.model is not None and not os.path.exists(self.model):
             raise ValueError(f"--model {self.model!r}: no such file or folder")
+
+    def request_tokens(self, max_model_len: int) -> int:
+        """The most work one request may ask for (``--max-request-tokens``, else its default for a
+        context of ``max_model_len``)."""
+        return self.max_request_tokens or default_request_tokens(self.max_num_seqs, max_model_len)
 
     @property
     def max_request_prompts(self) -> int:

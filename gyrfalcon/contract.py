@@ -22,6 +22,7 @@ from typing import Any
 
 import schemathesis
 
+from gyrfalcon.engine_api.lengths import request_work
 from gyrfalcon.protocol.wire import without_nulls
 
 #: slack added to every estimated prompt length (special tokens a tokenizer may add)
@@ -254,6 +255,7 @@ def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
     if max_seqs is not None and isinstance(n, (int, float)) and len(prompts) * n > max_seqs:
         return True
     kv = limits.get("kv_cache")
+    work = 0.0
     for prompt in prompts:
         if _is_completions(path):
             max_tokens = params.get("max_tokens", 16)
@@ -263,7 +265,20 @@ def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
             return True
         if kv and isinstance(n, (int, float)) and n * -(-(prompt + max_tokens) // kv["block_size"]) > kv["blocks"]:
             return True
-    return False
+        if isinstance(n, (int, float)):
+            # an omitted max_tokens that means "up to the context" counts as the whole context (the
+            # prompt's bound above may be below its real length)
+            up_to_context = not _is_completions(path) and "max_tokens" not in params and "max_completion_tokens" not in params
+            work += request_work(n, context if up_to_context else max_tokens, _logprob_entries(params))
+    return bool(limits.get("max_request_tokens")) and work > limits["max_request_tokens"]
+
+
+def _logprob_entries(params: dict[str, Any]) -> int:
+    """The most logprob entries a position of this request may report (top ones and asked ids)."""
+    top = params.get("top_logprobs", 0)
+    asked = params.get("logprobs", 0)
+    ids = params.get("logprob_token_ids") or []
+    return sum(int(v) for v in (top, asked) if _number(v)) + (len(ids) if isinstance(ids, list) else 0)
 
 
 @schemathesis.hook

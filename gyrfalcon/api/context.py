@@ -96,6 +96,7 @@ class ServerContext:
                         self.pm.hook.gyrfalcon_validate_request,
                         max_prompts=self.settings.max_request_prompts,
                         max_seqs=self.settings.max_request_seqs,
+                        max_work=self.settings.request_tokens(self.engine.info().max_model_len),
                         tool_parser=merged_dict(self.pm.hook.gyrfalcon_tool_parsers(), "tool-call parser").get(
                             self.settings.tool_call_parser),
                     )
@@ -127,6 +128,7 @@ class ServerContext:
                 unspellable=unspellable_bytes(self.engine, info.vocab_size),
                 responses_store={"size": self.settings.responses_store_size, "ttl_s": self.settings.responses_ttl},
                 max_text_chars=self.translator().max_text_chars,
+                max_request_tokens=self.translator().max_work,
             )
             self._spec = orjson.dumps(spec)
         return self._spec

@@ -144,6 +144,7 @@ def deployment_spec(
     unspellable: list[int] | None = None,
     responses_store: dict[str, float] | None = None,
     max_text_chars: int | None = None,
+    max_request_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The spec served at ``/openapi.json``: what is valid there is valid for this server.
 
@@ -180,6 +181,8 @@ def deployment_spec(
                  "max_object_keys": largest_object(limits, SPEC_MAX_PROPERTIES)},
         # a prompt's text (or a conversation's): longer cannot fit the context (refused before tokenizing)
         "max_text_chars": max_text_chars,
+        # prompts x n x max_tokens, a token with logprobs counting 1 + entries/20 (engine_api.lengths.request_work)
+        "max_request_tokens": max_request_tokens,
         # a constraint (structured_outputs, response_format's schema) or a tool's parameters schema
         "constraints": {"max_bytes": MAX_CONSTRAINT_BYTES, "max_nodes": MAX_CONSTRAINT_NODES},
     }

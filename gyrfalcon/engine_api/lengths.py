@@ -1,5 +1,6 @@
-"""The length rules of a request, stated once: the prompt and ``max_tokens`` fit the context, and
-``min_tokens`` fits ``max_tokens``.
+"""The length rules of a request, stated once: the prompt and ``max_tokens`` fit the context,
+``min_tokens`` fits ``max_tokens``, and the whole request's work (prompts × ``n`` × ``max_tokens``)
+fits ``--max-request-tokens``.
 
 The translation checks them with the resolved ``max_tokens`` and names the field as the client
 wrote it; the engine checks them again at submit for callers that come without a translation (the
@@ -36,3 +37,29 @@ def min_tokens_problem(min_tokens: int, max_tokens: int) -> str | None:
     if min_tokens > max_tokens:
         return f"'min_tokens' ({min_tokens}) must not exceed 'max_tokens' ({max_tokens})"
     return None
+
+
+#: logprob entries per token that count as one more token of work (OpenAI's most top_logprobs)
+LOGPROB_ENTRIES_PER_TOKEN = 20
+
+
+def request_work(n: int, max_tokens: int, logprob_entries: int) -> float:
+    """The work one prompt of a request may ask for, in tokens: ``n × max_tokens``, each token
+    counting ``1 + logprob_entries / 20`` (its top logprobs and ``logprob_token_ids`` reported too).
+    A request's work is the sum over its prompts; :func:`default_request_tokens` bounds it."""
+    return n * max_tokens * (1 + logprob_entries / LOGPROB_ENTRIES_PER_TOKEN)
+
+
+def default_request_tokens(max_num_seqs: int, max_model_len: int) -> int:
+    """The most work one request may ask for when ``--max-request-tokens`` is not set: twice a
+    full running batch of full contexts — every choice of a request that fits the batch may run to
+    the context with all of OpenAI's top logprobs, and no request holds the server much longer than
+    one batch of the longest answers would."""
+    return 2 * max_num_seqs * max_model_len
+
+
+def work_message(work: float, limit: int) -> str:
+    """Why a request whose :func:`request_work` sums to ``work`` is refused under ``limit``."""
+    return (f"This request may generate {work:,.0f} tokens of work (prompts x n x max_tokens, a token with "
+            f"logprobs counting 1 + entries/{LOGPROB_ENTRIES_PER_TOKEN}), more than the {limit:,} one request may "
+            f"ask of this server (--max-request-tokens): ask for fewer tokens, choices or prompts")  # fmt: skip

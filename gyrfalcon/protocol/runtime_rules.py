@@ -76,6 +76,15 @@ RUNTIME_RULES: tuple[RuntimeRule, ...] = (
         "gyrfalcon.protocol.translate:Translator._translate",
     ),
     RuntimeRule(
+        "request_tokens_le_limit",
+        "max_tokens",
+        "The sum over prompts of n x max_tokens (the resolved one), each token with logprobs counting "
+        "1 + (top logprobs + logprob_token_ids)/20, is at most the server's max_request_tokens (x-limits; "
+        "default twice max_num_seqs x max_model_len), so that one request cannot hold the server for "
+        "long; param is the token limit the client set, else n (when above 1), else the prompt field.",
+        "gyrfalcon.protocol.translate:Translator._check_work",
+    ),
+    RuntimeRule(
         "prompt_not_empty_after_tokenization",
         "prompt",
         "A non-empty prompt string must tokenize to at least one token (byte-level tokenizers always do; "

@@ -19,7 +19,7 @@ from typing import Any
 import jsonschema
 
 from gyrfalcon.engine_api.interface import Engine
-from gyrfalcon.engine_api.lengths import context_message, context_overflow, min_tokens_problem
+from gyrfalcon.engine_api.lengths import context_message, context_overflow, min_tokens_problem, request_work, work_message
 from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.capabilities import check_supported
@@ -76,6 +76,7 @@ class Translator:
         max_prompts: int | None = None,
         max_seqs: int | None = None,
         tool_parser: Any = None,
+        max_work: int | None = None,
     ) -> None:
         self.engine = engine
         #: the convention tool calls are written in (gyrfalcon.tools.parsers), None: no tools
@@ -83,6 +84,8 @@ class Translator:
         self.chat = ChatRenderer(engine)
         #: most sequences (prompts × n) in one request
         self.max_seqs = max_seqs
+        #: most work (:func:`~gyrfalcon.engine_api.lengths.request_work`, summed) one request may ask for
+        self.max_work = max_work
         self.info: EngineInfo = engine.info()
         self.served_model_names = served_model_names
         self._extensions = jsonschema.Draft202012Validator(
@@ -152,6 +155,7 @@ class Translator:
             )
         names = wire_names(fields)
         requests = self._engine_requests(fields, response_id, prompts, prompt_param, sampling, names)
+        self._check_work(fields, requests, prompt_param)
         serving = self._serving_request(fields, model, response_id, requests, prompt_texts, tools, names)
         if endpoint.stored and external_id:
             serving.recorded["request_id"] = external_id
@@ -181,6 +185,17 @@ class Translator:
                 exc.param = names(exc.param)
                 raise
         return requests
+
+    def _check_work(self, f: RequestFields, requests: list[EngineRequest], prompt_param: str) -> None:
+        """Refuse a request whose prompts × n × max_tokens (logprobs counted) exceed ``max_work``,
+        naming the field the client can lower: the token limit it set, else ``n``, else the prompts."""
+        if self.max_work is None:
+            return
+        work = sum(request_work(r.sampling.n, r.sampling.max_tokens, _logprob_entries(r.sampling)) for r in requests)
+        if work > self.max_work:
+            param = next((name for name in ("max_completion_tokens", "max_tokens") if f.has(name)), None)
+            param = param or ("n" if requests[0].sampling.n > 1 else prompt_param)
+            raise RequestError(work_message(work, self.max_work), f.param(param))
 
     def _serving_request(self, fields: RequestFields, model: str, response_id: str, requests: list[EngineRequest],
                          prompt_texts: list[str], tools: ToolUse | None, names: WireNames) -> ServingRequest:  # fmt: skip
@@ -367,6 +382,11 @@ class Translator:
         if problem is not None:
             raise f.error("min_tokens", problem)
         return dataclasses.replace(sampling, max_tokens=max_tokens)
+
+
+def _logprob_entries(sampling: SamplingParams) -> int:
+    """The logprob entries reported at each generated position: the top ones and the asked ids."""
+    return (sampling.logprobs or 0) + len(sampling.logprob_token_ids or ())
 
 
 def structured_constraint(f: RequestFields, body: dict[str, Any]) -> dict[str, Any] | None:

@@ -38,6 +38,7 @@ CASES: dict[str, tuple[str, dict, int, str]] = {
     "request_fits_kv_cache": (COMPLETIONS, {"prompt": "hi", "n": 64, "max_tokens": 120, "temperature": 1}, 400, "max_tokens"),
     "continue_final_message_alone": (CHAT, {"messages": MSG + [{"role": "assistant", "content": "a"}], "continue_final_message": True,
                                             "add_generation_prompt": True}, 400, "continue_final_message"),
+    "request_tokens_le_limit": (COMPLETIONS, {"prompt": ["hi"] * 16, "n": 2, "temperature": 1, "max_tokens": 200}, 400, "max_tokens"),
     "request_seqs_le_limit": (COMPLETIONS, {"prompt": ["hi"] * 600, "n": 2, "temperature": 1, "max_tokens": 1}, 400, "n"),
     "constraint_compiles": (CHAT, {"messages": MSG, "structured_outputs": {"regex": "("}}, 400, "structured_outputs.regex"),
     "tools_consistent": (CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),

@@ -27,6 +27,23 @@ def test_n_times_the_sequence_must_fit_the_kv_cache():
     assert breaks_runtime_rule("/inference/v1/generate", {"token_ids": [1] * 10, "sampling_params": {"n": 20, "max_tokens": 30}}, LIMITS)
 
 
+def test_a_requests_work_must_fit_max_request_tokens():
+    """prompts x n x max_tokens, a token with logprobs counting 1 + entries/20, the same sum the
+    server makes (engine_api.lengths.request_work); an omitted chat max_tokens counts the context.
+    The default bound (twice max_num_seqs x the context) takes one choice of the whole context with
+    all of OpenAI's top logprobs."""
+    from gyrfalcon.engine_api.lengths import default_request_tokens
+
+    limits = {**LIMITS, "kv_cache": None, "max_request_tokens": 1000}
+    assert not breaks_runtime_rule("/v1/completions", {"prompt": [[1]] * 10, "n": 5, "max_tokens": 20}, limits)
+    assert breaks_runtime_rule("/v1/completions", {"prompt": [[1]] * 10, "n": 5, "max_tokens": 21}, limits)
+    assert breaks_runtime_rule("/v1/completions", {"prompt": [[1]] * 10, "n": 5, "max_tokens": 20, "logprobs": 1}, limits)
+    assert breaks_runtime_rule("/v1/chat/completions", {"messages": MESSAGES, "n": 16}, limits)  # 16 x the context
+    assert not breaks_runtime_rule("/v1/chat/completions", {"messages": MESSAGES, "n": 15}, limits)
+    default = {**limits, "max_request_tokens": default_request_tokens(1, 64)}
+    assert not breaks_runtime_rule("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 20}, default)
+
+
 def test_a_prompt_without_a_printable_character_may_tokenize_to_nothing():
     """Found by the fuzz campaign on the default model: "\\u0006" is a valid string its tokenizer drops."""
     for prompt in ("\u0006", "", ["ok", "\u0007\u0008"]):
