@@ -21,6 +21,7 @@ from gyrfalcon.api.connection import connection_of
 from gyrfalcon.api.context import ServerContext
 from gyrfalcon.api.errors import APIError
 from gyrfalcon.api.metrics import MetricsExposition
+from gyrfalcon.api.response_store import RENEW_INTERVAL_S
 from gyrfalcon.api.sse import start_stream
 from gyrfalcon.engine_api.interface import OutputStream
 from gyrfalcon.protocol.endpoints import Endpoint
@@ -236,8 +237,13 @@ CANCEL_POLL_S = 0.25
 
 
 async def _stop_when_cancelled(store: Any, response_id: str, streams: list[OutputStream]) -> None:
+    """Close ``streams`` once the store says the response was cancelled; renew its lease meanwhile."""
+    renewed = time.monotonic()
     while True:
         await asyncio.sleep(CANCEL_POLL_S)
+        if time.monotonic() - renewed >= RENEW_INTERVAL_S:
+            renewed = time.monotonic()
+            await offload(store.renew, response_id)
         if await offload(store.status, response_id) == "cancelled":
             for stream in streams:
                 stream.close()  # aborts the engine's work

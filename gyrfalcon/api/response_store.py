@@ -11,7 +11,8 @@ Each response has an owner: a hash of the API key that created it ('' on a serve
 Every read, cancel and delete names its owner, and a response of another owner is "not stored" (a
 404 that says nothing of its existence). Ids are the server's own (never a client's request id),
 so no request can replace another's response. A deleted response stays deleted: a background
-response's last write does not bring it back. The file is 0600 in a 0700 folder (SQLite gives its
+response's last write does not bring it back, and one whose worker went while it ran (killed,
+crashed) is read as failed once its lease lapses (:meth:`ResponseStore.response`). The file is 0600 in a 0700 folder (SQLite gives its
 WAL files the database's mode), and expired rows are dropped by every read that meets them, by
 every write, and every few minutes by each API worker (:meth:`ResponseStore.purge`).
 """
@@ -34,6 +35,12 @@ from gyrfalcon.errors import RequestError
 TOMBSTONES_PER_SLOT = 4
 #: seconds between two purges of the expired responses by each API worker
 PURGE_INTERVAL_S = 300.0
+#: seconds between a running background response's renewals of its lease (its worker vouching for it)
+RENEW_INTERVAL_S = 5.0
+#: seconds without a renewal after which a queued or running response's worker is taken as gone
+LEASE_S = 30.0
+#: the error of a response whose worker went while it ran (killed, crashed: nothing stored its end)
+ORPHANED = {"code": "server_error", "message": "The worker running this response stopped before it ended"}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -42,7 +49,8 @@ CREATE TABLE IF NOT EXISTS responses (
     response BLOB NOT NULL,
     input_items BLOB NOT NULL,
     conversation BLOB NOT NULL,
-    owner TEXT NOT NULL DEFAULT ''
+    owner TEXT NOT NULL DEFAULT '',
+    alive REAL NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
 CREATE TABLE IF NOT EXISTS evicted (id TEXT PRIMARY KEY, at REAL NOT NULL, owner TEXT NOT NULL DEFAULT '');
@@ -74,10 +82,11 @@ class ResponseStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
-        for table in ("responses", "evicted"):  # a file from before owners: its rows are nobody's
-            columns = [row[1] for row in self._db.execute(f"PRAGMA table_info({table})")]
-            if "owner" not in columns:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+        for table, column, kind in (("responses", "owner", "TEXT NOT NULL DEFAULT ''"), ("evicted", "owner", "TEXT NOT NULL DEFAULT ''"),
+                                    ("responses", "alive", "REAL NOT NULL DEFAULT 0")):  # fmt: skip
+            # a file from before owners (its rows are nobody's) or leases (its running ones are orphans)
+            if column not in [row[1] for row in self._db.execute(f"PRAGMA table_info({table})")]:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def put(self, response: dict[str, Any], input_items: list[dict[str, Any]], conversation: list[dict[str, Any]],
             owner: str = "", update: bool = False) -> bool:  # fmt: skip
@@ -94,9 +103,10 @@ class ResponseStore:
                                                                          == "cancelled")):  # fmt: skip
                     self._db.execute("COMMIT")
                     return False
-                self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+                self._db.execute("INSERT OR REPLACE INTO responses (id, created, response, input_items, conversation, owner, "
+                                 "alive) VALUES (?, ?, ?, ?, ?, ?, ?)",
                                  (response["id"], now, orjson.dumps(response), orjson.dumps(input_items),
-                                  orjson.dumps(conversation), owner))  # fmt: skip
+                                  orjson.dumps(conversation), owner, now))  # fmt: skip
                 self._evict(now)
                 self._db.execute("COMMIT")
             except BaseException:
@@ -147,8 +157,30 @@ class ResponseStore:
         raise RequestError(f"No stored response has the id '{response_id}'", param, status=404, type="NotFoundError")
 
     def response(self, response_id: str, param: str | None = None, owner: str = "") -> dict[str, Any]:
-        """The stored response of ``owner`` (a 404 naming ``param`` when it is not stored)."""
-        return self._row(response_id, "response", param, owner)
+        """The stored response of ``owner`` (a 404 naming ``param`` when it is not stored). One still
+        queued or running whose worker has not renewed its lease for :data:`LEASE_S` seconds is
+        marked failed (:data:`ORPHANED`) and returned so: its worker is gone and nothing else would end it."""
+        response = self._row(response_id, "response", param, owner)
+        if response.get("status") in ("queued", "in_progress"):
+            with self._lock:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    row = self._db.execute("SELECT response FROM responses WHERE id = ? AND alive < ?",
+                                           (response_id, time.time() - LEASE_S)).fetchone()  # fmt: skip
+                    stale = None if row is None else orjson.loads(row[0])
+                    if stale is not None and stale.get("status") in ("queued", "in_progress"):
+                        response = {**stale, "status": "failed", "error": dict(ORPHANED)}
+                        self._db.execute("UPDATE responses SET response = ? WHERE id = ?", (orjson.dumps(response), response_id))
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+        return response
+
+    def renew(self, response_id: str) -> None:
+        """Its worker vouches for a running response (every :data:`RENEW_INTERVAL_S`)."""
+        with self._lock:
+            self._db.execute("UPDATE responses SET alive = ? WHERE id = ?", (time.time(), response_id))
 
     def conversation(self, response_id: str, param: str | None = None, owner: str = "") -> list[dict[str, Any]]:
         """The chat turns up to and including the stored response's answer."""

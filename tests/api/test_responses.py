@@ -73,6 +73,27 @@ def test_a_purge_drops_what_expired_without_a_read_or_a_write(tmp_path):
         store.response("resp_a")
 
 
+def test_a_response_whose_worker_went_is_read_as_failed_once_its_lease_lapses(tmp_path, monkeypatch):
+    """A worker killed while a background response runs stores nothing of its end: the response's
+    lease (renewed by its worker every few seconds) lapses, and the next read marks it failed and
+    says why; a renewed one, and one that ended, are left as they are."""
+    from gyrfalcon.api import response_store
+    from gyrfalcon.api.response_store import LEASE_S, ORPHANED, ResponseStore
+
+    store = ResponseStore(tmp_path / "responses" / "r.sqlite3", size=10, ttl=3600)
+    for name, status in (("orphan", "in_progress"), ("renewed", "in_progress"), ("done", "completed")):
+        store.put({"id": f"resp_{name}", "status": status}, [], [], owner="k")
+    now = time.time()
+    monkeypatch.setattr(response_store.time, "time", lambda: now + LEASE_S - 1)
+    store.renew("resp_renewed")
+    monkeypatch.setattr(response_store.time, "time", lambda: now + LEASE_S + 1)
+    assert store.response("resp_orphan", owner="k") == {"id": "resp_orphan", "status": "failed", "error": ORPHANED}
+    assert store.response("resp_orphan", owner="k")["status"] == "failed"  # stored so
+    assert store.response("resp_renewed", owner="k")["status"] == "in_progress"
+    assert store.response("resp_done", owner="k")["status"] == "completed"
+    assert store.put({"id": "resp_orphan", "status": "completed"}, [], [], owner="k", update=True)  # a late end still lands
+
+
 def test_store_false_keeps_nothing_and_cancel_is_only_for_background(client):
     kept = client.simulate_post(PATH, json={"input": "hi", "max_output_tokens": 2}).json["id"]
     unkept = client.simulate_post(PATH, json={"input": "hi", "max_output_tokens": 2, "store": False}).json["id"]
