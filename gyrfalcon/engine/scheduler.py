@@ -12,8 +12,9 @@ one step under ``max_num_batched_tokens``:
    end stops at a block boundary (:meth:`Scheduler._chunk`);
 3. waiting requests are admitted in queue order while the running sequences plus their ``n`` stay
    within ``max_num_seqs`` (a larger request waits until it runs alone) and blocks are free for
-   their first chunk; prefix-cache hits are
-   counted as computed. A request is prefilled once; its ``n`` children fork after its first
+   their first chunk; a request that must wait for seats does not stop narrower ones behind it
+   that fit the free seats and surely end before its seats are surely free (:meth:`Scheduler._admit`);
+   prefix-cache hits are counted as computed. A request is prefilled once; its ``n`` children fork after its first
    token, sharing the prompt's full blocks (:meth:`Scheduler.fork`).
 
 Blocks are taken as tokens need them. When none is free, the last running request is preempted
@@ -326,21 +327,33 @@ class Scheduler:
         return True
 
     def _admit(self, plan: list[Scheduled], budget: int) -> None:
+        """Admit waiting requests in queue order (module docstring, 3). The first one wider than
+        the free seats waits for them; a later one may pass it only if it fits the seats free now
+        and surely ends (its prefill and ``max_tokens``, in steps) before the wider one's seats are
+        surely free (:meth:`_seats_free_within`): it uses seats that would stay idle, and the wider
+        request starts no later than it would have without it."""
         rows = self.running_sequences()
+        index, horizon = 0, None  # the first request still waiting; steps until the wider one's seats free
         while budget > 0:
             with self._cond:
-                if not self._waiting:
+                if index >= len(self._waiting):
                     return
-                state = self._waiting[0]
-            for index, stop_reason in list(state.finish_requested.items()):  # choices the client ended meanwhile
-                state.sequences[index].finish("stop", stop_reason)
+                state = self._waiting[index]
+            for choice, stop_reason in list(state.finish_requested.items()):  # choices the client ended meanwhile
+                state.sequences[choice].finish("stop", stop_reason)
             if state.abort_requested or state.finished:  # the step loop ends it: no work, no blocks
-                if self._take_head(state):
+                if self._take(state):
                     bisect.insort(self.running, state, key=self.order)
                 continue
-            live = state.live_sequences()
             if self.running and rows + len(state.sequences) > self.max_num_seqs:
-                return
+                if horizon is None:
+                    horizon = self._seats_free_within(len(state.sequences), rows)
+                index += 1
+                continue
+            if horizon is not None and self._steps_to_end(state) > horizon:
+                index += 1
+                continue
+            live = state.live_sequences()
             scheduled: list[Scheduled] = []
             for seq in live:
                 self._prefix_hit(state, seq)
@@ -349,7 +362,7 @@ class Scheduler:
                     break
                 scheduled.append(Scheduled(state, seq, count))
                 budget -= count
-            if not scheduled or not self._take_head(state):
+            if not scheduled or not self._take(state):
                 for seq in live:
                     self.release(seq)
                 if not scheduled:
@@ -361,10 +374,34 @@ class Scheduler:
             rows += len(state.sequences)
             plan.extend(scheduled)
 
-    def _take_head(self, state: RequestState) -> bool:
-        """Pop ``state`` from the head of the queue; False when another thread removed it (an abort)."""
+    def _steps_to_end(self, state: RequestState) -> float:
+        """The most steps ``state`` may still run: its prompt's prefill chunks, then what is left of
+        ``max_tokens`` (a waiting or running request's choices decode every step while the running
+        rows fit ``max_num_seqs``)."""
+        max_tokens = state.request.sampling.max_tokens
+        if max_tokens is None:
+            return float("inf")
+        steps = 0.0
+        for seq in state.unfinished():
+            left = len(seq.prompt_token_ids) - min(seq.computed, len(seq.prompt_token_ids))
+            prefill = -(-left // self.prefill_chunk_tokens) if left > 1 else 0
+            steps = max(steps, prefill + max_tokens - len(seq.token_ids))
+        return steps
+
+    def _seats_free_within(self, need: int, rows: int) -> float:
+        """The steps after which ``need`` seats are surely free, the running requests ending no later
+        than their :meth:`_steps_to_end` (all of them, for a request wider than the batch)."""
+        if need > self.max_num_seqs:
+            return max((self._steps_to_end(state) for state in self.running), default=0.0)
+        ends = sorted(self._steps_to_end(state) for state in self.running for _ in state.unfinished())
+        short = need - (self.max_num_seqs - rows)
+        return ends[short - 1] if 0 < short <= len(ends) else 0.0
+
+    def _take(self, state: RequestState) -> bool:
+        """Take ``state`` out of the queue to run it; False when another thread removed it (an abort)."""
         with self._cond:
-            if self._waiting and self._waiting[0] is state:
-                self._waiting.pop(0)
-                return True
+            for index, waiting in enumerate(self._waiting):
+                if waiting is state:
+                    self._waiting.pop(index)
+                    return True
             return False

@@ -165,6 +165,38 @@ def test_an_abort_while_the_head_is_being_admitted_loses_no_request_and_no_block
     assert s.pool.num_free == s.pool.usable_blocks - 2  # only b's blocks are held
 
 
+def test_a_request_waiting_for_seats_is_passed_only_by_requests_that_end_before_its_seats_free():
+    """Fair admission: a request wider than the free seats does not freeze the queue behind it. A
+    narrower request that fits the idle seats and surely ends (prefill and max_tokens, in steps)
+    before the wide one's seats are surely free passes it; a longer one waits behind it, so the
+    wide one starts no later than it would have alone at the head."""
+
+    def sized(name: str, n: int, max_tokens: int) -> RequestState:
+        st = state(name, 3, n=n, first=10 * len(name) + n)
+        st.request.sampling.max_tokens = max_tokens
+        return st
+
+    s = scheduler(max_num_seqs=4)
+    running = sized("a", 2, 8)
+    s.add(running)
+    assert plan_of(s) == [("a", 0, 3)]
+    generate(running)  # both choices running: 2 of 4 seats, each with 7 tokens to go
+    wide, short, long = sized("wide", 3, 8), sized("short", 1, 5), sized("long", 1, 20)
+    for st in (wide, long, short):
+        s.add(st)
+    plan = plan_of(s)
+    assert ("short", 0, 3) in plan and not any(name in ("wide", "long") for name, _, _ in plan)
+    assert s.running == [running, short] and [st.request_id for st in s.drain()] == ["wide", "long"]
+
+    s = scheduler(max_num_seqs=4)  # wider than the batch: it waits for the whole batch to end
+    s.add(running := sized("a", 1, 8))
+    plan_of(s)
+    generate(running)
+    for st in (sized("widest", 6, 4), sized("b", 1, 9), sized("c", 1, 6)):
+        s.add(st)
+    assert [name for name, _, _ in plan_of(s)] == ["a", "c"]
+
+
 def test_a_waiting_request_whose_choices_the_client_finished_is_not_recomputed():
     s = scheduler(block_size=4)
     st = state("a", 6, n=2)
