@@ -1,7 +1,8 @@
 """The structured-output logits processor: one llguidance matcher per row, one batched mask per step.
 
-A row's matcher is made when its sequence joins the persistent batch (a copy of the compiled
-grammar, cached by the constraint's text) and catches up with the tokens the sequence drew since
+A constraint is compiled at submit (off the step loop: a large schema takes tens of ms) and
+cached by a hash of its text, within a byte budget; a row's matcher is a copy of it, made when its
+sequence joins the persistent batch and catches up with the tokens the sequence drew since
 the last step. Each step, llguidance fills every constrained row's bitmask in one native call
 (on its own threads), the mask goes to the device once, and the disallowed tokens' logits become
 ``-inf``: before penalties, temperature and truncation (the lowest ``order``), so those see only
@@ -16,7 +17,6 @@ them. On the CPU the forward is synchronous and the fill follows it (measured by
 
 from __future__ import annotations
 
-import collections
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -25,10 +25,14 @@ import torch
 
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.policies import BatchRows, LogitsProcessor, NewRow, put_rows, row_index, take_rows, to_device
-from gyrfalcon.structured.grammar import check, constraint_key, digest
+from gyrfalcon.structured.grammar import DigestCache, check, constraint_key
 
-#: compiled grammars kept (a request with a known constraint skips compilation)
-CACHE_SIZE = 256
+#: bytes of compiled grammars kept (a request with a known constraint skips compilation), each
+#: counted as :data:`MATCHER_BYTES_PER_GRAMMAR_BYTE` times its grammar's text
+CACHE_BYTES = 64 << 20
+#: what a compiled matcher holds per byte of grammar text, about (40 matchers of a 26 KB schema's
+#: grammar took 15 MiB on the default model's tokenizer: 14 per byte)
+MATCHER_BYTES_PER_GRAMMAR_BYTE = 16
 
 
 def _cleared_bit(bit: int) -> int:
@@ -53,8 +57,9 @@ class StructuredOutputProcessor(LogitsProcessor):
     def __init__(self, info: EngineInfo) -> None:
         self.info = info
         self._tokenizer: Any = None  # llguidance's view of the served tokenizer, built on first use
-        self._compiled: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
-        self._lock = threading.Lock()  # submit (validate) and the step loop both compile
+        #: (matcher, bytes counted) by the constraint's text; submit (validate) compiles, the step loop copies
+        self._compiled = DigestCache(lambda entry: entry[1], CACHE_BYTES, CACHE_BYTES // 8)
+        self._lock = threading.Lock()  # llguidance's view of the tokenizer is built once
         self._rows: dict[int, _Row] = {}
         self._executor: Any = None
         self._shifts: torch.Tensor | None = None
@@ -64,37 +69,33 @@ class StructuredOutputProcessor(LogitsProcessor):
     # ------------------------------------------------------------------ compiling (cached)
 
     def _llg_tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            import llguidance.hf
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
 
-            from gyrfalcon.models.loading import load_tokenizer
+                from gyrfalcon.models.loading import load_tokenizer
 
-            self._tokenizer = llguidance.hf.from_tokenizer(load_tokenizer(self.info.model_path),
-                                                           eos_token=list(self.info.eos_token_ids))  # fmt: skip
-        return self._tokenizer
+                self._tokenizer = llguidance.hf.from_tokenizer(load_tokenizer(self.info.model_path),
+                                                               eos_token=list(self.info.eos_token_ids))  # fmt: skip
+            return self._tokenizer
 
     def compiled(self, constraint: dict[str, Any]) -> Any:
         """A fresh matcher for ``constraint`` (compiled once, then copied from the cache)."""
+        return self._compiled.get(constraint_key(constraint), lambda _: self._compile(constraint))[0].deep_copy()
+
+    def _compile(self, constraint: dict[str, Any]) -> tuple[Any, int]:
         import llguidance
 
-        key = digest(constraint_key(constraint))
-        with self._lock:
-            matcher = self._compiled.get(key)
-            if matcher is not None:
-                self._compiled.move_to_end(key)
-                return matcher.deep_copy()
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), check(constraint))
-        with self._lock:
-            self._compiled[key] = matcher
-            while len(self._compiled) > CACHE_SIZE:
-                self._compiled.popitem(last=False)
-        return matcher.deep_copy()
+        grammar = check(constraint)
+        return llguidance.LLMatcher(self._llg_tokenizer(), grammar), MATCHER_BYTES_PER_GRAMMAR_BYTE * len(grammar)
 
     # ------------------------------------------------------------------ the policy
 
     def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
+        """Check the constraint (a 400 when it is not valid) and compile it now, at submit: the step
+        loop, which every running request waits on, then finds it compiled (:meth:`add_row`)."""
         if params.structured_outputs is not None:
-            check(params.structured_outputs)
+            self.compiled(params.structured_outputs)
 
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return params.structured_outputs is not None

@@ -51,3 +51,27 @@ def test_a_digest_cache_stays_within_its_budget_and_skips_large_values():
     assert len(cache) == size
     cache.get("x" * 1_000, compute)
     assert computed[-2:] == ["x" * 1_000] * 2
+
+
+def test_a_constraint_is_compiled_at_submit_and_the_step_loop_only_copies_it(tiny_engine, monkeypatch):
+    """The structured-output processor compiles a constraint when the request is validated (at
+    submit, off the step loop that every running request waits on); a row joining the batch copies
+    the cached matcher; the compiled matchers are kept within a byte budget."""
+    from gyrfalcon.engine_api.types import SamplingParams
+    from gyrfalcon.policies import NewRow
+    from gyrfalcon.structured import processor as module
+
+    (structured,) = [p for p in tiny_engine.core.processors if p.name == "structured_outputs"]
+    params = SamplingParams(structured_outputs={"regex": "[a-f]{3}-compiled-at-submit"})
+    held = structured._compiled.bytes
+    structured.validate(params, {}, tiny_engine.info())
+    assert structured._compiled.bytes > held
+
+    def compile_again(constraint):
+        raise AssertionError("the step loop compiled a constraint")
+
+    monkeypatch.setattr(structured, "_compile", compile_again)
+    structured.add_row(63, NewRow(params, {}, [1, 2], [], tiny_engine.info().vocab_size, "cpu"))
+    assert not structured._rows[63].matcher.is_error()
+    structured.remove_row(63)
+    assert structured._compiled.bytes <= module.CACHE_BYTES
