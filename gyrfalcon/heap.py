@@ -37,7 +37,9 @@ def release_freed_memory() -> None:
 
 
 class QuietTrimmer:
-    """Trims the heap once, when the process has been quiet for ``quiet_s`` seconds after work.
+    """Collects Python's garbage and trims the heap (:func:`release_freed_memory`) once, when the
+    process has been quiet for ``quiet_s`` seconds after work: a cycle holding only untracked
+    objects (dicts of strings: a parsed body) never triggers a full collection of its own.
 
     :meth:`worked` marks activity (one assignment); :meth:`poll` trims when the time has come: called
     by a loop that goes idle (the engine's step loop), or every ``quiet_s`` seconds by the thread
@@ -57,7 +59,7 @@ class QuietTrimmer:
         if last is None or time.monotonic() - last < self.quiet_s:
             return False
         self._last_work = None
-        trim_heap()
+        release_freed_memory()
         return True
 
     def start(self) -> QuietTrimmer:

@@ -1,4 +1,4 @@
-"""``python -m gyrfalcon.campaigns {slow-clients,sigterm,soak,fuzz} [--model M | --url URL] [sizes]``.
+"""``python -m gyrfalcon.campaigns {slow-clients,sigterm,soak,fuzz,abuse} [--model M | --url URL] [sizes]``.
 
 Without ``--url`` a server is started (``gyrfalcon serve`` on a free port, the embedded default
 model unless ``--model``) and stopped at the end; ``sigterm`` always starts its own. The exit
@@ -24,7 +24,7 @@ def _server(args: argparse.Namespace, extra: str = ""):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gyrfalcon.campaigns", description=__doc__)
-    p.add_argument("campaign", choices=("slow-clients", "sigterm", "soak", "fuzz"))
+    p.add_argument("campaign", choices=("slow-clients", "sigterm", "soak", "fuzz", "abuse"))
     p.add_argument("--url", default=None, help="a running server (not for sigterm)")
     p.add_argument("--model", default=None, help="model for the server started here (default: embedded)")
     p.add_argument("--num-threads", type=int, default=2)
@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8, help="soak")
     p.add_argument("--drain-timeout", type=float, default=5.0, help="sigterm: the server's --drain-timeout")
     p.add_argument("--max-examples", type=int, default=1000, help="fuzz: examples per operation")
+    p.add_argument("--schemas", type=int, default=100, help="abuse: distinct tool schemas sent")
+    p.add_argument("--schema-bytes", type=int, default=1 << 20, help="abuse: each schema's size")
     p.add_argument("--max-tokens", type=int, default=16, help="fuzz: valid cases ask for at most this many new tokens (0: as generated)")
     args = p.parse_args(argv)
     if args.campaign == "sigterm":
@@ -47,6 +49,15 @@ def main(argv: list[str] | None = None) -> int:
             report = sigterm.run(server, args.requests or 48)
         finally:
             server.stop()
+    elif args.campaign == "abuse":
+        from gyrfalcon.campaigns import abuse
+
+        server = None if args.url else _server(args)  # the defaults: what a deployment gets
+        try:
+            report = abuse.run(args.url or server.url, None if server is None else server.proc.pid, args.schemas, args.schema_bytes)
+        finally:
+            if server is not None:
+                server.stop()
     else:
         # slow clients: they must stay open while measured (the header timeout is what ends them)
         extra = "--max-queue-len 2048" + (" --client-header-timeout 300" if args.campaign == "slow-clients" else "")

@@ -115,7 +115,7 @@ def validate(model: type[M], data: Any, prefix: str | None = None) -> M:
     try:
         return model.model_validate(data, strict=True)
     except pydantic.ValidationError as exc:
-        errors = exc.errors(include_url=False)
+        errors = exc.errors(include_url=False, include_context=False, include_input=False)  # a third of the time
         # A failed union reports one error per member. A member whose only complaint is a bound
         # (``[-1]`` as token ids: "greater than or equal to 0") is the one the client meant; type
         # mismatches of the other members say nothing. Otherwise the shortest location names the

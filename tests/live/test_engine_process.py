@@ -72,6 +72,19 @@ def test_two_workers_share_one_engine(two_workers):
     assert connected == {str(pid) for pid in workers}
 
 
+def test_the_engines_openmp_threads_spin_briefly_unless_the_operator_chose(two_workers):
+    """A busy core elsewhere on the machine collapsed the engine while its OpenMP threads spun at
+    barriers for libgomp's default (1.9 tok/s at c=1 on 2 cores): the engine process gets a short
+    spin (GOMP_SPINCOUNT), and an operator's own OpenMP wait settings are left alone."""
+    from gyrfalcon.engine_process.launch import GOMP_SPINCOUNT, engine_env
+
+    engine, _ = _processes(two_workers)
+    with open(f"/proc/{engine}/environ", "rb") as f:
+        assert f"GOMP_SPINCOUNT={GOMP_SPINCOUNT}".encode() in f.read().split(b"\0")
+    assert engine_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert engine_env({"GOMP_SPINCOUNT": "INFINITY"}) == {"GOMP_SPINCOUNT": "INFINITY"}
+
+
 def test_killed_workers_are_replaced_and_their_requests_aborted(two_workers):
     url = two_workers.url
     _, workers = _processes(two_workers)
