@@ -22,7 +22,7 @@ def _server(args: argparse.Namespace, extra: str = ""):
     return launch(argv, log)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gyrfalcon.campaigns", description=__doc__)
     p.add_argument("campaign", choices=("slow-clients", "sigterm", "soak", "fuzz", "abuse"))
     p.add_argument("--url", default=None, help="a running server (not for sigterm)")
@@ -40,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schemas", type=int, default=100, help="abuse: distinct tool schemas sent")
     p.add_argument("--schema-bytes", type=int, default=1 << 20, help="abuse: each schema's size")
     p.add_argument("--max-tokens", type=int, default=16, help="fuzz: valid cases ask for at most this many new tokens (0: as generated)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.campaign == "sigterm":
         from gyrfalcon.campaigns import sigterm
 

@@ -57,6 +57,18 @@ class RequestState:
     def num_generated_tokens(self) -> int:
         return sum(len(seq.token_ids) for seq in self.sequences)
 
+    def steps_left(self, prefill_chunk_tokens: int) -> float:
+        """The most steps this request may still run: its prompt's prefill chunks, then what is
+        left of ``max_tokens`` (every choice decodes each step while the running rows fit the batch)."""
+        if self.request.sampling.max_tokens is None:
+            return float("inf")
+        steps = 0.0
+        for seq in self.unfinished():
+            left = len(seq.prompt_token_ids) - min(seq.computed, len(seq.prompt_token_ids))
+            prefill = -(-left // prefill_chunk_tokens) if left > 1 else 0
+            steps = max(steps, prefill + self.request.sampling.max_tokens - len(seq.token_ids))
+        return steps
+
     def unfinished(self) -> list[Sequence]:
         return [seq for seq in self.sequences if seq.finish_reason is None]
 

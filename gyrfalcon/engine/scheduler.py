@@ -350,7 +350,7 @@ class Scheduler:
                     horizon = self._seats_free_within(len(state.sequences), rows)
                 index += 1
                 continue
-            if horizon is not None and self._steps_to_end(state) > horizon:
+            if horizon is not None and state.steps_left(self.prefill_chunk_tokens) > horizon:
                 index += 1
                 continue
             live = state.live_sequences()
@@ -374,26 +374,12 @@ class Scheduler:
             rows += len(state.sequences)
             plan.extend(scheduled)
 
-    def _steps_to_end(self, state: RequestState) -> float:
-        """The most steps ``state`` may still run: its prompt's prefill chunks, then what is left of
-        ``max_tokens`` (a waiting or running request's choices decode every step while the running
-        rows fit ``max_num_seqs``)."""
-        max_tokens = state.request.sampling.max_tokens
-        if max_tokens is None:
-            return float("inf")
-        steps = 0.0
-        for seq in state.unfinished():
-            left = len(seq.prompt_token_ids) - min(seq.computed, len(seq.prompt_token_ids))
-            prefill = -(-left // self.prefill_chunk_tokens) if left > 1 else 0
-            steps = max(steps, prefill + max_tokens - len(seq.token_ids))
-        return steps
-
     def _seats_free_within(self, need: int, rows: int) -> float:
         """The steps after which ``need`` seats are surely free, the running requests ending no later
-        than their :meth:`_steps_to_end` (all of them, for a request wider than the batch)."""
+        than their :meth:`RequestState.steps_left` (all of them, for a request wider than the batch)."""
         if need > self.max_num_seqs:
-            return max((self._steps_to_end(state) for state in self.running), default=0.0)
-        ends = sorted(self._steps_to_end(state) for state in self.running for _ in state.unfinished())
+            return max((state.steps_left(self.prefill_chunk_tokens) for state in self.running), default=0.0)
+        ends = sorted(state.steps_left(self.prefill_chunk_tokens) for state in self.running for _ in state.unfinished())
         short = need - (self.max_num_seqs - rows)
         return ends[short - 1] if 0 < short <= len(ends) else 0.0
 

@@ -9,6 +9,8 @@ Python API, Ray). Both ask here, so the two verdicts and their messages cannot d
 
 from __future__ import annotations
 
+from gyrfalcon.engine_api.types import SamplingParams
+
 
 def context_overflow(prompt_len: int, max_tokens: int, max_model_len: int) -> str | None:
     """What does not fit a context of ``max_model_len`` tokens, or None when all of it does:
@@ -48,6 +50,11 @@ def request_work(n: int, max_tokens: int, logprob_entries: int) -> float:
     counting ``1 + logprob_entries / 20`` (its top logprobs and ``logprob_token_ids`` reported too).
     A request's work is the sum over its prompts; :func:`default_request_tokens` bounds it."""
     return n * max_tokens * (1 + logprob_entries / LOGPROB_ENTRIES_PER_TOKEN)
+
+
+def sampling_work(sampling: SamplingParams) -> float:
+    """:func:`request_work` of one engine request: its top logprobs and ``logprob_token_ids`` counted."""
+    return request_work(sampling.n, sampling.max_tokens, (sampling.logprobs or 0) + len(sampling.logprob_token_ids or ()))
 
 
 def default_request_tokens(max_num_seqs: int, max_model_len: int) -> int:

@@ -1,4 +1,5 @@
-"""``tools``, ``tool_choice`` and ``parallel_tool_calls`` → a :class:`ToolUse`, its constraint, and the
+"""The request's constraint: ``structured_outputs`` or ``response_format`` (:func:`structured_constraint`),
+and ``tools``, ``tool_choice`` and ``parallel_tool_calls`` → a :class:`ToolUse`, its constraint, and the
 conversation as the model should see it.
 
 - ``tool_choice`` ``none`` (the default without tools): nothing is rendered or parsed;
@@ -87,3 +88,19 @@ def with_instructions(messages: list[dict[str, Any]], use: ToolUse) -> list[dict
 def arguments_text(arguments: dict[str, Any]) -> str:
     """A call's arguments as OpenAI sends them: a JSON text."""
     return json.dumps(arguments, ensure_ascii=False)
+
+
+def structured_constraint(f: RequestFields, body: dict[str, Any]) -> dict[str, Any] | None:
+    """``SamplingParams.structured_outputs`` from ``structured_outputs`` or ``response_format`` (not
+    both). JSON schemas are taken from the body as sent: a ``null`` inside a schema means something."""
+    response_format = f.get("response_format") or {"type": "text"}
+    if f.has("structured_outputs"):
+        if response_format["type"] != "text":
+            raise f.error("structured_outputs", "'structured_outputs' and 'response_format' cannot be used together")
+        sent = f.endpoint.nested_body(body)
+        return {k: v for k, v in sent["structured_outputs"].items() if v is not None}
+    if response_format["type"] == "json_object":
+        return {"json_object": True}
+    if response_format["type"] == "json_schema":
+        return {"json": body["response_format"]["json_schema"].get("schema") or {}}
+    return None

@@ -19,7 +19,7 @@ from typing import Any
 import jsonschema
 
 from gyrfalcon.engine_api.interface import Engine
-from gyrfalcon.engine_api.lengths import context_message, context_overflow, min_tokens_problem, request_work, work_message
+from gyrfalcon.engine_api.lengths import context_message, context_overflow, min_tokens_problem, sampling_work, work_message
 from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind, SamplingParams
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.capabilities import check_supported
@@ -28,7 +28,7 @@ from gyrfalcon.protocol.endpoints import DETOKENIZE, TOKENIZE, Endpoint, Prompts
 from gyrfalcon.protocol.requests import ServingRequest, ToolUse, WireNames
 from gyrfalcon.protocol.responses import as_chat, input_items, refuse_unsupported
 from gyrfalcon.protocol.rules import RequestFields, check_rules
-from gyrfalcon.protocol.tools import tool_constraint, tool_use
+from gyrfalcon.protocol.tools import structured_constraint, tool_constraint, tool_use
 from gyrfalcon.openapi.limits import ServedLimits, largest_object, limits_of, longest_array, walk_schemas
 from gyrfalcon.openapi.served import bundle, request_schema_names, spec_max
 from gyrfalcon.protocol.wire import check_text_length, sent_fields, validate
@@ -191,7 +191,7 @@ class Translator:
         naming the field the client can lower: the token limit it set, else ``n``, else the prompts."""
         if self.max_work is None:
             return
-        work = sum(request_work(r.sampling.n, r.sampling.max_tokens, _logprob_entries(r.sampling)) for r in requests)
+        work = sum(sampling_work(r.sampling) for r in requests)
         if work > self.max_work:
             param = next((name for name in ("max_completion_tokens", "max_tokens") if f.has(name)), None)
             param = param or ("n" if requests[0].sampling.n > 1 else prompt_param)
@@ -382,27 +382,6 @@ class Translator:
         if problem is not None:
             raise f.error("min_tokens", problem)
         return dataclasses.replace(sampling, max_tokens=max_tokens)
-
-
-def _logprob_entries(sampling: SamplingParams) -> int:
-    """The logprob entries reported at each generated position: the top ones and the asked ids."""
-    return (sampling.logprobs or 0) + len(sampling.logprob_token_ids or ())
-
-
-def structured_constraint(f: RequestFields, body: dict[str, Any]) -> dict[str, Any] | None:
-    """``SamplingParams.structured_outputs`` from ``structured_outputs`` or ``response_format`` (not
-    both). JSON schemas are taken from the body as sent: a ``null`` inside a schema means something."""
-    response_format = f.get("response_format") or {"type": "text"}
-    if f.has("structured_outputs"):
-        if response_format["type"] != "text":
-            raise f.error("structured_outputs", "'structured_outputs' and 'response_format' cannot be used together")
-        sent = f.endpoint.nested_body(body)
-        return {k: v for k, v in sent["structured_outputs"].items() if v is not None}
-    if response_format["type"] == "json_object":
-        return {"json_object": True}
-    if response_format["type"] == "json_schema":
-        return {"json": body["response_format"]["json_schema"].get("schema") or {}}
-    return None
 
 
 def wire_names(f: RequestFields) -> WireNames:
