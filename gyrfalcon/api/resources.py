@@ -110,8 +110,8 @@ class InferenceResource:
     async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         raw = await self.ctx.read_body(req)
         owner = owner_of_request(req)
-        accepting = asyncio.get_running_loop().run_in_executor(self.ctx.body_lane(raw), self._accept, raw,
-                                                                req.get_header("X-Request-Id"), owner)  # fmt: skip
+        request_id = req.get_header("X-Request-Id")
+        accepting = asyncio.ensure_future(self.ctx.in_body_lane(raw, lambda: self._accept(raw, request_id, owner)))
         try:
             serving, streams = await asyncio.shield(accepting)
         except asyncio.CancelledError:  # the server is stopping this task: what was submitted is aborted
@@ -337,8 +337,7 @@ class TokenizeResource:
 
     async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         raw = await self.ctx.read_body(req)
-        tokens, strings = await asyncio.get_running_loop().run_in_executor(
-            self.ctx.body_lane(raw), lambda: self.ctx.translator().tokenize(self.ctx.parse_body(raw)))
+        tokens, strings = await self.ctx.in_body_lane(raw, lambda: self.ctx.translator().tokenize(self.ctx.parse_body(raw)))
         _json(resp, {"count": len(tokens), "max_model_len": self.ctx.engine.info().max_model_len, "tokens": tokens,
                      "token_strs": strings})  # fmt: skip
 
@@ -349,8 +348,7 @@ class DetokenizeResource:
 
     async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         raw = await self.ctx.read_body(req)
-        _json(resp, {"prompt": await asyncio.get_running_loop().run_in_executor(
-            self.ctx.body_lane(raw), lambda: self.ctx.translator().detokenize(self.ctx.parse_body(raw)))})
+        _json(resp, {"prompt": await self.ctx.in_body_lane(raw, lambda: self.ctx.translator().detokenize(self.ctx.parse_body(raw)))})
 
 
 class MetricsResource:
