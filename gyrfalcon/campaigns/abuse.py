@@ -18,6 +18,7 @@ CPU and memory are read from ``/proc`` and need the server's root pid on this ma
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import threading
 import time
@@ -136,16 +137,12 @@ def _raw(client: Client, method: str, path: str, body: bytes, headers: dict[str,
 
 
 def _post(client: Client, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> int:
-    import json
-
     return _raw(client, "POST", path, json.dumps(body).encode(), headers)
 
 
 def attacks(client: Client, model: str, schemas: int, schema_bytes: int) -> dict[str, Callable[[], list[int]]]:
     """Each attack: a call that sends it and returns the statuses it got (bodies made beforehand,
     so what the campaign measures is the server)."""
-    import json
-
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     bias = json.dumps({**chat, "logit_bias": {f"x{i}": 1 for i in range(20_000)}}).encode()
     tools = []
