@@ -2,10 +2,11 @@
 
 Workload (defaults follow the project's targets): 32-token prompts, temperature 0, ``ignore_eos``,
 128 output tokens, at concurrency 1, 4 and 16 on a CPU (64 requests each) or 1, 16 and 64 on a GPU
-(max(16, 2 × concurrency) requests each, so that one GPU run stays under 8 minutes); then one
+(max(16, 2 × concurrency) requests each, so that one GPU run stays under 8 minutes), each level on
+prompts no earlier request sent (so no level is served from a cache the one before filled); then one
 n = 8 request against 8 sequential n = 1 requests; then, on a CPU, the worker's RSS before and
 after 1,000 mixed requests; finally, with the server stopped (``--launch``) or idle, the ceilings in
-this process on the same device, dtype and prompts: the eager loop, and on a GPU the compiled
+this process on the same device and dtype, on the warm-up's prompts: the eager loop, and on a GPU the compiled
 static-cache loop; on a CPU also the fp32 eager loop without quantisation, the baseline of the
 targets. ``--peer-url URL`` runs the same loads against another OpenAI-compatible server (a llama.cpp
 server on the same GGUF) in the same run and prints each level's ratio. ``--launch`` starts ``gyrfalcon serve`` on a free port and stops it again;
@@ -123,6 +124,19 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(low, vocab) for _ in range(length)] for _ in range(count)]
 
 
+def _fresh_prompts(counts: list[int], warm: int, length: int, vocab: int, seed: int):
+    """Prompts for the warm-up, then for each level its own: no level sends a prompt the server saw
+    before, so a level measures serving rather than the prompt cache an earlier level filled
+    (``llama-server`` keeps whole prompts in RAM by default, gyrfalcon keeps full KV blocks).
+    The peer gets the same lists, so both servers see each prompt for the first time."""
+    every = _prompts(warm + sum(counts), length, vocab, seed)
+    levels, start = [], warm
+    for count in counts:
+        levels.append(every[start : start + count])
+        start += count
+    return every[:warm], levels
+
+
 def _vocab(model_path: str) -> int:
     """Token ids every part accepts: below both the model's vocabulary and the tokenizer's size."""
     from transformers import AutoConfig, AutoTokenizer
@@ -165,20 +179,19 @@ def warm_up(client: Client, model: str, prompts: list[list[int]], top: int, serv
             raise RuntimeError(f"warm-up request failed: {error}{log}")
 
 
-def run_peer(args: argparse.Namespace, model_path: str, prompts: list[list[int]], counts: list[int]):
+def run_peer(args: argparse.Namespace, model_path: str, warm: list[list[int]], levels: list[list[list[int]]]):
     """The same loads against ``--peer-url`` (its first model), level by level. The prompts go as
     their text (decoded with the model's tokenizer), since not every server takes token ids
     (llama.cpp's Python server does not); a peer on the same model tokenises them back to the same length."""
     from gyrfalcon.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
-    prompts = [tokenizer.decode(p) for p in prompts]  # type: ignore[misc]
     peer = Client(args.peer_url, args.peer_api_key)
     name = peer.model_name()
-    warm_up(Client(args.peer_url, args.peer_api_key, timeout=WARM_UP_TIMEOUT_S), name, prompts, 1)
+    warm_up(Client(args.peer_url, args.peer_api_key, timeout=WARM_UP_TIMEOUT_S), name, [tokenizer.decode(warm[0])], 1)
     loads = []
-    for c, count in zip(args.concurrency, counts):
-        load = run_load(peer, [_completion(name, prompts[i % len(prompts)], args.output_tokens) for i in range(count)], c)
+    for c, prompts in zip(args.concurrency, levels):
+        load = run_load(peer, [_completion(name, tokenizer.decode(p), args.output_tokens) for p in prompts], c)
         loads.append(load)
         _say(f"peer c={c}: {load.output_tokens_per_s:.1f} tok/s, TPOT p50 {load.tpot(50) * 1000:.1f} ms, {load.errors} errors")
     return loads
@@ -308,11 +321,11 @@ def _launch(args: argparse.Namespace, device: str, model_path: str, workdir: str
     return server
 
 
-def _served_loads(client: Client, name: str, args: argparse.Namespace, prompts, counts: list[int]) -> list:
-    """One load per ``--concurrency`` level, ``counts[i]`` requests each."""
+def _served_loads(client: Client, name: str, args: argparse.Namespace, levels: list[list[list[int]]]) -> list:
+    """One load per ``--concurrency`` level, each on its own prompts."""
     loads = []
-    for c, count in zip(args.concurrency, counts):
-        load = run_load(client, [_completion(name, prompts[i % len(prompts)], args.output_tokens) for i in range(count)], c)
+    for c, prompts in zip(args.concurrency, levels):
+        load = run_load(client, [_completion(name, p, args.output_tokens) for p in prompts], c)
         loads.append(load)
         _say(f"c={c}: {load.output_tokens_per_s:.1f} tok/s, TTFT p50 {load.ttft(50) * 1000:.0f} ms, "
              f"TPOT p50 {load.tpot(50) * 1000:.1f} ms, {load.errors} errors")  # fmt: skip
@@ -359,16 +372,16 @@ def main(args: argparse.Namespace) -> int:
         path = decode_path(client)
         vocab = _vocab(model_path)
         counts = [requests_at(args, c, device) for c in args.concurrency]
-        prompts = _prompts(max(*counts, *args.concurrency), args.prompt_tokens, vocab, args.seed)
-        warm_up(Client(url, args.api_key, timeout=WARM_UP_TIMEOUT_S), name, prompts, max(args.concurrency), server)
-        loads = _served_loads(client, name, args, prompts, counts)
-        peer_loads = run_peer(args, model_path, prompts, counts) if args.peer_url else []
-        n_cmp, memory = _n_and_memory(client, name, args, prompts[0], vocab)
+        warm, levels = _fresh_prompts(counts, max(args.concurrency), args.prompt_tokens, vocab, args.seed)
+        warm_up(Client(url, args.api_key, timeout=WARM_UP_TIMEOUT_S), name, warm, max(args.concurrency), server)
+        loads = _served_loads(client, name, args, levels)
+        peer_loads = run_peer(args, model_path, warm, levels) if args.peer_url else []
+        n_cmp, memory = _n_and_memory(client, name, args, warm[0], vocab)
         if server is not None:  # free the device (and the CPU) for the ceilings
             server.stop()
         ceilings: dict[str, Any] = {"eager": {}, "compiled": {}, "compiled_error": None, "peak_memory": None, "baseline": {}}
         if not args.no_ceiling:
-            ceilings = run_ceilings(model_path, args, device, prompts)
+            ceilings = run_ceilings(model_path, args, device, warm)
         header = _header(args, device, model_path, build_s, path)
     except RuntimeError as exc:  # the server failed to start, or a request failed
         print(f"gyrfalcon bench: {exc}", file=sys.stderr)

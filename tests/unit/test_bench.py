@@ -321,3 +321,14 @@ def test_a_server_that_closes_each_connection_after_a_stream_loses_no_request():
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_each_level_and_the_warm_up_send_prompts_no_other_sent():
+    """A level served from the prompt cache an earlier level filled measures the cache, not serving."""
+    from gyrfalcon.bench.run import _fresh_prompts
+
+    warm, levels = _fresh_prompts([3, 5, 16], 16, 32, 49152, seed=0)
+    assert [len(level) for level in levels] == [3, 5, 16] and len(warm) == 16
+    every = [tuple(p) for p in warm] + [tuple(p) for level in levels for p in level]
+    assert len(set(every)) == len(every) == 40
+    assert all(len(p) == 32 and all(100 <= t < 49152 for t in p) for p in every)
