@@ -51,8 +51,12 @@ def _purge_every(store: ResponseStore, interval_s: float) -> None:
 
 T = TypeVar("T")
 
-#: bodies larger than this are parsed and translated in a lane of their own (:meth:`ServerContext.body_lane`)
-LARGE_BODY_BYTES = 64 << 30
+#: bodies larger than this (64 KiB) are parsed and translated in a lane of their own
+#: (:meth:`ServerContext.in_body_lane`)
+LARGE_BODY_BYTES = 64 << 10
+#: after each large body, its lane rests this many times the CPU the body took: at most a quarter of
+#: a core goes to large bodies, whatever a client sends
+LARGE_BODY_REST = 3.0
 
 
 class ServerContext:

@@ -125,16 +125,11 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def _fresh_prompts(counts: list[int], warm: int, length: int, vocab: int, seed: int):
-    """Prompts for the warm-up, then for each level its own: no level sends a prompt the server saw
-    before, so a level measures serving rather than the prompt cache an earlier level filled
-    (``llama-server`` keeps whole prompts in RAM by default, gyrfalcon keeps full KV blocks).
-    The peer gets the same lists, so both servers see each prompt for the first time."""
+    """Prompts for the warm-up, then each level's own, so that a level measures serving, not the
+    prompt cache an earlier one filled (``llama-server`` keeps whole prompts in RAM by default)."""
     every = _prompts(warm + sum(counts), length, vocab, seed)
-    levels, start = [], warm
-    for count in counts:
-        levels.append(every[start : start + count])
-        start += count
-    return every[:warm], levels
+    ends = [warm + sum(counts[: i + 1]) for i in range(len(counts))]
+    return every[:warm], [every[end - count : end] for end, count in zip(ends, counts)]
 
 
 def _vocab(model_path: str) -> int:
