@@ -66,6 +66,11 @@ def guarded_protocol(header_timeout: float, send_timeout: float) -> Any:
     return protocol
 
 
+#: how long a thread holding the GIL (a large body's parsing) may keep it from the event loop that
+#: wants it; CPython's default, 5 ms, is paid again at each of a request's many turns of the loop
+SWITCH_INTERVAL_S = 0.0005
+
+
 class Worker(UvicornWorker):
     """uvicorn with the guarded protocol, the app's lifespan on, and the settings' time limits."""
 
@@ -81,6 +86,7 @@ class Worker(UvicornWorker):
 
     def init_process(self) -> None:
         raise_open_files_limit()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         super().init_process()
 
     async def _serve(self) -> None:
