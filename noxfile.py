@@ -1,5 +1,6 @@
 """Sessions: ``nox -s tests`` (the whole suite), ``nox -s serve`` (the default model on :8000),
-``nox -s codegen`` (regenerate models; ``-- --check`` fails when they are stale), and the campaigns
+``nox -s codegen`` (regenerate models; ``-- --check`` fails when they are stale), ``nox -s docs``
+(the docs site, strict), and the campaigns
 ``slow-clients``, ``sigterm``, ``soak``, ``fuzz`` (``python -m gyrfalcon.campaigns``; options after
 ``--``).
 
@@ -27,7 +28,7 @@ def _install(session: nox.Session, extras: str = "") -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Codegen check, then every test: unit, API, live gunicorn, contract, clients, model."""
-    _install(session, "[test,ray]")
+    _install(session, "[test,ray,docs]")
     session.env["HF_HUB_OFFLINE"] = "1"
     session.env["MALLOC_ARENA_MAX"] = "2"
     session.run("python", "-m", "gyrfalcon.codegen", "--check")
@@ -76,6 +77,18 @@ def abuse(session: nox.Session) -> None:
     """Every attack of the hardening issue beside a normal client: 0 x 5xx, <= 1 s of server CPU each,
     <= 64 MiB over 100 distinct 1 MB schemas, the normal client's p99 <= 2 x alone."""
     _campaign(session, "abuse")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the docs site from docs/ into site/ (MkDocs, strict: a broken link or a stale
+    generated page fails); ``-- serve`` previews it instead."""
+    _install(session, "[docs]")
+    session.run("python", "-m", "gyrfalcon.reference", "--check")
+    if session.posargs[:1] == ["serve"]:
+        session.run("mkdocs", "serve", *session.posargs[1:])
+    else:
+        session.run("mkdocs", "build", "--strict", *session.posargs)
 
 
 @nox.session

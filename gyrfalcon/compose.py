@@ -37,10 +37,12 @@ LOG_FORMAT = "[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s"
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """``gyrfalcon serve``'s options: one per setting, and where to listen."""
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="the port to listen on")
     config.add_arguments(parser)
-    parser.add_argument("--api-key-file", default=None, help="a file of API keys, one per line")
+    parser.add_argument("--api-key-file", default=None, help="a file of API keys, one per line (blank lines and # "
+                        "comments ignored); the workers read the keys from a private copy, never from their "
+                        "environment")  # fmt: skip
 
 
 def serve_settings(args: argparse.Namespace) -> Settings:

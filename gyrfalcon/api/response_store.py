@@ -5,7 +5,7 @@ so a response stored by one worker is found by the others and survives a worker'
 store is bounded: at most ``--responses-store-size`` responses, each kept ``--responses-ttl``
 seconds; the oldest go first. An id that went is remembered (a bounded list of tombstones), so
 asking for it says it was evicted rather than that it never existed. Under Ray, ingress replicas
-on one machine share the file; replicas on other machines do not see it (see the README).
+on one machine share the file; replicas on other machines do not see it (see docs/api.md, "The Responses API").
 
 Each response has an owner: a hash of the API key that created it ('' on a server without keys).
 Every read, cancel and delete names its owner, and a response of another owner is "not stored" (a

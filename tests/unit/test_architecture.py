@@ -27,9 +27,9 @@ LAYERS = [
     "client", "tools", "protocol", "hookspecs", "serving", "config", "plugins", "engine_process", "api",
     "compose", "ray", "gunicorn_conf", "entrypoints", "cli",
     # tooling: beside the runtime, above it
-    "codegen", "contract", "check", "bench", "campaigns",
+    "codegen", "reference", "contract", "check", "bench", "campaigns",
 ]  # fmt: skip
-TOOLING = {"codegen", "contract", "check", "bench", "campaigns"}
+TOOLING = {"codegen", "reference", "contract", "check", "bench", "campaigns"}
 #: the engine's side knows token ids, never the wire
 ENGINE_SIDE = {"engine", "engine_api", "policies", "kernels"}
 WIRE = {"api", "protocol", "openapi", "serving"}
