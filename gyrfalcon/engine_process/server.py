@@ -3,15 +3,18 @@
 One thread (the caller of :meth:`EngineServer.serve`) owns the socket: it takes the workers'
 messages, sends the heartbeats, and sends the outputs the core's step loop produced, batched per
 worker. The step loop never touches the socket: a stream's waker only notes which request has
-something new (:class:`~gyrfalcon.engine_process.wakeup.PollWakeup`). Submits, aborts and finished
-choices go to the core from a thread of their own, in the order they came: a submit validates the
-request (a grammar's check, a plugin's validation) and may take a while, and the workers take 3 s
+something new (:class:`~gyrfalcon.engine_process.wakeup.PollWakeup`). A submit validates the
+request (a grammar's compile, a plugin's validation) and may take a while, and the workers take 3 s
 without a heartbeat for the engine's death — one slow submit on the socket's thread cut every open
-stream. Its answer comes back to the socket's thread the way outputs do.
+stream; one on a single submitting thread held every request behind it. So submits run on a few
+threads of their own (:data:`SUBMIT_THREADS`), aborts and finished choices on one thread in the
+order they came — each after its own request's submit — and a submit's answer comes back to the
+socket's thread the way outputs do.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -33,6 +36,9 @@ log = logging.getLogger(__name__)
 
 #: the wake-up key of a submit the core has answered
 _SUBMITTED = "submitted"
+#: submits validated at once: a request waits behind a slow submit (a large grammar's compile) only
+#: when this many are slow together
+SUBMIT_THREADS = 4
 
 
 @dataclasses.dataclass
@@ -65,11 +71,15 @@ class EngineServer:
         self._ready = PollWakeup()
         self._stop = threading.Event()
         self._draining = False
-        #: work for the core, in arrival order (None: stop), and the submits it answered
+        #: the core's aborts and finishes, in arrival order (None: stop); the submits it answered
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._submitted: queue.SimpleQueue[tuple[bytes, Any, str, Any]] = queue.SimpleQueue()
-        self._submitter = threading.Thread(target=self._run_jobs, name="gyrfalcon-submit", daemon=True)
+        self._submitter = threading.Thread(target=self._run_jobs, name="gyrfalcon-core-calls", daemon=True)
         self._submitter.start()
+        self._submits = concurrent.futures.ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="gyrfalcon-submit")
+        #: the engine ids whose submit still runs, each with the calls for it that came meanwhile
+        self._pending: dict[str, list[tuple[Any, ...]]] = {}
+        self._pending_lock = threading.Lock()
 
     # ------------------------------------------------------------------ control (any thread)
 
@@ -107,6 +117,7 @@ class EngineServer:
                 except Exception:  # noqa: BLE001 - the engine outlives any one bad message or output
                     log.exception("engine server loop")
         finally:
+            self._submits.shutdown(wait=False, cancel_futures=True)
             self._jobs.put(None)
             self._submitter.join(timeout=5.0)
             self._abort_all()
@@ -150,12 +161,14 @@ class EngineServer:
     def _handle(self, worker: _Worker, kind: bytes, data: Any) -> None:
         if kind == b"submit":
             call_id, request = data
-            self._jobs.put((self._submit, worker.identity, call_id, request))
+            with self._pending_lock:
+                self._pending.setdefault(self._engine_id(worker.identity, request[0]), [])
+            self._submits.submit(self._submit, worker.identity, call_id, request)
         elif kind == b"abort":
-            self._jobs.put((self.core.abort, self._engine_id(worker.identity, data[0])))
+            self._call(self.core.abort, self._engine_id(worker.identity, data[0]))
         elif kind == b"finish":
             request_id, index, stop_reason = data
-            self._jobs.put((self.core.finish_choice, self._engine_id(worker.identity, request_id), index, stop_reason))
+            self._call(self.core.finish_choice, self._engine_id(worker.identity, request_id), index, stop_reason)
         elif kind == b"call":
             call_id, name, _args = data
             if name == "stats":
@@ -173,8 +186,18 @@ class EngineServer:
         """The core's id of a worker's request (ids are the workers' own: two may use the same)."""
         return f"{identity.decode(errors='replace')}:{request_id}"
 
+    def _call(self, call: Any, engine_id: str, *arguments: Any) -> None:
+        """``call(engine_id, *arguments)`` on the core, in the order the messages came, and after
+        the request's own submit where that still runs."""
+        with self._pending_lock:
+            waiting = self._pending.get(engine_id)
+            if waiting is not None:
+                waiting.append((call, engine_id, *arguments))
+                return
+        self._jobs.put((call, engine_id, *arguments))
+
     def _run_jobs(self) -> None:
-        """The submitter thread: the core's calls, in the order the messages came."""
+        """The core-calls thread: aborts and finishes, in the order the messages came."""
         while (job := self._jobs.get()) is not None:
             call, *arguments = job
             try:
@@ -184,13 +207,18 @@ class EngineServer:
 
     def _submit(self, identity: bytes, call_id: Any, data: list[Any]) -> None:
         """Submit to the core (the submitter thread); the socket's thread answers (:meth:`_answer`)."""
+        engine_id = self._engine_id(identity, str(data[0]))
         try:
             request = codec.decode_request(data)
             local_id = request.request_id
-            request.request_id = self._engine_id(identity, local_id)
+            request.request_id = engine_id
             result: Any = self.core.submit(request)
         except Exception as exc:  # noqa: BLE001 - a refusal travels back to the worker
             local_id, result = "", exc
+        finally:
+            with self._pending_lock:
+                for job in self._pending.pop(engine_id, []):  # what came for it meanwhile, in order
+                    self._jobs.put(job)
         self._submitted.put((identity, call_id, local_id, result))
         self._ready.notify(_SUBMITTED)
 

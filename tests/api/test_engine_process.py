@@ -221,3 +221,32 @@ def test_a_slow_submit_delays_only_its_own_request(served, remote, slow_engine, 
     assert last.finished and last.error is None and remote.health().ready
     outputs = list(open_stream)
     assert outputs[-1].finished and outputs[-1].error is None
+
+
+def test_a_request_behind_a_slow_submit_is_not_held_and_an_abort_waits_for_its_submit(served, remote, slow_engine,
+                                                                                        monkeypatch):  # fmt: skip
+    """Submits run beside each other: a request sent while another's submit is slow (a grammar's
+    compile) is served meanwhile; an abort of the slow one that comes during its submit is applied
+    once the submit ends, not lost."""
+    submit = slow_engine.core.submit
+    slow_started = threading.Event()
+
+    def slow(request):
+        if request.request_id.endswith(":slow"):
+            slow_started.set()
+            time.sleep(2.0)
+        return submit(request)
+
+    monkeypatch.setattr(slow_engine.core, "submit", slow)
+    slow_stream: list = []
+    sender = threading.Thread(target=lambda: slow_stream.append(
+        remote.submit(_request(remote, "slow", OutputKind.DELTA, max_tokens=200, ignore_eos=True))))  # fmt: skip
+    sender.start()
+    assert slow_started.wait(10)
+    (fast,) = list(remote.submit(_request(remote, "fast", max_tokens=3)))
+    assert fast.finished and fast.error is None and sender.is_alive()  # served while the slow submit ran
+    remote.abort("slow")
+    sender.join(10)
+    outputs = list(slow_stream[0])
+    assert outputs[-1].finished and len(outputs) < 200
+    assert all(choice.finish_reason == "abort" for choice in outputs[-1].outputs), outputs[-1]
