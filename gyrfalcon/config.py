@@ -9,7 +9,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 
-from gyrfalcon.engine.model.quant import QUANTIZATIONS
+from gyrfalcon.kernels.quant import QUANTIZATIONS
 from gyrfalcon.engine_api.lengths import default_request_tokens
 
 #: Environment variable through which `gyrfalcon serve` hands its settings to gunicorn workers.

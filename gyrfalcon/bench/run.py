@@ -30,7 +30,7 @@ from typing import Any
 from gyrfalcon.bench.ceiling import CeilingResult
 from gyrfalcon.bench.client import Client, run_load
 from gyrfalcon.config import Settings
-from gyrfalcon.engine.model.quant import QUANTIZATIONS
+from gyrfalcon.kernels.quant import QUANTIZATIONS
 
 MAX_CONCURRENCY = 128
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -272,7 +272,7 @@ def _header(args: argparse.Namespace, device: str, model_path: str, build_s: flo
 
     from gyrfalcon.models.loading import resolve_dtype
 
-    from gyrfalcon.engine.model.native.cpu import cpu
+    from gyrfalcon.kernels.native.cpu import cpu
 
     dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
     where = torch.cuda.get_device_name() if device.startswith("cuda") else f"{cpu().describe()}, {args.num_threads} thread(s)"

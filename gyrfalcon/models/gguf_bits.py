@@ -4,7 +4,7 @@ When a GGUF is converted (:mod:`gyrfalcon.models.default`), transformers dequant
 ordinary fp32 folder — the reference model, loaded by ``--quantization none`` and by any plain
 transformers tool. :func:`extract_bits` then writes the file :data:`BITS_FILE` into the same folder:
 for each ``Q4_0``/``Q4_1``/``Q8_0`` tensor, under its Hugging Face name, the raw 4- or 8-bit values
-and their fp16 scales (layouts of :mod:`gyrfalcon.engine.model.quant.weights`). A tensor is kept
+and their fp16 scales (layouts of :mod:`gyrfalcon.kernels.quant.weights`). A tensor is kept
 only if dequantising the kept bits gives exactly, bit for bit, the weight transformers wrote: that
 proves the name mapping and the row permutations (Llama's q/k rows) were applied the same way.
 Other tensor types (K-quants, fp16) are left out; ``--quantization int4`` re-quantises those from
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gyrfalcon.engine.model.quant.weights import GROUP, Int4Weights
+from gyrfalcon.kernels.quant.weights import GROUP, Int4Weights
 
 log = logging.getLogger(__name__)
 

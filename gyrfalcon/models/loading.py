@@ -31,7 +31,7 @@ def kernel_dtype(dtype: Any, device: str, mode: str = "int4") -> Any:
     """The format the quantised matmuls take their inputs in, for ``--quantization`` ``mode``:
 
     - ``int4`` on an x86 CPU with AVX2 or AVX-512: our kernels' format for that instruction set
-      (:func:`gyrfalcon.engine.model.quant.q4.q4_inputs`: int8 blocks, by measurement);
+      (:func:`gyrfalcon.kernels.quant.q4.q4_inputs`: int8 blocks, by measurement);
     - bf16 on CUDA (tinygemm's only one) and, for torch's int8 kernel, on CPUs with AVX2 or AVX-512,
       where torch's kernels are fast only with bf16 inputs (16-30x their fp32 and fp16 paths);
     - the model's ``dtype`` elsewhere.
@@ -40,8 +40,8 @@ def kernel_dtype(dtype: Any, device: str, mode: str = "int4") -> Any:
     log-probabilities by 0.062 nats: docs/kernels.md)."""
     import torch
 
-    from gyrfalcon.engine.model.native.cpu import cpu
-    from gyrfalcon.engine.model.quant.q4 import q4_inputs, q4_kernel
+    from gyrfalcon.kernels.native.cpu import cpu
+    from gyrfalcon.kernels.quant.q4 import q4_inputs, q4_kernel
 
     if device.startswith("cuda"):
         return torch.bfloat16
@@ -54,8 +54,8 @@ def kernel_dtype(dtype: Any, device: str, mode: str = "int4") -> Any:
 
 def resolve_quantization(setting: str, path: str | os.PathLike[str], dtype: Any, device: str) -> str:
     """``--quantization`` for the folder at ``path`` in the model ``dtype`` on ``device``: see
-    :func:`gyrfalcon.engine.model.quant.apply.resolve_quantization` (``auto`` needs a GGUF's bits)."""
-    from gyrfalcon.engine.model.quant.apply import resolve_quantization as resolve
+    :func:`gyrfalcon.kernels.quant.apply.resolve_quantization` (``auto`` needs a GGUF's bits)."""
+    from gyrfalcon.kernels.quant.apply import resolve_quantization as resolve
     from gyrfalcon.models.gguf_bits import BITS_FILE
 
     has_bits = os.path.isfile(os.path.join(os.fspath(path), BITS_FILE))
@@ -66,7 +66,7 @@ def load_weights(path: str | os.PathLike[str], dtype: str | None = "float32", de
                  quantization: str = "none", cache_dir: str | None = None, inputs: Any = None):  # fmt: skip
     """Load the causal LM of a local folder in eval mode on ``device``, its layers in the kernels of
     ``--quantization`` (``auto``, ``none``, ``int4``, ``int8``: see
-    :mod:`gyrfalcon.engine.model.quant.apply`); returns ``(model, QuantizationReport)``.
+    :mod:`gyrfalcon.kernels.quant.apply`); returns ``(model, QuantizationReport)``.
 
     ``dtype`` is a ``Settings.dtype`` string (``float32``, ``bfloat16``, ``float16``, ``auto``).
     Never touches the network (``local_files_only=True``); thread counts are left to the caller.
@@ -76,7 +76,7 @@ def load_weights(path: str | os.PathLike[str], dtype: str | None = "float32", de
     """
     from transformers import AutoModelForCausalLM
 
-    from gyrfalcon.engine.model.quant.apply import quantize_model
+    from gyrfalcon.kernels.quant.apply import quantize_model
     from gyrfalcon.heap import release_freed_memory
     from gyrfalcon.models.default import cache_root
     from gyrfalcon.models.gguf_bits import read_bits

@@ -193,8 +193,8 @@ def test_at_the_defaults_the_head_and_the_embedding_read_the_ggufs_q8_bits(defau
     for bit); no fp32 copy of the table is kept."""
     from safetensors import safe_open
 
-    from gyrfalcon.engine.model.quant.layers import TiedEmbedding
-    from gyrfalcon.engine.model.quant.q8 import Q8Linear
+    from gyrfalcon.kernels.quant.layers import TiedEmbedding
+    from gyrfalcon.kernels.quant.q8 import Q8Linear
 
     model = served_model(default_model_dir)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()

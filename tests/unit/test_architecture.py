@@ -1,7 +1,7 @@
 """The house plan of ``docs/architecture.md``, held against the code's imports.
 
 Rooms are the top-level modules and packages of ``gyrfalcon``; the weight kernels of
-``engine/model/quant`` and the C kernels of ``engine/model/native`` are a leaf room of their own, and the runtime's ``python -m`` entry points
+``kernels/quant`` and the C kernels of ``kernels/native`` are a leaf room of their own, and the runtime's ``python -m`` entry points
 (``__main__`` modules) sit at the top with the command line. An import runs from a room to one listed
 before it in :data:`LAYERS`, never to a later one; the engine's side never reaches the wire's rooms;
 the server's rooms never import the tooling; no module imports itself back through others; and
@@ -46,8 +46,6 @@ def _room(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) == 1:
         return None  # the package's face
-    if parts[1:4] in (["engine", "model", "quant"], ["engine", "model", "native"]):
-        return "kernels"
     if parts[-1] == "__main__" and parts[1] not in TOOLING:  # ``python -m`` entry points: at the top
         return "entrypoints"
     return parts[1]

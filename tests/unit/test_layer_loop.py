@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gyrfalcon.engine.model import layer_loop, native
-from gyrfalcon.engine.model.native.cpu import cpu
+from gyrfalcon.kernels.native.cpu import cpu
 from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
 from tests.conftest import tiny_settings
 

@@ -1,4 +1,4 @@
-"""The engine's C kernels (:mod:`gyrfalcon.engine.model.native`): how they are built, and the
+"""The engine's C kernels (:mod:`gyrfalcon.kernels.native`): how they are built, and the
 mean of squares the norms take (the Q8_0 head's kernel is tested with its layer in test_quantization)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from gyrfalcon.engine.model import native
+from gyrfalcon.kernels import native
 from gyrfalcon.engine.model.decoder import _mean_square, _mean_square_in_lanes, mean_square
-from gyrfalcon.engine.model.quant import q8
-from gyrfalcon.engine.model.quant.layers import UnsupportedQuantization
+from gyrfalcon.kernels.quant import q8
+from gyrfalcon.kernels.quant.layers import UnsupportedQuantization
 
 
 def test_the_kernels_build_without_openmp_and_are_refused_without_a_compiler(tmp_path, monkeypatch):
@@ -114,7 +114,7 @@ def test_one_query_attention_reads_the_blocks_in_place_as_sdpa_over_their_copy(t
     torch.library.opcheck(_operator, (q[:2], keys, values, tables[:2], positions[:2], block, window, 0.125))
 
 
-@pytest.mark.skipif(not __import__("gyrfalcon.engine.model.native.cpu", fromlist=["cpu"]).cpu().avx512,
+@pytest.mark.skipif(not __import__("gyrfalcon.kernels.native.cpu", fromlist=["cpu"]).cpu().avx512,
                     reason="needs an AVX-512 CPU to run both builds (on an AVX2 one the AVX2 build is the one tested)")
 def test_the_int4_kernels_give_the_same_bits_built_for_avx2_and_for_avx_512(tmp_path):
     """``q4_linear.c`` and ``q4q8_linear.c`` sum every output in the same order whatever the vector
@@ -123,8 +123,8 @@ def test_the_int4_kernels_give_the_same_bits_built_for_avx2_and_for_avx_512(tmp_
     import ctypes
     import subprocess
 
-    from gyrfalcon.engine.model.quant.q4 import KERNELS, pack
-    from gyrfalcon.engine.model.quant.weights import Int4Weights
+    from gyrfalcon.kernels.quant.q4 import KERNELS, pack
+    from gyrfalcon.kernels.quant.weights import Int4Weights
 
     cc = native._compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout

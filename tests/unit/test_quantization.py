@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyrfalcon.engine.model.native.cpu import cpu
-from gyrfalcon.engine.model.quant.apply import quantize_model, resolve_quantization
-from gyrfalcon.engine.model.quant.layers import (CastLinear, Int4Linear, Int8Linear, PackedLinear, TiedEmbedding,
+from gyrfalcon.kernels.native.cpu import cpu
+from gyrfalcon.kernels.quant.apply import quantize_model, resolve_quantization
+from gyrfalcon.kernels.quant.layers import (CastLinear, Int4Linear, Int8Linear, PackedLinear, TiedEmbedding,
                                                  UnsupportedQuantization,
                                                  fuse_outputs)
-from gyrfalcon.engine.model.quant.q4 import Q4Linear, int8_rounded, q4_kernel
-from gyrfalcon.engine.model.quant.q8 import Q8Embedding
-from gyrfalcon.engine.model.quant.weights import Int4Weights, Int8Weights, relative_error
+from gyrfalcon.kernels.quant.q4 import Q4Linear, int8_rounded, q4_kernel
+from gyrfalcon.kernels.quant.q8 import Q8Embedding
+from gyrfalcon.kernels.quant.weights import Int4Weights, Int8Weights, relative_error
 
 CPU = torch.device("cpu")
 
@@ -87,7 +87,7 @@ def test_the_q8_0_head_gives_each_row_the_same_bits_at_any_row_count(tmp_path):
     around its tiles (6 input rows on AVX2, 12 on AVX-512; 50 outputs leave a partial panel of 16), the dequantised
     product within fp32's rounding, the bias added, the table's rows dequantised exactly for a tied
     embedding, and the operator a compiled step calls agreeing with its fake."""
-    from gyrfalcon.engine.model.quant.q8 import Q8Linear, _q8_linear
+    from gyrfalcon.kernels.quant.q8 import Q8Linear, _q8_linear
 
     torch.manual_seed(0)
     q8 = torch.randint(-127, 128, (50, 96), dtype=torch.int8)
@@ -188,7 +188,7 @@ def test_shapes_and_devices_without_a_kernel_are_refused_loudly():
 
 
 def test_auto_keeps_a_ggufs_bits_where_the_kernel_is_fast_and_anything_else_as_it_is(monkeypatch):
-    from gyrfalcon.engine.model.quant import apply
+    from gyrfalcon.kernels.quant import apply
 
     assert q4_kernel()  # every x86 CPU these tests run on has AVX2 or AVX-512
     assert resolve_quantization("auto", True, torch.float32, "cpu") == "int4"  # our kernels: fp32 rows in

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gyrfalcon.engine.model.fast_check import DecodePath, guards_on_the_inputs, one_line
-from gyrfalcon.engine.model.native.cpu import cpu
+from gyrfalcon.kernels.native.cpu import cpu
 from gyrfalcon.heap import release_freed_memory
 
 if TYPE_CHECKING:  # pragma: no cover

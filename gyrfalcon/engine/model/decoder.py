@@ -3,7 +3,7 @@
 Why it exists: transformers' modelling code runs about 285 operators per layer and step on the
 default model (wrappers, dtype round trips, a rotary embedding per tensor); this forward runs about
 40, with q/k/v and gate/up each fused into one matmul
-(:func:`~gyrfalcon.engine.model.quant.layers.fuse_outputs`: their weights shared; int4's scale
+(:func:`~gyrfalcon.kernels.quant.layers.fuse_outputs`: their weights shared; int4's scale
 tables are copied, 8.3 MiB on the default model).
 Measured on the 2-core CPU, default model, batch 1: 18.5 ms a step through transformers, 16.2 ms here.
 
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gyrfalcon.engine.model import native
+from gyrfalcon.kernels import native
 from gyrfalcon.engine.model.attention import STEP_KWARG, StepMetadata, paged_attention
-from gyrfalcon.engine.model.quant.layers import fuse_outputs
+from gyrfalcon.kernels.quant.layers import fuse_outputs
 
 #: the ``model_type``s whose decoder layers this forward reproduces
 DIRECT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -33,7 +33,7 @@ DIRECT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 def mean_square(h: torch.Tensor) -> torch.Tensor:
     """``mean(h², -1)`` of fp32 ``h``, keeping the dimension: by ``mean_square.c`` where the engine's
-    kernels are loaded (:mod:`~gyrfalcon.engine.model.native`; one call, each row summed in one fixed
+    kernels are loaded (:mod:`~gyrfalcon.kernels.native`; one call, each row summed in one fixed
     order), else by ATen's kernels."""
     kernels = native.loaded()
     if kernels is None or h.device.type != "cpu":
@@ -189,7 +189,7 @@ class DirectDecoder:
     def __init__(self, model, max_positions: int, kernels: Path | None = None) -> None:
         self.model = model
         #: what sums the norms' squares (the start-up line); ``kernels``: the folder the engine's C
-        #: kernels are built in (:func:`~gyrfalcon.engine.model.native.library`)
+        #: kernels are built in (:func:`~gyrfalcon.kernels.native.library`)
         self.norms = "ATen"
         if model.device.type == "cpu":
             try:

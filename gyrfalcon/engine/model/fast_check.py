@@ -11,7 +11,7 @@ import torch
 
 #: how far two forwards' logits may be apart, relative to the largest logit (at least 1), by the
 #: coarsest rounding of their inputs (the model's dtype, or the quantised matmuls' input format:
-#: :func:`~gyrfalcon.engine.model.quant.apply.matmul_inputs`): fp32 reassociation moves the tiny
+#: :func:`~gyrfalcon.kernels.quant.apply.matmul_inputs`): fp32 reassociation moves the tiny
 #: model's by 6e-8; inputs rounded to int8 per block turn a last-bit difference between two
 #: forwards into a whole step of the block's grid now and then (the default model's direct and
 #: transformers forwards: 0.34 on logits near 20)

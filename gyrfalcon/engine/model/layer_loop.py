@@ -1,4 +1,4 @@
-"""A decode step's decoder layers in one call of ``decode_layers.c`` (:mod:`~gyrfalcon.engine.model.native`).
+"""A decode step's decoder layers in one call of ``decode_layers.c`` (:mod:`~gyrfalcon.kernels.native`).
 
 Why: on a CPU a decode step of the default model spends more time calling its ~1,200 operators
 than computing them at small batches (eager, batch 1: about 14 ms a step, of which the kernels
@@ -11,7 +11,7 @@ compile: :meth:`~gyrfalcon.engine.model.runner.ModelRunner.check_layer_loop` pro
 through the operators, to the same bits).
 
 It takes the direct forward's Llama-shaped layers whose four products are all int4 layers of one
-input format (:class:`~gyrfalcon.engine.model.quant.q4.Q4Linear`: the GGUF's bits, the CPU's
+input format (:class:`~gyrfalcon.kernels.quant.q4.Q4Linear`: the GGUF's bits, the CPU's
 default), an fp32 stream, a cos/sin table, a cache of fp32 or bf16 read in place
 (``one_query_attention.c``); :func:`unsupported` says why not otherwise, and the operators serve.
 """
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from gyrfalcon.engine.model import native
-from gyrfalcon.engine.model.quant.q4 import KERNELS, Q4Linear
+from gyrfalcon.kernels import native
+from gyrfalcon.kernels.quant.q4 import KERNELS, Q4Linear
 
 def unsupported(decoder, cache, rows_in_place: bool) -> str | None:
     """Why :class:`LayerLoop` cannot run ``decoder``'s layers over ``cache`` (None: it can)."""

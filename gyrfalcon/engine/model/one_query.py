@@ -1,5 +1,5 @@
 """A single query row's attention on the CPU, reading its KV blocks in place
-(``one_query_attention.c`` of :mod:`~gyrfalcon.engine.model.native`).
+(``one_query_attention.c`` of :mod:`~gyrfalcon.kernels.native`).
 
 Decode rows — and a prefill's one-row groups, so that a position gets the same bits whichever way
 it came — take it where :meth:`RowsInPlace.of` allows; every other row keeps the gather-then-SDPA
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gyrfalcon.engine.model import native
+from gyrfalcon.kernels import native
 
 #: the widest head and the most query heads per KV head the kernel takes
 MAX_DIM, MAX_GROUP = 256, 16

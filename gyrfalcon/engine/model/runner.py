@@ -25,7 +25,7 @@ from gyrfalcon.engine.model.fast_check import FAST_STEP_RTOL, check_fast_step
 from gyrfalcon.engine.model.decoder import DirectDecoder, unsupported
 from gyrfalcon.engine.model.heads import StepHeads
 from gyrfalcon.engine.model.work import Work, kept_rows, riding, slots_of
-from gyrfalcon.engine.model.quant.apply import coarsest, matmul_inputs
+from gyrfalcon.kernels.quant.apply import coarsest, matmul_inputs
 
 log = logging.getLogger(__name__)
 

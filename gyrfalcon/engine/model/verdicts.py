@@ -41,7 +41,7 @@ def verdict_key(model: torch.nn.Module, *facts: object) -> str:
     import transformers
 
     import gyrfalcon
-    from gyrfalcon.engine.model.native.cpu import cpu
+    from gyrfalcon.kernels.native.cpu import cpu
 
     here = cpu()
     config = getattr(model, "config", None)

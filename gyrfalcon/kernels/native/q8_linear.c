@@ -1,8 +1,8 @@
 /* y = x · Wᵀ in fp32 for a weight kept as a GGUF Q8_0 table: W[n, k] = scale[n, k / 32] · q[n, k].
  *
- * Built at first use with the other kernels of this folder (gyrfalcon/engine/model/native) by the
+ * Built at first use with the other kernels of this folder (gyrfalcon/kernels/native) by the
  * machine's C compiler and loaded through ctypes; it needs no torch headers. Called by
- * gyrfalcon/engine/model/quant/q8.py, which lays the table out in panels (below) once at load.
+ * gyrfalcon/kernels/quant/q8.py, which lays the table out in panels (below) once at load.
  *
  * Why a kernel of our own: the output head reads the whole table every decode step, and torch has
  * no CPU kernel that reads 8-bit (or bf16) weights into fp32 logits, so the head read 113 MB of

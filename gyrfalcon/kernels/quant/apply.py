@@ -1,7 +1,7 @@
 """``--quantization``: which layers of a loaded model run in which weight-only kernel, and from what bits.
 
 :func:`resolve_quantization` turns the setting into a mode; :func:`quantize_model` swaps the
-model's linear layers for :mod:`~gyrfalcon.engine.model.quant.layers` in place and returns a
+model's linear layers for :mod:`~gyrfalcon.kernels.quant.layers` in place and returns a
 :class:`QuantizationReport`, the start-up line saying what each kind of layer runs in.
 
 - ``int4``: every linear layer of the decoder blocks in int4 groups of 32. Bits kept from a GGUF
@@ -10,8 +10,8 @@ model's linear layers for :mod:`~gyrfalcon.engine.model.quant.layers` in place a
 - ``int8``: the same layers in int8 with one scale per output row (``Q8_0`` and 4-bit bits are
   re-quantised from their exact dequantised values; error printed).
 - The output head runs in :data:`HEAD_KERNEL` under both. An fp32 head on the CPU reads a GGUF's
-  ``Q8_0`` table as it is (:class:`~gyrfalcon.engine.model.quant.q8.Q8Linear`), else goes through
-  :class:`~gyrfalcon.engine.model.quant.layers.PackedLinear`; the rows of either do not depend on
+  ``Q8_0`` table as it is (:class:`~gyrfalcon.kernels.quant.q8.Q8Linear`), else goes through
+  :class:`~gyrfalcon.kernels.quant.layers.PackedLinear`; the rows of either do not depend on
   the batch. When the head is quantised, bf16 or ``Q8_0``, a tied input embedding reads its rows
   from the head's table (one copy). Measured on the default model
   (docs/kernels.md, quality table): against the fp32 reference an fp32 head moves log-probabilities by
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from gyrfalcon.engine.model.quant.layers import (
+from gyrfalcon.kernels.quant.layers import (
     CastLinear,
     Int4Linear,
     Int8Linear,
@@ -43,13 +43,13 @@ from gyrfalcon.engine.model.quant.layers import (
     int4_kernel,
     int8_kernel,
 )
-from gyrfalcon.engine.model.native.cpu import cpu
-from gyrfalcon.engine.model.quant.q4 import KERNELS as Q4_INPUTS
-from gyrfalcon.engine.model.quant.q4 import Q4Linear, q4_fits, q4_kernel
-from gyrfalcon.engine.model.quant.q8 import Q8Embedding, Q8Linear
-from gyrfalcon.engine.model.quant.weights import GROUP, Int4Weights, Int8Weights, relative_error
+from gyrfalcon.kernels.native.cpu import cpu
+from gyrfalcon.kernels.quant.q4 import KERNELS as Q4_INPUTS
+from gyrfalcon.kernels.quant.q4 import Q4Linear, q4_fits, q4_kernel
+from gyrfalcon.kernels.quant.q8 import Q8Embedding, Q8Linear
+from gyrfalcon.kernels.quant.weights import GROUP, Int4Weights, Int8Weights, relative_error
 
-from gyrfalcon.engine.model.quant import QUANTIZATIONS
+from gyrfalcon.kernels.quant import QUANTIZATIONS
 #: the output head's kernel when the layers are quantised: ``none`` (the model's dtype: fp32 logits,
 #: no rounding ties), ``bf16`` (dense, :class:`CastLinear`: bf16 logits), ``int8`` (per row: at
 #: batch 1 a third of bf16's time, past the quality bar) or ``int4``
@@ -191,7 +191,7 @@ def quantize_model(model, mode: str, bits: dict | None, compute: torch.dtype, de
     """Swap ``model``'s linear layers (in place) for ``mode``'s kernels, their inputs in ``compute``
     dtype; ``bits``: a converted GGUF's (:func:`gyrfalcon.models.gguf_bits.read_bits`), None for
     any other checkpoint; ``kernels``: the folder C kernels are built in (see
-    :mod:`~gyrfalcon.engine.model.native`). Raises :class:`UnsupportedQuantization` where
+    :mod:`~gyrfalcon.kernels.native`). Raises :class:`UnsupportedQuantization` where
     ``device`` has no kernel."""
     stream = next(model.parameters()).dtype
     report = QuantizationReport(mode, stream, compute, device=cpu().describe() if device == "cpu" else device)

@@ -1,5 +1,5 @@
 """int4 weights in groups of 32 (a GGUF's ``Q4_1``/``Q4_0`` blocks) on the CPU, through C kernels of
-our own (:mod:`~gyrfalcon.engine.model.native`), with the inputs in one of two formats:
+our own (:mod:`~gyrfalcon.kernels.native`), with the inputs in one of two formats:
 
 - ``int8`` (``q4q8_linear.c``): each input row rounded to int8 per block of 32, as llama.cpp's
   ``Q8_1``, and multiplied in integers, exactly (vpmaddubsw, or vpdpbusd with AVX-512 VNNI);
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from gyrfalcon.engine.model.native import KernelUnavailable, library, loaded, operator
-from gyrfalcon.engine.model.native.cpu import cpu
-from gyrfalcon.engine.model.quant.layers import UnsupportedQuantization, check_rows_alone
-from gyrfalcon.engine.model.quant.weights import GROUP, Int4Weights
+from gyrfalcon.kernels.native import KernelUnavailable, library, loaded, operator
+from gyrfalcon.kernels.native.cpu import cpu
+from gyrfalcon.kernels.quant.layers import UnsupportedQuantization, check_rows_alone
+from gyrfalcon.kernels.quant.weights import GROUP, Int4Weights
 
 #: output columns of one panel of the kernels' layouts
 PANEL = 16

@@ -1,8 +1,8 @@
 /* y = x · Wᵀ in fp32 for a weight kept in a GGUF's Q4_1 blocks: W[n, k] = d[n, b] · q[n, k] + m[n, b],
  * b = k / 32, q in 0..15, d and m fp16.
  *
- * Built at first use with the other kernels of this folder (gyrfalcon/engine/model/native) by the
- * machine's C compiler and loaded through ctypes. Called by gyrfalcon/engine/model/quant/q4.py, which
+ * Built at first use with the other kernels of this folder (gyrfalcon/kernels/native) by the
+ * machine's C compiler and loaded through ctypes. Called by gyrfalcon/kernels/quant/q4.py, which
  * packs the weights into this file's layout.
  *
  * Why a kernel of our own: torch's int4 CPU kernel is fast only with bf16 inputs, and on AVX2 it is

@@ -1,7 +1,7 @@
 """A GGUF's ``Q8_0`` table served as it is: the output head in fp32 logits through a small C kernel
-(``q8_linear.c`` in :mod:`~gyrfalcon.engine.model.native`), and the tied input embedding looking up
+(``q8_linear.c`` in :mod:`~gyrfalcon.kernels.native`), and the tied input embedding looking up
 the same bits. Where the kernels cannot be built the caller keeps its fp32 head
-(:class:`~gyrfalcon.engine.model.quant.layers.PackedLinear`) and the start-up line says why.
+(:class:`~gyrfalcon.kernels.quant.layers.PackedLinear`) and the start-up line says why.
 
 Measured on the default model's head (49,152 × 576; 2 threads, Sapphire Rapids), ms against the fp32
 head through torch: AVX-512 1.4 / 2.3 at one row, 1.9 / 5.1 at four, 4.8 / 7.1 at sixteen, 17.0 /
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from gyrfalcon.engine.model.native import KernelUnavailable, library, loaded, operator
-from gyrfalcon.engine.model.quant.layers import UnsupportedQuantization, check_rows_alone
-from gyrfalcon.engine.model.quant.weights import GROUP
+from gyrfalcon.kernels.native import KernelUnavailable, library, loaded, operator
+from gyrfalcon.kernels.quant.layers import UnsupportedQuantization, check_rows_alone
+from gyrfalcon.kernels.quant.weights import GROUP
 
 
 #: rows of ``W`` per panel of the table as the kernel reads it (``P`` in ``q8_linear.c``)
@@ -63,7 +63,7 @@ class Q8Linear(torch.nn.Module):
     """An fp32 ``y = x Wᵀ + b`` on the CPU over a ``Q8_0`` table — ``q8`` ``[N, K]`` int8, ``scale``
     ``[N, K // 32]`` — read by ``q8_linear.c`` in the layout it reads fastest (:func:`panels`): the
     output head beside the int4 layers. ``rows`` serves a tied input embedding from the same bits
-    (:class:`~gyrfalcon.engine.model.quant.layers.TiedEmbedding`)."""
+    (:class:`~gyrfalcon.kernels.quant.layers.TiedEmbedding`)."""
 
     def __init__(self, q8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, cache: Path | None) -> None:
         super().__init__()

@@ -2,8 +2,8 @@
  * q in 0..15, d and m fp16) and fp32 inputs rounded to int8 per block of 32, as llama.cpp's Q8_1:
  * x[k] ≈ e[b] · s[k], e[b] = max |x| over the block / 127, s[k] = round(x[k] / e[b]) in -127..127.
  *
- * Built at first use with the other kernels of this folder (gyrfalcon/engine/model/native) by the
- * machine's C compiler and loaded through ctypes. Called by gyrfalcon/engine/model/quant/q4.py, which
+ * Built at first use with the other kernels of this folder (gyrfalcon/kernels/native) by the
+ * machine's C compiler and loaded through ctypes. Called by gyrfalcon/kernels/quant/q4.py, which
  * packs the weights into this file's layout.
  *
  * Why: multiplying 4-bit weights by fp32 inputs costs about 22 instructions per 32 weights on AVX2

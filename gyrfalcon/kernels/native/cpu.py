@@ -3,7 +3,7 @@ and the extensions past it that a kernel may use (native bf16, VNNI).
 
 One home for the question, asked by the weight kernels' choice
 (:func:`gyrfalcon.models.loading.kernel_dtype`), the C kernels' compiler flags
-(:mod:`gyrfalcon.engine.model.native`), the start-up line and the bench's header.
+(:mod:`gyrfalcon.kernels.native`), the start-up line and the bench's header.
 
 The instruction set is torch's own choice (``torch.backends.cpu.get_cpu_capability()``), not the
 flags alone: ``ATEN_CPU_CAPABILITY=avx2`` caps it, and every extension beyond that set is then

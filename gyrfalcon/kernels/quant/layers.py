@@ -22,7 +22,7 @@ import weakref
 
 import torch
 
-from gyrfalcon.engine.model.quant.weights import GROUP, Int4Weights, Int8Weights
+from gyrfalcon.kernels.quant.weights import GROUP, Int4Weights, Int8Weights
 
 #: torch's int4 kernels store ``(q - 8) * scale + zero``
 _INT4_MIDPOINT = 8
@@ -258,7 +258,7 @@ def check_rows_alone(layer: torch.nn.Module, weight: torch.Tensor, inputs=None, 
 
 class TiedEmbedding(torch.nn.Module):
     """An input embedding that reads its rows from its tied output head (:class:`CastLinear`,
-    :class:`Int8Linear` or :class:`~gyrfalcon.engine.model.quant.q8.Q8Linear`: anything with
+    :class:`Int8Linear` or :class:`~gyrfalcon.kernels.quant.q8.Q8Linear`: anything with
     ``rows(ids, dtype)``): one copy of the table, the lookup converting only the rows it gathers
     into the model's ``dtype``."""
 
@@ -309,7 +309,7 @@ def fuse_outputs(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
     scale-and-zero table, which torch's kernel takes contiguous with output rows on its second axis, is
     copied instead). None where the parts are not all dense ``Linear``/:class:`CastLinear`, or all
     :class:`Int4Linear`, all :class:`Int8Linear` or all of a kind with a ``fused_from`` class
-    method (:class:`~gyrfalcon.engine.model.quant.q4.Q4Linear`), of one input size and dtype.
+    method (:class:`~gyrfalcon.kernels.quant.q4.Q4Linear`), of one input size and dtype.
 
     A kernel's packing may tie rows together (the CPU int4 layout packs blocks of 64 rows), so the
     fused layer must give the parts' outputs bit for bit on a probe, else None and the parts stay

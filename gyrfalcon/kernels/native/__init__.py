@@ -2,10 +2,10 @@
 and called through ctypes (which drops the GIL for the call); they need no torch headers.
 
 - ``q8_linear.c``: the fp32 product with a GGUF's ``Q8_0`` table (the output head,
-  :mod:`~gyrfalcon.engine.model.quant.q8`);
+  :mod:`~gyrfalcon.kernels.quant.q8`);
 - ``q4q8_linear.c`` and ``q4_linear.c``: the product of int4 weights in groups of 32, a GGUF's
   ``Q4_1`` blocks, with inputs rounded to int8 or kept in fp32 (the decoder's linear layers,
-  :mod:`~gyrfalcon.engine.model.quant.q4`);
+  :mod:`~gyrfalcon.kernels.quant.q4`);
 - ``mean_square.c``: an RMSNorm's mean of squares (:mod:`~gyrfalcon.engine.model.decoder`);
 - ``one_query_attention.c``: a decode row's attention over its KV blocks, read in place
   (:mod:`~gyrfalcon.engine.model.one_query`);
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from gyrfalcon.engine.model.native.cpu import cpu
+from gyrfalcon.kernels.native.cpu import cpu
 
 log = logging.getLogger(__name__)
 
