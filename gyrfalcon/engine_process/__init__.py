@@ -1,6 +1,6 @@
 """The engine in its own process, reached by the API workers over ZeroMQ with msgpack.
 
-- :mod:`.server` runs in the engine process (``python -m gyrfalcon.engine_process ADDRESS``): it
+- :mod:`.server` runs in the engine process (``python -m gyrfalcon.engine_main ADDRESS``): it
   owns the model and the device, deals in token ids only, and serves every API worker through one
   ROUTER socket;
 - :mod:`.remote` is the API worker's side: :class:`RemoteEngineCore`, an

@@ -102,7 +102,7 @@ def run_server(gunicorn_argv: list[str], env: dict[str, str]) -> int:
     socket_path = os.path.join(run_dir, "engine.sock")
     address = f"ipc://{socket_path}"
     env = {**env, ENGINE_ADDRESS_ENV: address}
-    engine = subprocess.Popen([sys.executable, "-m", "gyrfalcon.engine_process", address], env=engine_env(env),
+    engine = subprocess.Popen([sys.executable, "-m", "gyrfalcon.engine_main", address], env=engine_env(env),
                               start_new_session=True)  # fmt: skip
     gunicorn: subprocess.Popen | None = None
     stopping: list[int] = []

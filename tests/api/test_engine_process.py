@@ -197,7 +197,7 @@ def test_an_engine_whose_model_cannot_load_exits_non_zero(tiny_model_dir, tmp_pa
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     env = {**os.environ, "GYRFALCON_SETTINGS": tiny_settings(str(broken)).to_env()}
     address = f"ipc://{tmp_path}/engine.sock"
-    done = subprocess.run([sys.executable, "-m", "gyrfalcon.engine_process", address], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "gyrfalcon.engine_main", address], env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 1, done.stderr[-2000:]
     assert "exiting: model failed to load" in done.stderr

@@ -38,7 +38,7 @@ def _processes(server) -> tuple[int, list[int]]:
     for pid in _children(server.process.pid):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmdline = f.read()
-        if b"gyrfalcon.engine_process" in cmdline:
+        if b"gyrfalcon.engine_main" in cmdline:
             engine = pid
         elif b"gunicorn" in cmdline:
             master = pid

@@ -25,7 +25,7 @@ PACKAGE = Path(gyrfalcon.__file__).parent
 LAYERS = [
     "errors", "logtext", "heap", "generated", "kernels", "engine_api", "openapi", "models", "policies", "engine", "structured",
     "client", "tools", "protocol", "hookspecs", "serving", "config", "plugins", "engine_process", "api",
-    "compose", "ray", "gunicorn_conf", "entrypoints", "cli",
+    "compose", "ray", "gunicorn_conf", "engine_main", "cli",
     # tooling: beside the runtime, above it
     "codegen", "reference", "contract", "check", "bench", "campaigns",
 ]  # fmt: skip
@@ -46,8 +46,6 @@ def _room(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) == 1:
         return None  # the package's face
-    if parts[-1] == "__main__" and parts[1] not in TOOLING:  # ``python -m`` entry points: at the top
-        return "entrypoints"
     return parts[1]
 
 
@@ -138,7 +136,7 @@ import sys
 from gyrfalcon import cli
 cli.main_parser(["serve"]).parse_args(["serve"])
 import gyrfalcon.gunicorn_conf, gyrfalcon.api.app, gyrfalcon.api.worker
-import gyrfalcon.engine_process.__main__, gyrfalcon.engine_process.launch
+import gyrfalcon.engine_main, gyrfalcon.engine_process.launch
 from gyrfalcon.plugins import merged_dict, plugin_manager
 pm = plugin_manager()
 merged_dict(pm.hook.gyrfalcon_engines(), "engine")

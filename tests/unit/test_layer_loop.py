@@ -8,7 +8,8 @@ import ctypes
 import pytest
 import torch
 
-from gyrfalcon.engine.model import layer_loop, native
+from gyrfalcon.engine.model import layer_loop
+from gyrfalcon.kernels import native
 from gyrfalcon.kernels.native.cpu import cpu
 from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
 from tests.conftest import tiny_settings

@@ -1,4 +1,7 @@
-"""The engine process: ``python -m gyrfalcon.engine_process ADDRESS`` (started by ``gyrfalcon serve``).
+"""The engine process's entry point: ``python -m gyrfalcon.engine_main ADDRESS`` (started by
+``gyrfalcon serve``'s launcher, :mod:`gyrfalcon.engine_process.launch`). It sits beside ``cli.py``
+because, like it, it composes the whole (settings, plugins, engine: :mod:`gyrfalcon.compose`) and
+hands it to a room below (:class:`~gyrfalcon.engine_process.server.EngineServer`).
 
 Settings come from the environment (as for the API workers). The process is the leader of its own
 session, so a signal to the server's process group (Ctrl-C in a terminal) never reaches it: its
@@ -20,7 +23,7 @@ import time
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m gyrfalcon.engine_process ADDRESS", file=sys.stderr)
+        print("usage: python -m gyrfalcon.engine_main ADDRESS", file=sys.stderr)
         return 2
     from gyrfalcon.compose import engine_core
     from gyrfalcon.config import Settings
