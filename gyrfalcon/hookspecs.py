@@ -64,7 +64,8 @@ def gyrfalcon_request_extensions() -> dict[str, dict[str, Any]]:
 def gyrfalcon_validate_request(endpoint: str, request: EngineRequest, info: EngineInfo) -> None:
     """Check a translated request after the built-in rules; raise ``RequestError`` to refuse it.
 
-    ``endpoint`` is one of ``"generate"``, ``"completions"``, ``"chat"``, ``"chat_batch"``. Raise
+    ``endpoint`` is one of ``"generate"``, ``"completions"``, ``"chat"``, ``"chat_batch"``,
+    ``"responses"`` (the name of the endpoint in ``protocol/endpoints.py``). Raise
     :class:`gyrfalcon.errors.RequestError` with the offending ``param`` (a 400 unless you set another
     status). Must not modify ``request`` and must not block.
     """
