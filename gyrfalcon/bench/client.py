@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import queue
+import random
 import threading
 import time
 import urllib.parse
@@ -201,3 +202,18 @@ def run_load(client: Client, bodies: list[dict[str, Any]], concurrency: int) -> 
     for thread in threads:
         thread.join()
     return LoadReport(concurrency, time.perf_counter() - start, results)
+
+
+def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of ``length`` random token ids (from 100 up, clear of special tokens)."""
+    rng = random.Random(seed)
+    low = min(100, vocab // 4)
+    return [[rng.randrange(low, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def fresh_prompts(counts: list[int], warm: int, length: int, vocab: int, seed: int):
+    """Prompts for the warm-up, then each level's own, so that a level measures serving, not the
+    prompt cache an earlier one filled (``llama-server`` keeps whole prompts in RAM by default)."""
+    every = prompts(warm + sum(counts), length, vocab, seed)
+    ends = [warm + sum(counts[: i + 1]) for i in range(len(counts))]
+    return every[:warm], [every[end - count : end] for end, count in zip(ends, counts)]

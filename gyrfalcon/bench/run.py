@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shlex
 import shutil
 import signal
@@ -28,7 +27,7 @@ import time
 from typing import Any
 
 from gyrfalcon.bench.ceiling import CeilingResult
-from gyrfalcon.bench.client import Client, run_load
+from gyrfalcon.bench.client import Client, fresh_prompts, run_load
 from gyrfalcon.config import Settings
 from gyrfalcon.kernels.quant import QUANTIZATIONS
 
@@ -77,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads of the launched server and of the ceilings (default: the server's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the figures to this file")
+    p.add_argument("--plot", default=None, metavar="FILE.svg", help="also draw output tok/s per level (and the peer's)")
 
 
 def resolve_options(args: argparse.Namespace, device: str) -> str | None:
@@ -116,20 +116,6 @@ def requests_at(args: argparse.Namespace, concurrency: int, device: str) -> int:
     if args.requests is not None:
         return args.requests
     return max(16, 2 * concurrency) if device.startswith("cuda") else 64
-
-
-def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    low = min(100, vocab // 4)
-    return [[rng.randrange(low, vocab) for _ in range(length)] for _ in range(count)]
-
-
-def _fresh_prompts(counts: list[int], warm: int, length: int, vocab: int, seed: int):
-    """Prompts for the warm-up, then each level's own, so that a level measures serving, not the
-    prompt cache an earlier one filled (``llama-server`` keeps whole prompts in RAM by default)."""
-    every = _prompts(warm + sum(counts), length, vocab, seed)
-    ends = [warm + sum(counts[: i + 1]) for i in range(len(counts))]
-    return every[:warm], [every[end - count : end] for end, count in zip(ends, counts)]
 
 
 def _vocab(model_path: str) -> int:
@@ -367,7 +353,7 @@ def main(args: argparse.Namespace) -> int:
         path = decode_path(client)
         vocab = _vocab(model_path)
         counts = [requests_at(args, c, device) for c in args.concurrency]
-        warm, levels = _fresh_prompts(counts, max(args.concurrency), args.prompt_tokens, vocab, args.seed)
+        warm, levels = fresh_prompts(counts, max(args.concurrency), args.prompt_tokens, vocab, args.seed)
         warm_up(Client(url, args.api_key, timeout=WARM_UP_TIMEOUT_S), name, warm, max(args.concurrency), server)
         loads = _served_loads(client, name, args, levels)
         peer_loads = run_peer(args, model_path, warm, levels) if args.peer_url else []
@@ -389,6 +375,10 @@ def main(args: argparse.Namespace) -> int:
     text = table(loads, ceilings["eager"], ceilings["compiled"], n_cmp, memory, device, ceilings["compiled_error"],
                  ceilings["peak_memory"], ceilings["baseline"], peer_loads)  # fmt: skip
     print(f"{header}\n\n{text}\n\ntotal wall time {wall:.0f} s")
+    if args.plot:
+        from gyrfalcon.bench.plot import write_plot
+
+        write_plot(args.plot, args.concurrency, loads, peer_loads, header)
     if args.json:
         data = figures(device, loads, ceilings["eager"], ceilings["compiled"], n_cmp, memory, dtype=args.dtype,
                        compiled_error=ceilings["compiled_error"], peak_memory=ceilings["peak_memory"], build_s=build_s,

@@ -325,10 +325,27 @@ def test_a_server_that_closes_each_connection_after_a_stream_loses_no_request():
 
 def test_each_level_and_the_warm_up_send_prompts_no_other_sent():
     """A level served from the prompt cache an earlier level filled measures the cache, not serving."""
-    from gyrfalcon.bench.run import _fresh_prompts
+    from gyrfalcon.bench.client import fresh_prompts
 
-    warm, levels = _fresh_prompts([3, 5, 16], 16, 32, 49152, seed=0)
+    warm, levels = fresh_prompts([3, 5, 16], 16, 32, 49152, seed=0)
     assert [len(level) for level in levels] == [3, 5, 16] and len(warm) == 16
     every = [tuple(p) for p in warm] + [tuple(p) for level in levels for p in level]
     assert len(set(every)) == len(every) == 40
     assert all(len(p) == 32 and all(100 <= t < 49152 for t in p) for p in every)
+
+
+def test_the_plot_draws_each_level_of_both_servers():
+    import xml.etree.ElementTree as ET
+
+    from gyrfalcon.bench.plot import svg
+
+    drawn = svg([1, 4, 16], {"gyrfalcon": [88.0, 200.5, 288.5], "peer": [81.8, 150.0, 167.9]}, "CPU <AVX2> & 2 threads")
+    root = ET.fromstring(drawn)  # well-formed, the caption escaped
+    ns = "{http://www.w3.org/2000/svg}"
+    lines = root.findall(f"{ns}polyline")
+    assert len(lines) == 2
+    ours = [tuple(map(float, p.split(","))) for p in lines[0].get("points").split()]
+    assert len(ours) == 3 and ours[0][0] < ours[1][0] < ours[2][0] and ours[0][1] > ours[1][1] > ours[2][1]
+    texts = [t.text for t in root.iter(f"{ns}text")]
+    assert {"c=1", "c=4", "c=16", "288.5", "167.9", "gyrfalcon", "peer"} <= set(texts)
+    assert any("CPU <AVX2> & 2 threads" in (t or "") for t in texts)
