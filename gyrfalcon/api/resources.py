@@ -301,14 +301,14 @@ class ResponseInputItemsResource:
         limit = req.get_param_as_int("limit", min_value=1, max_value=100, default=20)
         order = req.get_param("order", default="desc")
         if order not in ("asc", "desc"):
-            raise APIError(400, "'order' must be asc or desc", param="order")
+            raise RequestError("'order' must be asc or desc", "order")
         if order == "desc":
             items = items[::-1]
         after = req.get_param("after")
         if after is not None:
             ids = [item["id"] for item in items]
             if after not in ids:
-                raise APIError(400, f"No input item of this response has the id '{after}'", param="after")
+                raise RequestError(f"No input item of this response has the id '{after}'", "after")
             items = items[ids.index(after) + 1:]
         page = items[:limit]
         _json(resp, {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
@@ -327,7 +327,7 @@ class CancelResponseResource:
         store = self.ctx.response_store()
         owner = owner_of_request(req)
         if not (await offload(store.response, response_id, None, owner)).get("background"):
-            raise APIError(400, "Only a background response can be cancelled", param="response_id")
+            raise RequestError("Only a background response can be cancelled", "response_id")
         _json(resp, await offload(store.cancel, response_id, owner))
 
 
