@@ -80,12 +80,9 @@ def engine_core(settings: Settings, pm: pluggy.PluginManager | None = None) -> A
 
 
 def _built_engine(settings: Settings, pm: pluggy.PluginManager) -> Engine:
-    """The engine the settings name, built in this process (after MKL is asked to compute
-    reproducibly: before its first call, :mod:`gyrfalcon.engine.determinism`)."""
-    from gyrfalcon.engine.determinism import ask_for_reproducible_blas
+    """The engine the settings name, built in this process."""
     from gyrfalcon.plugins.engines import build_engine
 
-    ask_for_reproducible_blas()
     return build_engine(settings, pm)
 
 

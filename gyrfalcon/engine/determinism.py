@@ -1,6 +1,8 @@
 """What a serving process sets before its first BLAS call so that a sequence's results do not
-depend on the sequences beside it (torch-free: the composition root calls it before the engine is
-built, the test suite's conftest before anything else).
+depend on the sequences beside it (torch-free: the transformers engine's factory,
+:func:`gyrfalcon.plugins.engines.create_transformers_engine`, calls it before it imports torch, so
+the server, the benchmarks and the tests build the same engine; the test suite's conftest calls it
+before anything else).
 
 Why: torch's CPU attention (SDPA's fused kernel) computes each head with MKL's ``sgemm``, and MKL
 may take a different code path by the alignment of the buffers it is handed — the kernel's

@@ -22,6 +22,9 @@ def create_transformers_engine(
     Without ``model_path``, a ``.gguf`` or unset ``settings.model`` is resolved to its converted
     cache folder (:func:`gyrfalcon.models.default.resolve_model`; a folder is used as it is).
     """
+    from gyrfalcon.engine.determinism import ask_for_reproducible_blas
+
+    ask_for_reproducible_blas()  # before torch's first BLAS call: every way of building the engine gets it
     from gyrfalcon.client import EngineClient
     from gyrfalcon.engine.transformers_engine import TransformersEngine
     from gyrfalcon.engine_api.config import EngineConfig
