@@ -58,6 +58,11 @@ CREATE INDEX IF NOT EXISTS evicted_at ON evicted (at);
 """
 
 
+def _running(response: dict[str, Any]) -> bool:
+    """Whether a stored response is still queued or running (its worker renews its lease)."""
+    return response.get("status") in ("queued", "in_progress")
+
+
 def owner_of(api_key: str | None) -> str:
     """The owner recorded for responses made with ``api_key`` (a SHA-256, never the key; '' without one)."""
     return hashlib.sha256(api_key.encode()).hexdigest() if api_key else ""
@@ -106,7 +111,7 @@ class ResponseStore:
                 self._db.execute("INSERT OR REPLACE INTO responses (id, created, response, input_items, conversation, owner, "
                                  "alive) VALUES (?, ?, ?, ?, ?, ?, ?)",
                                  (response["id"], now, orjson.dumps(response), orjson.dumps(input_items),
-                                  orjson.dumps(conversation), owner, now))  # fmt: skip
+                                  orjson.dumps(conversation), owner, now if _running(response) else 0))  # fmt: skip
                 self._evict(now)
                 self._db.execute("COMMIT")
             except BaseException:
@@ -116,11 +121,21 @@ class ResponseStore:
 
     def purge(self) -> None:
         """Drop the expired responses (and those over the size) now: a store nobody writes to would
-        keep them otherwise (``ServerContext`` calls this every :data:`PURGE_INTERVAL_S`)."""
+        keep them otherwise; and mark failed the running ones whose lease lapsed, as a read would
+        (``ServerContext`` calls this every :data:`PURGE_INTERVAL_S`)."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                self._evict(time.time())
+                now = time.time()
+                lapsed = self._db.execute("SELECT id, response FROM responses WHERE alive > 0 AND alive < ?",
+                                          (now - LEASE_S,)).fetchall()  # fmt: skip
+                for response_id, stored in lapsed:
+                    response = orjson.loads(stored)
+                    if _running(response):
+                        response = {**response, "status": "failed", "error": dict(ORPHANED)}
+                    self._db.execute("UPDATE responses SET response = ?, alive = 0 WHERE id = ?",
+                                     (orjson.dumps(response), response_id))  # fmt: skip
+                self._evict(now)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -161,14 +176,14 @@ class ResponseStore:
         queued or running whose worker has not renewed its lease for :data:`LEASE_S` seconds is
         marked failed (:data:`ORPHANED`) and returned so: its worker is gone and nothing else would end it."""
         response = self._row(response_id, "response", param, owner)
-        if response.get("status") in ("queued", "in_progress"):
+        if _running(response):
             with self._lock:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
                     row = self._db.execute("SELECT response FROM responses WHERE id = ? AND alive < ?",
                                            (response_id, time.time() - LEASE_S)).fetchone()  # fmt: skip
                     stale = None if row is None else orjson.loads(row[0])
-                    if stale is not None and stale.get("status") in ("queued", "in_progress"):
+                    if stale is not None and _running(stale):
                         response = {**stale, "status": "failed", "error": dict(ORPHANED)}
                         self._db.execute("UPDATE responses SET response = ? WHERE id = ?", (orjson.dumps(response), response_id))
                     self._db.execute("COMMIT")
@@ -204,9 +219,10 @@ class ResponseStore:
                 row = self._db.execute("SELECT response FROM responses WHERE id = ? AND owner = ?",
                                        (response_id, owner)).fetchone()  # fmt: skip
                 response = None if row is None else orjson.loads(row[0])
-                if response is not None and response.get("status") in ("queued", "in_progress"):
+                if response is not None and _running(response):
                     response["status"] = "cancelled"
-                    self._db.execute("UPDATE responses SET response = ? WHERE id = ?", (orjson.dumps(response), response_id))
+                    self._db.execute("UPDATE responses SET response = ?, alive = 0 WHERE id = ?",
+                                     (orjson.dumps(response), response_id))  # fmt: skip
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")

@@ -94,6 +94,25 @@ def test_a_response_whose_worker_went_is_read_as_failed_once_its_lease_lapses(tm
     assert store.put({"id": "resp_orphan", "status": "completed"}, [], [], owner="k", update=True)  # a late end still lands
 
 
+def test_the_periodic_purge_marks_an_orphaned_response_failed_unread(tmp_path, monkeypatch):
+    """Nobody reads it: the purge that runs every few minutes applies the lease all the same."""
+    from gyrfalcon.api import response_store
+    from gyrfalcon.api.response_store import LEASE_S, ORPHANED, ResponseStore
+
+    store = ResponseStore(tmp_path / "responses" / "r.sqlite3", size=10, ttl=3600)
+    for name, status in (("orphan", "in_progress"), ("renewed", "queued"), ("done", "completed")):
+        store.put({"id": f"resp_{name}", "status": status}, [], [], owner="k")
+    now = time.time()
+    monkeypatch.setattr(response_store.time, "time", lambda: now + LEASE_S - 1)
+    store.renew("resp_renewed")
+    monkeypatch.setattr(response_store.time, "time", lambda: now + LEASE_S + 1)
+    store.purge()
+    monkeypatch.setattr(response_store.time, "time", lambda: now)  # no read may apply the lease now
+    assert store.response("resp_orphan", owner="k") == {"id": "resp_orphan", "status": "failed", "error": ORPHANED}
+    assert store.response("resp_renewed", owner="k")["status"] == "queued"
+    assert store.response("resp_done", owner="k")["status"] == "completed"
+
+
 def test_store_false_keeps_nothing_and_cancel_is_only_for_background(client):
     kept = client.simulate_post(PATH, json={"input": "hi", "max_output_tokens": 2}).json["id"]
     unkept = client.simulate_post(PATH, json={"input": "hi", "max_output_tokens": 2, "store": False}).json["id"]
