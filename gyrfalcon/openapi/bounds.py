@@ -2,8 +2,10 @@
 
 The engine's policies (plugins' ``validate``) check the ``SamplingParams`` any caller hands the
 engine; they read each field's range and sizes here rather than restating them, so the OpenAPI
-documents stay the one home of every bound. A field is bounded alike wherever the documents
-state it (an import-time error otherwise).
+documents stay the one home of every bound. ``python -m gyrfalcon.codegen`` writes the documents'
+keywords into ``generated/field_bounds.py`` (``openapi/served.py:request_field_keywords``), so the
+engine process reads Python data, never YAML. A field must be bounded alike wherever the
+documents state it (an error at its first use otherwise).
 """
 
 from __future__ import annotations
@@ -13,28 +15,19 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from gyrfalcon.openapi.served import bundle, request_schema_names
-
-_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minItems", "maxItems", "uniqueItems")
+from gyrfalcon.generated.field_bounds import FIELD_KEYWORDS
 
 
-@cache
 def field_keywords(name: str) -> dict[str, Any]:
-    """The validation keywords the documents give request field ``name`` (its items' not included)."""
-    spec = bundle()
-    schemas = spec["components"]["schemas"]
-    found: dict[str, Any] | None = None
-    for schema_name in request_schema_names(spec):
-        prop = schemas[schema_name].get("properties", {}).get(name)
-        if prop is None:
-            continue
-        keywords = {k: prop[k] for k in _KEYWORDS if k in prop}
-        if found is not None and keywords != found:
-            raise ValueError(f"the documents bound {name!r} differently in {schema_name}: {keywords} against {found}")
-        found = keywords
-    if found is None:
+    """The validation keywords the documents give request field ``name`` (its items' not included),
+    from the table codegen wrote (:mod:`gyrfalcon.generated.field_bounds`): the engine process
+    never reads the documents."""
+    if name not in FIELD_KEYWORDS:
         raise KeyError(f"no request field {name!r} in the documents")
-    return dict(found)
+    keywords = FIELD_KEYWORDS[name]
+    if keywords is None:
+        raise ValueError(f"the documents bound {name!r} differently in two request schemas")
+    return dict(keywords)
 
 
 @dataclass(frozen=True)

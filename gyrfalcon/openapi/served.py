@@ -28,8 +28,8 @@ OPENAPI_DIR = Path(__file__).resolve().parent
 DOCUMENTS = ("common.yaml", "generate.yaml", "openai.yaml")
 _COMPONENT_SECTIONS = ("schemas", "responses", "headers", "parameters", "requestBodies", "securitySchemes")
 
-def _load(name: str) -> dict[str, Any]:
-    with (OPENAPI_DIR / name).open() as f:
+def _load(name: str, directory: str) -> dict[str, Any]:
+    with (Path(directory) / name).open() as f:
         # The JSON round trip drops YAML aliases (shared objects) so that callers may edit in place.
         return json.loads(json.dumps(yaml.safe_load(f)))
 
@@ -48,11 +48,11 @@ def _localise_refs(node: Any) -> Any:
     return node
 
 
-@lru_cache(maxsize=1)
-def _bundle_json() -> str:
+@lru_cache(maxsize=2)
+def _bundle_json(directory: str = str(OPENAPI_DIR)) -> str:
     from gyrfalcon import __version__
 
-    docs = {name: _localise_refs(_load(name)) for name in DOCUMENTS}
+    docs = {name: _localise_refs(_load(name, directory)) for name in DOCUMENTS}
     spec: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {
@@ -79,9 +79,10 @@ def _bundle_json() -> str:
     return json.dumps(spec)
 
 
-def bundle() -> dict[str, Any]:
-    """The documents merged into one OpenAPI 3.1 document (a fresh copy on every call)."""
-    return json.loads(_bundle_json())
+def bundle(directory: Path = OPENAPI_DIR) -> dict[str, Any]:
+    """The documents (of ``directory``: the package's own by default) merged into one OpenAPI 3.1
+    document (a fresh copy on every call)."""
+    return json.loads(_bundle_json(str(Path(directory).resolve())))
 
 
 def _schema_of_ref(spec: dict[str, Any], ref: str) -> tuple[str, dict[str, Any]]:
@@ -116,6 +117,25 @@ def request_schema_names(spec: dict[str, Any]) -> list[str]:
                 for media in operation["requestBody"]["content"].values():
                     visit(media["schema"])
     return seen
+
+
+#: the validation keywords of a request field that the engine's policies read (``openapi/bounds.py``)
+FIELD_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minItems", "maxItems", "uniqueItems")
+
+
+def request_field_keywords(spec: dict[str, Any]) -> dict[str, dict[str, Any] | None]:
+    """Each request field's :data:`FIELD_KEYWORDS` as the documents state them (its items' not
+    included); None for a field the documents bound differently in two request schemas."""
+    schemas = spec["components"]["schemas"]
+    found: dict[str, dict[str, Any] | None] = {}
+    for schema_name in request_schema_names(spec):
+        for name, prop in sorted(schemas[schema_name].get("properties", {}).items()):
+            keywords = {k: prop[k] for k in FIELD_KEYWORDS if k in prop}
+            if name in found and found[name] != keywords:
+                found[name] = None
+            else:
+                found.setdefault(name, keywords)
+    return dict(sorted(found.items()))
 
 
 def request_field_names(spec: dict[str, Any]) -> set[str]:

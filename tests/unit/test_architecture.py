@@ -178,3 +178,17 @@ def test_modules_and_functions_stay_small():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
                 too_long.append(f"{_module(path)}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not too_long, too_long
+
+
+def test_the_engine_policies_read_their_bounds_without_the_documents():
+    """The built-in policies read each field's bounds from the table codegen wrote, so the engine
+    process never reads the OpenAPI documents (YAML) for them."""
+    script = """
+from gyrfalcon.openapi import served
+from gyrfalcon.openapi.bounds import field_keywords, field_range
+import gyrfalcon.plugins.sampling, gyrfalcon.plugins.penalties, gyrfalcon.plugins.logprobs
+assert field_range("temperature").refusal(-1.0) and field_keywords("logprob_token_ids")["maxItems"] == 128
+assert served._bundle_json.cache_info().misses == 0, "the documents were read"
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -455,7 +455,7 @@ def test_codegen_check_reports_a_stale_copy(tmp_path: Path, capsys: pytest.Captu
     shutil.copytree(OPENAPI_DIR, docs, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
     out = tmp_path / "generated"
     assert codegen.main(["--input-dir", str(docs), "--output-dir", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["common.py", "generate.py", "openai.py"]
+    assert sorted(p.name for p in out.iterdir()) == ["common.py", "field_bounds.py", "generate.py", "openai.py"]
     assert codegen.main(["--check", "--input-dir", str(docs), "--output-dir", str(out)]) == 0
     common = docs / "common.yaml"
     common.write_text(common.read_text().replace("total_tokens: {type: integer, minimum: 0}",
