@@ -48,22 +48,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gyrfalcon.engine.model import graphs, staging
 from gyrfalcon.engine.model.attention import StepMetadata
+from gyrfalcon.engine.model.buckets import Bucket, StepRunner
 from gyrfalcon.engine.model.compiled import COMPILING, CompiledMode
 from gyrfalcon.engine.model.fast_check import FAST_STEP_RTOL, DecodePath, check_fast_step, paired_medians_s
 from gyrfalcon.engine.model.heads import StepHeads, empty_heads, heads_of
 from gyrfalcon.engine.model.verdicts import Verdicts, verdict_key
 from gyrfalcon.engine.model.work import Work, riding
 
-if TYPE_CHECKING:  # pragma: no cover
-    from gyrfalcon.engine.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -87,29 +84,11 @@ def _buckets(limit: int, candidates) -> list[int]:
     return [*chosen, limit]
 
 
-@dataclass
-class _Bucket:
-    batch: int
-    width: int
-    ids: torch.Tensor
-    positions: torch.Tensor
-    step: StepMetadata
-    #: the one buffer ``ids``, ``positions`` and the step's tensors are views of
-    flat: torch.Tensor
-    #: what its captured graph writes at each replay
-    heads: StepHeads | None = None
-    graph: Any = None
-    #: why this bucket's captured graph was not kept (None: it was, or none was asked for)
-    failure: str | None = None
-    #: the compiled step serves this bucket (checked at start-up)
-    compiled: bool = False
-    runs: int = field(default=0)
-
-
 class DecodeSteps(CompiledMode):
-    """The static-shape decode path of a :class:`ModelRunner` (see the module docstring)."""
+    """The static-shape decode path of a model runner (:class:`~gyrfalcon.engine.model.buckets.StepRunner`;
+    see the module docstring)."""
 
-    def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int, mode: str = "static",
+    def __init__(self, runner: StepRunner, max_batch: int, max_model_len: int, mode: str = "static",
                  verdicts: Path | None = None) -> None:  # fmt: skip
         if mode not in MODES:
             raise ValueError(f"decode step mode must be one of {MODES}, got {mode!r}")
@@ -135,7 +114,7 @@ class DecodeSteps(CompiledMode):
         #: the compiled step's refusals kept between starts, in the folder ``verdicts`` (:mod:`.verdicts`)
         self.verdicts = Verdicts(verdicts, verdict_key(runner.model, runner.cache.shape, runner.cache.block_size,
                                                        self._widths)) if self.mode == "compiled" else None  # fmt: skip
-        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._buckets: dict[tuple[int, int], Bucket] = {}
         self._pool = None
         self._outputs: StepHeads | None = None
         #: seconds spent capturing graphs so far (start-up report, bench)
@@ -173,7 +152,7 @@ class DecodeSteps(CompiledMode):
         return None if b is None or w is None else (b, w)
 
     @torch.inference_mode()
-    def _new(self, batch: int, width: int) -> _Bucket:
+    def _new(self, batch: int, width: int) -> Bucket:
         """A bucket's inputs — ids, positions, KV slots, the rows' positions, the block table — as
         views of one device buffer, filled each step on the device. Always inference tensors: a
         compiled graph guards on its inputs' dispatch keys (buckets made outside inference mode
@@ -189,7 +168,7 @@ class DecodeSteps(CompiledMode):
             torch._dynamo.maybe_mark_dynamic(step.decode_blocks, 1)
             for tensor, dim in ((ids, 1), (positions, 1), (slots, 0), (rows_at, 0), (step.decode_blocks, 0)):
                 torch._dynamo.mark_static(tensor, dim)
-        return _Bucket(batch, width, ids, positions, step, flat)
+        return Bucket(batch, width, ids, positions, step, flat)
 
     @torch.inference_mode()
     def pool_peak(self, peak) -> int:
@@ -201,12 +180,12 @@ class DecodeSteps(CompiledMode):
         outputs = self.outputs  # allocated before: in use when the cache is sized, not part of the pool
         return peak(lambda: heads_of(self._eager(bucket), outputs))
 
-    def _eager(self, bucket: _Bucket) -> torch.Tensor:
+    def _eager(self, bucket: Bucket) -> torch.Tensor:
         bucket.step._masks.clear()  # computed anew from this step's buffers
         return self.runner.run_model(bucket.ids, bucket.positions, bucket.step, 0)
 
     @torch.inference_mode()
-    def _fill_synthetic(self, bucket: _Bucket) -> None:
+    def _fill_synthetic(self, bucket: Bucket) -> None:
         """A synthetic batch for the self-check: distinct tokens at distinct positions from the
         bucket's last one down (contexts of several blocks, and positions past 0, whose rotary
         angles are not trivial), every row in the scratch block (its KV is written there and read
@@ -273,7 +252,7 @@ class DecodeSteps(CompiledMode):
                 self.path = DecodePath("captured", f"eager for {'; '.join(failed)}")
         return self.path
 
-    def _adopt(self, bucket: _Bucket, compiled, compile_s: float, failure: str | None) -> DecodePath:
+    def _adopt(self, bucket: Bucket, compiled, compile_s: float, failure: str | None) -> DecodePath:
         """Serve ``compiled`` for ``bucket``'s batch if it agrees with the eager step on ``bucket``
         and is measurably faster; returns the path: compiled for the batches adopted so far, else
         eager and why (a later bucket that fails is left to the eager step and said in the log)."""
@@ -307,14 +286,14 @@ class DecodeSteps(CompiledMode):
         dropped = "".join(f"; eager at batch {batch}: {why}" for batch, why in self._eager_batches.items())
         return DecodePath("compiled", served + dropped)
 
-    def _capture(self, bucket: _Bucket) -> None:
+    def _capture(self, bucket: Bucket) -> None:
         start = time.perf_counter()
         bucket.graph, bucket.heads, self._pool = graphs.capture(lambda: self._eager(bucket), self.outputs, self._pool)
         self.capture_s += time.perf_counter() - start
         log.info("captured decode step batch %d, context %d in %.2f s", bucket.batch, bucket.width,
                  time.perf_counter() - start)  # fmt: skip
 
-    def get(self, batch: int, width: int) -> _Bucket:
+    def get(self, batch: int, width: int) -> Bucket:
         """The bucket's buffers (captured on first use on CUDA)."""
         key = (batch, width)
         bucket = self._buckets.get(key)
@@ -329,7 +308,7 @@ class DecodeSteps(CompiledMode):
                     bucket.graph, bucket.failure = None, problem
         return bucket
 
-    def _capture_and_replay(self, bucket: _Bucket) -> torch.Tensor:
+    def _capture_and_replay(self, bucket: Bucket) -> torch.Tensor:
         self._capture(bucket)
         bucket.graph.replay()
         assert bucket.heads is not None

@@ -11,16 +11,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from gyrfalcon.engine.model.buckets import Bucket
 from gyrfalcon.engine.model.fast_check import DecodePath, guards_on_the_inputs, one_line
 from gyrfalcon.kernels.native.cpu import cpu
 from gyrfalcon.heap import release_freed_memory
 
-if TYPE_CHECKING:  # pragma: no cover
-    from gyrfalcon.engine.model.captured import _Bucket
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +32,7 @@ class _PendingCompile:
     """A compile running on its own thread, on a bucket of its own; ``result`` once it ends."""
 
     thread: threading.Thread
-    bucket: _Bucket
+    bucket: Bucket
     #: the batch buckets to compile after this one
     rest: list[int] = field(default_factory=list)
     result: tuple[Any, float, str | None] = (None, 0.0, "the compile thread ended without a result")
@@ -48,7 +47,7 @@ class CompiledMode:
     #: when the first background compile started (the server is ready then)
     _started: float = 0.0
 
-    def _run_compiled(self, bucket: _Bucket, compiled=None) -> torch.Tensor:
+    def _run_compiled(self, bucket: Bucket, compiled=None) -> torch.Tensor:
         bucket.step._masks.clear()
         return (compiled or self._compiled)(bucket.ids, bucket.positions, bucket.step, 0)
 
@@ -61,7 +60,7 @@ class CompiledMode:
                                                          name="gyrfalcon-compile", daemon=True), bucket, batches[1:])  # fmt: skip
         self._pending.thread.start()
 
-    def _compile(self, bucket: _Bucket) -> tuple[Any, float, str | None]:
+    def _compile(self, bucket: Bucket) -> tuple[Any, float, str | None]:
         """``torch.compile`` of the model's forward (the one already made, for a later bucket),
         compiled for ``bucket``'s shapes by one run on its synthetic inputs: (the compiled step or
         None, seconds, why it failed)."""
@@ -87,7 +86,7 @@ class CompiledMode:
             return None, time.perf_counter() - start, f"compiling the decode step failed: {one_line(exc)}"
         return compiled, time.perf_counter() - start, None
 
-    def _compile_in_background(self, bucket: _Bucket) -> None:
+    def _compile_in_background(self, bucket: Bucket) -> None:
         with torch.inference_mode():  # a thread's own mode
             self._pending.result = self._compile(bucket)
 
