@@ -1,6 +1,8 @@
 """The pages of ``docs/`` written from the code, so that they cannot drift from it:
 ``configuration.md`` from :class:`gyrfalcon.config.Settings` (every ``gyrfalcon serve`` option, its
-default and help) and ``plugins.md`` from the hook specifications' docstrings (``hookspecs.py``).
+default and help), ``plugins.md`` from the hook specifications' docstrings (``hookspecs.py``) and
+``rules.md`` from the rule registries (``protocol/rules.py``, ``protocol/runtime_rules.py``) and the
+documents' ``x-rule`` blocks.
 
 ``python -m gyrfalcon.reference`` writes them; ``--check`` writes nothing and exits 1 when a page is
 stale (the test suite runs the check, as it runs codegen's).
@@ -86,7 +88,56 @@ def plugins() -> str:
     return "\n".join(lines)
 
 
-PAGES = {"configuration.md": configuration, "plugins.md": plugins}
+def _rule_schemas(spec: dict[str, Any]) -> dict[str, list[str]]:
+    """Each ``x-rule`` id of the documents, and the request schemas that state it."""
+    found: dict[str, list[str]] = {}
+
+    def visit(node: Any, schema: str) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("x-rule"), str) and schema not in found.setdefault(node["x-rule"], []):
+                found[node["x-rule"]].append(schema)
+            for value in node.values():
+                visit(value, schema)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value, schema)
+
+    for name, schema in spec["components"]["schemas"].items():
+        visit(schema, name)
+    return found
+
+
+def rules() -> str:
+    """``docs/rules.md``: the rules a request must meet beyond each field's own type and range."""
+    from gyrfalcon.openapi.served import bundle
+    from gyrfalcon.protocol.rules import RULES
+    from gyrfalcon.protocol.runtime_rules import RUNTIME_RULES
+
+    stated = _rule_schemas(bundle())
+    lines = [GENERATED.format(source="gyrfalcon/protocol/rules.py, runtime_rules.py and the documents"), "",
+             "# The rules a request must meet", "",
+             "Each field's type, range and size are in the OpenAPI documents (and the served spec,",
+             "`GET /openapi.json`, with this deployment's limits laid over them). A request must also meet the",
+             "rules below; breaking one is a 400 whose `param` names the field.",
+             "", "## Between fields, stated in the documents", "",
+             "Each is an `if`/`then` block carrying its `x-rule` id in the documents, so that a client's validator",
+             "and Schemathesis see it, and a function of the same name in `protocol/rules.py` decides it. They",
+             "are checked in this order, after each field's own checks.", "",
+             "| rule | stated in |", "|---|---|"]  # fmt: skip
+    for rule_id in RULES:
+        lines.append(f"| `{rule_id}` | {', '.join(f'`{s}`' for s in stated.get(rule_id, [])) or '—'} |")
+    lines += ["", "## Known only to the running server", "",
+              "The served spec lists these under `x-runtime-rules`. `stage` says when each is checked: while the",
+              "request is translated, when the engine takes it, while it generates (an error after the first",
+              "token), or in the stored responses.", "",
+              "| rule | `param` | stage | what it asks |", "|---|---|---|---|"]  # fmt: skip
+    for rule in RUNTIME_RULES:
+        lines.append(f"| `{rule.id}` | `{rule.param}` | {rule.stage} | {_cell(rule.description)} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+PAGES = {"configuration.md": configuration, "plugins.md": plugins, "rules.md": rules}
 
 
 def main(argv: list[str] | None = None) -> int:
