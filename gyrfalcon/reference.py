@@ -88,32 +88,16 @@ def plugins() -> str:
     return "\n".join(lines)
 
 
-def _rule_schemas(spec: dict[str, Any]) -> dict[str, list[str]]:
-    """Each ``x-rule`` id of the documents, and the request schemas that state it."""
-    found: dict[str, list[str]] = {}
-
-    def visit(node: Any, schema: str) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("x-rule"), str) and schema not in found.setdefault(node["x-rule"], []):
-                found[node["x-rule"]].append(schema)
-            for value in node.values():
-                visit(value, schema)
-        elif isinstance(node, list):
-            for value in node:
-                visit(value, schema)
-
-    for name, schema in spec["components"]["schemas"].items():
-        visit(schema, name)
-    return found
-
-
 def rules() -> str:
     """``docs/rules.md``: the rules a request must meet beyond each field's own type and range."""
-    from gyrfalcon.openapi.served import bundle
+    from gyrfalcon.openapi.served import bundle, x_rules
     from gyrfalcon.protocol.rules import RULES
     from gyrfalcon.protocol.runtime_rules import RUNTIME_RULES
 
-    stated = _rule_schemas(bundle())
+    stated: dict[str, list[str]] = {}
+    for schema, rule_id in x_rules(bundle()):
+        if schema not in stated.setdefault(rule_id, []):
+            stated[rule_id].append(schema)
     lines = [GENERATED.format(source="gyrfalcon/protocol/rules.py, runtime_rules.py and the documents"), "",
              "# The rules a request must meet", "",
              "Each field's type, range and size are in the OpenAPI documents (and the served spec,",
