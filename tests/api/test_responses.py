@@ -73,20 +73,30 @@ def test_a_purge_drops_what_expired_without_a_read_or_a_write(tmp_path):
         store.response("resp_a")
 
 
-def test_a_response_whose_worker_went_is_read_as_failed_once_its_lease_lapses(tmp_path, monkeypatch):
-    """A worker killed while a background response runs stores nothing of its end: the response's
-    lease (renewed by its worker every few seconds) lapses, and the next read marks it failed and
-    says why; a renewed one, and one that ended, are left as they are."""
+def _lapsed_leases(tmp_path, monkeypatch, renewed_status: str):
+    """A store holding ``resp_orphan`` (running, its lease lapsed), ``resp_renewed`` (its worker
+    vouched for it in time) and ``resp_done`` (ended); the clock just past the lease. Returns the
+    store and the time the three were stored."""
     from gyrfalcon.api import response_store
-    from gyrfalcon.api.response_store import LEASE_S, ORPHANED, ResponseStore
+    from gyrfalcon.api.response_store import LEASE_S, ResponseStore
 
     store = ResponseStore(tmp_path / "responses" / "r.sqlite3", size=10, ttl=3600)
-    for name, status in (("orphan", "in_progress"), ("renewed", "in_progress"), ("done", "completed")):
+    for name, status in (("orphan", "in_progress"), ("renewed", renewed_status), ("done", "completed")):
         store.put({"id": f"resp_{name}", "status": status}, [], [], owner="k")
     now = time.time()
     monkeypatch.setattr(response_store.time, "time", lambda: now + LEASE_S - 1)
     store.renew("resp_renewed")
     monkeypatch.setattr(response_store.time, "time", lambda: now + LEASE_S + 1)
+    return store, now
+
+
+def test_a_response_whose_worker_went_is_read_as_failed_once_its_lease_lapses(tmp_path, monkeypatch):
+    """A worker killed while a background response runs stores nothing of its end: the response's
+    lease (renewed by its worker every few seconds) lapses, and the next read marks it failed and
+    says why; a renewed one, and one that ended, are left as they are."""
+    from gyrfalcon.api.response_store import ORPHANED
+
+    store, _ = _lapsed_leases(tmp_path, monkeypatch, renewed_status="in_progress")
     assert store.response("resp_orphan", owner="k") == {"id": "resp_orphan", "status": "failed", "error": ORPHANED}
     assert store.response("resp_orphan", owner="k")["status"] == "failed"  # stored so
     assert store.response("resp_renewed", owner="k")["status"] == "in_progress"
@@ -97,15 +107,9 @@ def test_a_response_whose_worker_went_is_read_as_failed_once_its_lease_lapses(tm
 def test_the_periodic_purge_marks_an_orphaned_response_failed_unread(tmp_path, monkeypatch):
     """Nobody reads it: the purge that runs every few minutes applies the lease all the same."""
     from gyrfalcon.api import response_store
-    from gyrfalcon.api.response_store import LEASE_S, ORPHANED, ResponseStore
+    from gyrfalcon.api.response_store import ORPHANED
 
-    store = ResponseStore(tmp_path / "responses" / "r.sqlite3", size=10, ttl=3600)
-    for name, status in (("orphan", "in_progress"), ("renewed", "queued"), ("done", "completed")):
-        store.put({"id": f"resp_{name}", "status": status}, [], [], owner="k")
-    now = time.time()
-    monkeypatch.setattr(response_store.time, "time", lambda: now + LEASE_S - 1)
-    store.renew("resp_renewed")
-    monkeypatch.setattr(response_store.time, "time", lambda: now + LEASE_S + 1)
+    store, now = _lapsed_leases(tmp_path, monkeypatch, renewed_status="queued")
     store.purge()
     monkeypatch.setattr(response_store.time, "time", lambda: now)  # no read may apply the lease now
     assert store.response("resp_orphan", owner="k") == {"id": "resp_orphan", "status": "failed", "error": ORPHANED}
