@@ -186,6 +186,17 @@ def _serving(server, pids: list[int]) -> list[int]:
     return [pid for pid in pids if re.search(rf"{ENGINE_REPLICA} pid={pid}\).*CALL generate OK", log)]
 
 
+def _busiest(server, pids: list[int]) -> int:
+    """Of ``pids``, the replica that answered a generate call last: with twelve workers sending one
+    request after another, the one surely running streams now (the router need not share them out
+    evenly, and one clean-clone run killed a replica that held none)."""
+    with open(server.log_path, errors="replace") as f:
+        log = f.read()
+    last = {pid: max((m.start() for m in re.finditer(rf"{ENGINE_REPLICA} pid={pid}\).*CALL generate OK", log)), default=-1)
+            for pid in pids}  # fmt: skip
+    return max(pids, key=last.__getitem__)
+
+
 def _error(events: list) -> dict | None:
     return next((e["error"] for e in events if isinstance(e, dict) and "error" in e), None)
 
@@ -202,7 +213,7 @@ def test_autoscaling_and_a_replica_killed_under_load(ray_server):
         replicas = wait_for(lambda: len(engine_replicas(ray_server)) == 2 and engine_replicas(ray_server), 150, "a second replica")
         # the new replica loads the model, then takes requests: kill one only once both run streams
         wait_for(lambda: _serving(ray_server, replicas) == replicas, 120, "both replicas answering")
-        victim = replicas[0]
+        victim = _busiest(ray_server, replicas)
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         # under load, Ray replaces the killed replica
