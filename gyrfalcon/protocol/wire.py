@@ -33,30 +33,50 @@ def parse_json(raw: bytes, max_items: int | None = None, max_keys: int | None = 
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise RequestError(f"Malformed JSON body: {exc}", None) from None
-    return _ints_from_whole_floats(data, max_items, max_keys, None, 0)
+    if type(data) is float:
+        return _whole(data)
+    if isinstance(data, (list, dict)):
+        _normalise(data, max_items, max_keys)
+    return data
 
 
-def _ints_from_whole_floats(value: Any, max_items: int | None, max_keys: int | None, path: str | None,
-                            depth: int) -> Any:  # fmt: skip
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
-        return int(value)
-    if isinstance(value, (list, dict)) and depth >= MAX_DEPTH:
-        raise RequestError(f"The body nests arrays and objects more than {MAX_DEPTH} levels deep", path)
-    if isinstance(value, list):
-        if max_items is not None and len(value) > max_items:
+def _whole(value: float) -> int | float:
+    return int(value) if value.is_integer() and abs(value) < 2**63 else value
+
+
+def _normalise(root: list | dict, max_items: int | None, max_keys: int | None) -> None:
+    """In place, in document order: whole floats become ints, and the bounds are checked. A
+    container's path is a chain of ``(parent, key)`` links, spelled out only for an error: a 1 MB
+    schema's 100,000 values cost one visit each (building each one's dotted path took 40 ms)."""
+    stack: list[tuple[Any, Any, int]] = [(root, None, 0)]
+    while stack:
+        node, link, depth = stack.pop()
+        if depth >= MAX_DEPTH:
+            raise RequestError(f"The body nests arrays and objects more than {MAX_DEPTH} levels deep", _spelled(link))
+        is_list = isinstance(node, list)
+        bound = max_items if is_list else max_keys
+        if bound is not None and len(node) > bound:
+            path = _spelled(link)
             where = f"'{path}'" if path else "The body"
-            raise RequestError(f"{where} holds {len(value):,} items; no request field takes more than {max_items:,} here",
-                               path)  # fmt: skip
-        return [_ints_from_whole_floats(v, max_items, max_keys, f"{path}.{i}" if isinstance(v, (list, dict)) else path,
-                                        depth + 1) for i, v in enumerate(value)]  # fmt: skip
-    if isinstance(value, dict):
-        if max_keys is not None and len(value) > max_keys:
-            where = f"'{path}'" if path else "The body"
-            raise RequestError(f"{where} holds {len(value):,} keys; no request object takes more than {max_keys:,} here",
-                               path)  # fmt: skip
-        return {k: _ints_from_whole_floats(v, max_items, max_keys, k if path is None else f"{path}.{k}", depth + 1)
-                for k, v in value.items()}  # fmt: skip
-    return value
+            what = (f"{len(node):,} items; no request field takes more than {bound:,} here" if is_list
+                    else f"{len(node):,} keys; no request object takes more than {bound:,} here")  # fmt: skip
+            raise RequestError(f"{where} holds {what}", path)
+        children = []
+        for key, value in enumerate(node) if is_list else node.items():
+            if type(value) is float:
+                node[key] = _whole(value)  # a value replaced, never a key added: the walk is safe
+            elif isinstance(value, (list, dict)):
+                children.append((value, (link, key), depth + 1))
+        stack.extend(reversed(children))
+
+
+def _spelled(link: Any) -> str | None:
+    """The dotted path of a ``(parent, key)`` chain (None: the body itself)."""
+    keys = []
+    while link is not None:
+        link, key = link
+        keys.append(str(key))
+    return ".".join(reversed(keys)) or None
 
 
 def check_text_length(value: Any, param: str, bound: int, context: int) -> None:
