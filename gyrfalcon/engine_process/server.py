@@ -74,8 +74,8 @@ class EngineServer:
         #: the core's aborts and finishes, in arrival order (None: stop); the submits it answered
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._submitted: queue.SimpleQueue[tuple[bytes, Any, str, Any]] = queue.SimpleQueue()
-        self._submitter = threading.Thread(target=self._run_jobs, name="gyrfalcon-core-calls", daemon=True)
-        self._submitter.start()
+        self._core_calls = threading.Thread(target=self._run_jobs, name="gyrfalcon-core-calls", daemon=True)
+        self._core_calls.start()
         self._submits = concurrent.futures.ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="gyrfalcon-submit")
         #: the engine ids whose submit still runs, each with the calls for it that came meanwhile
         self._pending: dict[str, list[tuple[Any, ...]]] = {}
@@ -119,7 +119,7 @@ class EngineServer:
         finally:
             self._submits.shutdown(wait=False, cancel_futures=True)
             self._jobs.put(None)
-            self._submitter.join(timeout=5.0)
+            self._core_calls.join(timeout=5.0)
             self._abort_all()
             self._socket.close(linger=0)
             self._context.term()

@@ -178,22 +178,26 @@ class Load:
         return self.results
 
 
-def _serving(server, pids: list[int]) -> list[int]:
-    """Those of ``pids`` that have answered a generate call (Ray Serve's access log, forwarded to
-    the server's log, names the replica's pid): a replica that is up and taking requests."""
+def _last_generate_calls(server, pids: list[int]) -> dict[int, int]:
+    """Where in the server's log each of ``pids`` last answered a generate call (-1: never; Ray
+    Serve's access log, forwarded to the server's log, names the replica's pid)."""
     with open(server.log_path, errors="replace") as f:
         log = f.read()
-    return [pid for pid in pids if re.search(rf"{ENGINE_REPLICA} pid={pid}\).*CALL generate OK", log)]
+    return {pid: max((m.start() for m in re.finditer(rf"{ENGINE_REPLICA} pid={pid}\).*CALL generate OK", log)), default=-1)
+            for pid in pids}  # fmt: skip
+
+
+def _serving(server, pids: list[int]) -> list[int]:
+    """Those of ``pids`` that have answered a generate call: a replica that is up and taking requests."""
+    last = _last_generate_calls(server, pids)
+    return [pid for pid in pids if last[pid] >= 0]
 
 
 def _busiest(server, pids: list[int]) -> int:
     """Of ``pids``, the replica that answered a generate call last: with twelve workers sending one
     request after another, the one surely running streams now (the router need not share them out
     evenly, and one clean-clone run killed a replica that held none)."""
-    with open(server.log_path, errors="replace") as f:
-        log = f.read()
-    last = {pid: max((m.start() for m in re.finditer(rf"{ENGINE_REPLICA} pid={pid}\).*CALL generate OK", log)), default=-1)
-            for pid in pids}  # fmt: skip
+    last = _last_generate_calls(server, pids)
     return max(pids, key=last.__getitem__)
 
 
