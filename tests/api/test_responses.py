@@ -161,6 +161,16 @@ def test_input_items_come_in_pages(client):
     assert [i["content"][0]["type"] for i in newest["data"]] == ["input_text", "output_text", "input_text"]
 
 
+def test_a_bad_page_or_cancel_is_a_400_naming_its_param(client):
+    rid = client.simulate_post(PATH, json={"input": "hi", "max_output_tokens": 2}).json["id"]
+    for params, param in (({"order": "sideways"}, "order"), ({"after": "item_nobody"}, "after")):
+        r = client.simulate_get(f"{PATH}/{rid}/input_items", params=params)
+        assert r.status_code == 400 and r.json["error"]["param"] == param, r.json
+        assert r.json["error"]["code"] == 400 and r.json["error"]["message"]
+    cancel = client.simulate_post(f"{PATH}/{rid}/cancel")  # not in the background
+    assert cancel.status_code == 400 and cancel.json["error"]["param"] == "response_id", cancel.json
+
+
 def test_a_continuation_sees_the_turns_but_not_the_instructions(client):
     first = client.simulate_post(PATH, json={"input": "hi", "instructions": "be brief " * 10, "max_output_tokens": 2,
                                              "ignore_eos": True}).json  # fmt: skip
