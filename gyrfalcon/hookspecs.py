@@ -66,8 +66,9 @@ def gyrfalcon_validate_request(endpoint: str, request: EngineRequest, info: Engi
 
     ``endpoint`` is one of ``"generate"``, ``"completions"``, ``"chat"``, ``"chat_batch"``,
     ``"responses"`` (the name of the endpoint in ``protocol/endpoints.py``). Raise
-    :class:`gyrfalcon.errors.RequestError` with the offending ``param`` (a 400 unless you set another
-    status). Must not modify ``request`` and must not block.
+    :class:`gyrfalcon.errors.RequestError` with the offending ``param`` (a 400; another
+    :class:`gyrfalcon.errors.Kind` as its ``type`` for another answer). Must not modify ``request``
+    and must not block.
     """
 
 

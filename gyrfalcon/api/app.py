@@ -16,7 +16,6 @@ import pluggy
 from gyrfalcon.api import errors
 from gyrfalcon.api.connection import WatchedApp
 from gyrfalcon.api.context import ServerContext
-from gyrfalcon.api.errors import APIError
 from gyrfalcon.api.response_store import owner_of
 from gyrfalcon.api.resources import (
     DetokenizeResource,
@@ -35,6 +34,7 @@ from gyrfalcon.api.resources import (
 )
 from gyrfalcon.config import Settings
 from gyrfalcon.engine_api.interface import Engine
+from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.heap import QuietTrimmer
 from gyrfalcon.protocol.endpoints import DETOKENIZE, ENDPOINTS, TOKENIZE
 
@@ -60,7 +60,7 @@ class APIKeyMiddleware:
         token = credentials.strip().encode()
         # the scheme is case-insensitive (RFC 9110 §11.1): "bearer" is "Bearer"
         if scheme.lower() != "bearer" or not any(hmac.compare_digest(token, k) for k in self.keys):
-            raise APIError(401, "Missing or invalid API key", headers={"WWW-Authenticate": "Bearer"})
+            raise RequestError("Missing or invalid API key", type=Kind.UNAUTHENTICATED)
         req.context.owner = owner_of(token.decode())  # whose stored responses this request may see
 
 

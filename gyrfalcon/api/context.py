@@ -15,7 +15,6 @@ import orjson
 import pluggy
 
 from gyrfalcon.api.body import check_json_headers, read_raw
-from gyrfalcon.api.errors import APIError
 from gyrfalcon.api.spec import (
     TemplateSupport,
     bounded_extensions,
@@ -28,6 +27,7 @@ from gyrfalcon.config import Settings
 from gyrfalcon.engine_api.interface import Engine
 from gyrfalcon.api.response_store import PURGE_INTERVAL_S, ResponseStore
 from gyrfalcon.engine_api.types import EngineInfo
+from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.plugins import merged_dict
 from gyrfalcon.protocol.translate import Translator
 from gyrfalcon.protocol.wire import parse_json
@@ -114,7 +114,7 @@ class ServerContext:
         """The engine's info, or a 503 while the model is still loading."""
         health = self.engine.health()
         if not health.ready:
-            raise APIError(503, health.message or "The model is loading", headers={"Retry-After": "1"})
+            raise RequestError(health.message or "The model is loading", type=Kind.NOT_READY, retry_after=1)
         return self.engine.info()
 
     def translator(self) -> Translator:

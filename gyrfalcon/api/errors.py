@@ -1,7 +1,9 @@
-"""One error envelope for every non-2xx answer, Falcon's own 404/405/413 included.
+"""One error envelope for every non-2xx answer, Falcon's own 404/405/413 included, and the one place
+where an error's kind becomes an HTTP status.
 
 ``{"error": {"message": str, "type": str, "param": str | null, "code": int}}`` with the HTTP status as
-``code``.
+``code``. Every layer, this one's own checks included, raises a :class:`RequestError` of a
+:class:`Kind`; an engine's in-band :class:`EngineError` carries a kind too.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import orjson
 
 from gyrfalcon.engine_api.errors import EngineUnavailable, ShuttingDown, retry_after_s
 from gyrfalcon.engine_api.types import EngineError
-from gyrfalcon.errors import RequestError
+from gyrfalcon.errors import Kind, RequestError
 
 log = logging.getLogger("gyrfalcon.api")
 
@@ -34,15 +36,29 @@ _TYPES = {
 }
 
 
-#: the HTTP status of an error that names none, by its kind (``type``); any other kind is a 500
-_STATUS_OF_KIND = {"invalid_request_error": 400, EngineUnavailable.type: 503, ShuttingDown.type: 503}
+#: the HTTP status of each kind of error (its ``type``); any other kind is a failure of the server
+_STATUS_OF_KIND = {
+    Kind.INVALID: 400,
+    Kind.UNAUTHENTICATED: 401,
+    Kind.NOT_FOUND: 404,
+    Kind.BODY_TOO_SLOW: 408,
+    Kind.BODY_TOO_LARGE: 413,
+    Kind.NOT_JSON: 415,
+    Kind.CLIENT_CLOSED: 499,  # nginx's convention, for the log: nobody reads the answer
+    Kind.OVERLOADED: 503,
+    Kind.NOT_READY: 503,
+    Kind.SHUTTING_DOWN: 503,
+}
+#: headers a kind's answer carries besides ``Retry-After``
+_HEADERS_OF_KIND = {
+    Kind.UNAUTHENTICATED: {"WWW-Authenticate": "Bearer"},
+    Kind.BODY_TOO_SLOW: {"Connection": "close"},  # the rest of a late body is not read
+}
 
 
-def http_status(error: RequestError | EngineError) -> int:
-    """The HTTP status of a refusal or an engine's in-band error: the one it asks for, else its
-    kind's (an :class:`EngineError` names none: the engine speaks no HTTP)."""
-    status = getattr(error, "status", None)
-    return status if status is not None else _STATUS_OF_KIND.get(error.type, 500)
+def http_status(error: RequestError | EngineError | EngineUnavailable) -> int:
+    """The HTTP status of a refusal, an engine's in-band error or its refusal to take a request now."""
+    return _STATUS_OF_KIND.get(error.type, 500)
 
 
 def error_body(status: int, message: str, type: str | None = None, param: str | None = None) -> dict[str, Any]:
@@ -59,18 +75,16 @@ class APIError(falcon.HTTPError):
         self.param = param
 
     @classmethod
-    def from_request_error(cls, error: RequestError) -> APIError:
-        return cls(http_status(error), error.message, envelope_type(error), error.param, _retry_after(error.retry_after))
+    def from_request_error(cls, error: RequestError | EngineUnavailable) -> APIError:
+        headers = dict(_HEADERS_OF_KIND.get(error.type, {}))
+        if error.retry_after is not None:  # whole seconds, at least 1
+            headers["Retry-After"] = str(retry_after_s(error.retry_after))
+        return cls(http_status(error), error.message, envelope_type(error), getattr(error, "param", None), headers or None)
 
 
-def _retry_after(seconds: float | None) -> dict[str, str] | None:
-    """The ``Retry-After`` header of a refusal that may succeed later (whole seconds, at least 1)."""
-    return None if seconds is None else {"Retry-After": str(retry_after_s(seconds))}
-
-
-def envelope_type(error: RequestError) -> str | None:
+def envelope_type(error: RequestError | EngineUnavailable) -> str | None:
     """The envelope's ``type`` of a refusal: its own, or (None) the status's name for a plain 400."""
-    return error.type if error.type != "invalid_request_error" else None
+    return error.type if error.type != Kind.INVALID else None
 
 
 def request_error_body(error: RequestError) -> dict[str, Any]:
@@ -95,7 +109,7 @@ async def handle_request_error(req: falcon.Request, resp: falcon.Response, ex: R
 
 
 async def handle_engine_unavailable(req: falcon.Request, resp: falcon.Response, ex: EngineUnavailable, params: dict) -> None:
-    raise APIError(503, ex.message, ex.type, None, _retry_after(ex.retry_after))
+    raise APIError.from_request_error(ex)
 
 
 async def handle_unexpected(req: falcon.Request, resp: falcon.Response, ex: Exception, params: dict) -> None:

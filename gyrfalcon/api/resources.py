@@ -19,7 +19,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from gyrfalcon import __version__
 from gyrfalcon.api.connection import connection_of
 from gyrfalcon.api.context import ServerContext
-from gyrfalcon.api.errors import APIError
 from gyrfalcon.api.metrics import MetricsExposition
 from gyrfalcon.api.response_store import RENEW_INTERVAL_S
 from gyrfalcon.api.sse import start_stream
@@ -27,7 +26,7 @@ from gyrfalcon.engine_api.interface import OutputStream
 from gyrfalcon.protocol.endpoints import Endpoint
 from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.serving.responses import conversation_after
-from gyrfalcon.errors import RequestError
+from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.logtext import loggable
 from gyrfalcon.serving.runner import FORMATTERS, StreamedResponse, complete, stream_chunks, submit_all
 
@@ -63,7 +62,7 @@ class HealthResource:
     async def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         health = self.ctx.engine.health()
         if not health.ready:
-            raise APIError(503, health.message or "The model is loading", headers={"Retry-After": "1"})
+            raise RequestError(health.message or "The model is loading", type=Kind.NOT_READY, retry_after=1)
         _json(resp, {"status": "ok", **({"decode_path": health.decode_path} if health.decode_path else {})})
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from gyrfalcon.errors import RequestError
+from gyrfalcon.errors import Kind, RequestError
 
 #: tombstones kept per stored response allowed (evicted ids remembered)
 TOMBSTONES_PER_SLOT = 4
@@ -168,8 +168,8 @@ class ResponseStore:
                                                           (response_id, owner)).fetchone()  # fmt: skip
         if evicted:
             raise RequestError(f"The response '{response_id}' is no longer stored: it was evicted (the store keeps "
-                               f"{self.size} responses for {self.ttl:g} s)", param, status=404, type="NotFoundError")  # fmt: skip
-        raise RequestError(f"No stored response has the id '{response_id}'", param, status=404, type="NotFoundError")
+                               f"{self.size} responses for {self.ttl:g} s)", param, type=Kind.NOT_FOUND)  # fmt: skip
+        raise RequestError(f"No stored response has the id '{response_id}'", param, type=Kind.NOT_FOUND)
 
     def response(self, response_id: str, param: str | None = None, owner: str = "") -> dict[str, Any]:
         """The stored response of ``owner`` (a 404 naming ``param`` when it is not stored). One still

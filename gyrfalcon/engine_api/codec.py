@@ -117,7 +117,7 @@ def decode_health(data: list[Any]) -> EngineHealth:
 def encode_refusal(exc: BaseException) -> list[Any]:
     """What ``submit`` raised, for :func:`raise_refusal` on the other side."""
     if isinstance(exc, RequestError):
-        return ["request", exc.message, exc.param, exc.status, exc.type, exc.retry_after]
+        return ["request", exc.message, exc.param, exc.type, exc.retry_after]
     if isinstance(exc, EngineUnavailable):
         name = type(exc).__name__ if type(exc).__name__ in _UNAVAILABLE else EngineUnavailable.__name__
         return ["unavailable", name, exc.message, exc.retry_after]
@@ -127,8 +127,8 @@ def encode_refusal(exc: BaseException) -> list[Any]:
 def raise_refusal(data: list[Any]) -> None:
     kind = data[0]
     if kind == "request":
-        _, message, param, status, type_, retry_after = data
-        raise RequestError(message, param, status=status, type=type_, retry_after=retry_after)
+        _, message, param, type_, retry_after = data
+        raise RequestError(message, param, type=type_, retry_after=retry_after)
     if kind == "unavailable":
         _, name, message, retry_after = data
         raise _UNAVAILABLE[name](message, retry_after)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from gyrfalcon.engine_api.types import EngineError
-from gyrfalcon.errors import RequestError
+from gyrfalcon.errors import Kind, RequestError
 
 #: an invalid request, naming its ``param``
 InvalidRequest = RequestError
@@ -25,8 +25,8 @@ def retry_after_s(seconds: float) -> int:
 class EngineUnavailable(Exception):
     """The engine cannot take the request now; a retry after ``retry_after`` seconds may succeed."""
 
-    #: the error envelope's ``type``
-    type = "server_overloaded"
+    #: its kind (the error envelope's ``type``)
+    type = Kind.OVERLOADED
 
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
@@ -41,7 +41,7 @@ class QueueFull(EngineUnavailable):
 class ShuttingDown(EngineUnavailable):
     """The engine is stopping (or failed to start) and takes no new requests."""
 
-    type = "server_shutting_down"
+    type = Kind.SHUTTING_DOWN
 
 
 #: what a request still queued or running when the server stops ends with (see ``EngineCore.drain``)

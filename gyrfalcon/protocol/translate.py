@@ -21,7 +21,7 @@ import jsonschema
 from gyrfalcon.engine_api.interface import Engine
 from gyrfalcon.engine_api.lengths import context_message, context_overflow, min_tokens_problem, sampling_work, work_message
 from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind, SamplingParams
-from gyrfalcon.errors import RequestError
+from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.protocol.capabilities import check_supported
 from gyrfalcon.protocol.chat import ChatRenderer, ChatRendering
 from gyrfalcon.protocol.endpoints import DETOKENIZE, TOKENIZE, Endpoint, Prompts, endpoint_of
@@ -239,7 +239,7 @@ class Translator:
         if requested is None:
             return self.served_model_names[0]
         if requested not in self.served_model_names:
-            raise RequestError(f"The model '{requested}' does not exist", "model", status=404, type="NotFoundError")
+            raise RequestError(f"The model '{requested}' does not exist", "model", type=Kind.NOT_FOUND)
         return requested
 
     def _check_limits(self, f: RequestFields) -> None:

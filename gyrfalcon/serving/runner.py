@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from gyrfalcon.engine_api.interface import Engine, OutputStream
 from gyrfalcon.engine_api.types import EngineError, RequestOutput
-from gyrfalcon.errors import RequestError
+from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.protocol.endpoints import CHAT, CHAT_BATCH, COMPLETIONS, GENERATE, RESPONSES, Endpoint
 from gyrfalcon.serving.formats import ChatFormatter, CompletionFormatter, Formatter, GenerateFormatter
@@ -30,13 +30,9 @@ FORMATTERS: dict[Endpoint, type[Formatter]] = {
     RESPONSES: ResponsesFormatter,
 }
 
-#: status logged for a request whose client went away before its answer (nginx's convention)
-CLIENT_CLOSED = 499
-
-
 def client_closed() -> RequestError:
     """The error of a request whose client went away (for the log: nobody reads the answer)."""
-    return RequestError("The client closed the connection", None, status=CLIENT_CLOSED, type="client_closed")
+    return RequestError("The client closed the connection", None, type=Kind.CLIENT_CLOSED)
 
 
 class Disconnect(Protocol):
@@ -125,9 +121,8 @@ class OutputReader:
         return output
 
     def _request_error(self, error: EngineError) -> RequestError:
-        # no status here: the error's kind decides it where errors become HTTP (gyrfalcon.api.errors)
-        return RequestError(error.message, self.serving.wire_param(error.param), status=None,
-                            type=error.type, retry_after=error.retry_after)  # fmt: skip
+        return RequestError(error.message, self.serving.wire_param(error.param), type=error.type,
+                            retry_after=error.retry_after)  # fmt: skip
 
     async def started(self) -> None:
         """Wait for the first stream's first output (or its end), kept for :meth:`next`: an error
@@ -177,7 +172,7 @@ async def complete(
     engine: Engine, serving: ServingRequest, streams: list[OutputStream], gone: Disconnect | None = None
 ) -> dict[str, Any]:
     """Wait for every stream's final output and build the response body; a client that goes away
-    ends it with :data:`CLIENT_CLOSED` and aborts its sequences in the engine within a step."""
+    ends it with :func:`client_closed` and aborts its sequences in the engine within a step."""
     try:
         formatter = FORMATTERS[serving.endpoint](serving, engine)
     except BaseException:
@@ -197,7 +192,7 @@ async def complete(
     finals: list[RequestOutput] = []
     for last in lasts:
         if last is None or not last.finished:
-            raise RequestError("The engine ended the request without a final output", None, status=500, type="engine_error")
+            raise RequestError("The engine ended the request without a final output", None, type=Kind.ENGINE_FAILED)
         finals.append(last)
     # built on a worker thread: n x logprobs entries can take long, and the event loop also serves
     # every other connection and gunicorn's heartbeat
@@ -224,7 +219,7 @@ class StreamedResponse:
     async def started(self) -> None:
         """Wait until the engine has the request's first output, so that an error before it (a
         server shutting down, a failed prefill) is the response's status, not an event after a 200;
-        a client that leaves meanwhile is a :data:`CLIENT_CLOSED`."""
+        a client that leaves meanwhile is a :func:`client_closed`."""
         if self._reader is None:
             return
         try:
@@ -281,7 +276,7 @@ async def _chunks(engine: Engine, serving: ServingRequest, reader: OutputReader 
                     prompt_tokens += len(output.prompt_token_ids)
                     completion_tokens += output.num_generated_tokens
             if not finished:
-                raise RequestError("The engine ended the request without a final output", None, status=500, type="engine_error")
+                raise RequestError("The engine ended the request without a final output", None, type=Kind.ENGINE_FAILED)
         for chunk in formatter.closing_chunks(prompt_tokens, completion_tokens):
             yield each(chunk)
         if serving.include_usage:

@@ -12,12 +12,13 @@ import pytest
 
 from gyrfalcon.api.app import create_app
 from gyrfalcon.api.connection import Connection
+from gyrfalcon.api.errors import http_status
 from gyrfalcon.api.protocol import ConnectionLimits
 from gyrfalcon.config import Settings
-from gyrfalcon.errors import RequestError
+from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.plugins import plugin_manager
 from gyrfalcon.protocol.translate import Translator
-from gyrfalcon.serving.runner import CLIENT_CLOSED, complete, submit_all
+from gyrfalcon.serving.runner import complete, submit_all
 from tests.helpers import ServedInThread
 
 
@@ -70,7 +71,7 @@ def test_gone_client_aborts_its_request(tiny_engine):
 
     with pytest.raises(RequestError) as info:
         asyncio.run(scenario())
-    assert info.value.status == CLIENT_CLOSED
+    assert info.value.type == Kind.CLIENT_CLOSED and http_status(info.value) == 499
     deadline = time.monotonic() + 10
     while tiny_engine.stats()["requests_aborted"] == before and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -25,7 +25,7 @@ from gyrfalcon.engine_api.types import (
 from gyrfalcon.engine_process import codec
 from gyrfalcon.engine_process.remote import RemoteEngineCore
 from gyrfalcon.engine_process.server import EngineServer
-from gyrfalcon.errors import RequestError
+from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.api.errors import http_status
 
 
@@ -92,7 +92,7 @@ def test_refusals_travel_back_as_typed_errors(remote):
     too_long = EngineRequest("long", [1] * 1000, SamplingParams(max_tokens=4))
     with pytest.raises(RequestError) as refused:
         remote.submit(too_long)
-    assert refused.value.param == "prompt" and refused.value.status == 400
+    assert refused.value.param == "prompt" and refused.value.type == Kind.INVALID
     stream = remote.submit(_request(remote, "same", OutputKind.DELTA, max_tokens=200, ignore_eos=True))
     with pytest.raises(RequestError) as duplicate:
         remote.submit(_request(remote, "same", max_tokens=2))

@@ -11,7 +11,7 @@ from gyrfalcon import hookimpl
 from gyrfalcon.plugins.engines import create_transformers_engine
 from gyrfalcon.engine_api.types import EngineRequest, OutputKind, SamplingParams
 from gyrfalcon.engine_api.errors import QueueFull, ShuttingDown
-from gyrfalcon.errors import RequestError
+from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.policies import LogprobGatherer
 from tests.conftest import tiny_settings
 
@@ -158,7 +158,7 @@ def test_length_at_max_tokens_and_at_context_end(tiny_engine):
 def test_submit_rejections(tiny_engine, prompt, params, param):
     with pytest.raises(RequestError) as err:
         tiny_engine.submit(request(prompt=prompt, **params))
-    assert (err.value.status, err.value.param) == (400, param)
+    assert (err.value.type, err.value.param) == (Kind.INVALID, param)
 
 
 def test_unknown_extension_is_rejected(tiny_engine):
@@ -166,7 +166,7 @@ def test_unknown_extension_is_rejected(tiny_engine):
     req.extensions = {"mystery": 1}
     with pytest.raises(RequestError) as err:
         tiny_engine.submit(req)
-    assert (err.value.status, err.value.param) == (400, "extensions.mystery")
+    assert (err.value.type, err.value.param) == (Kind.INVALID, "extensions.mystery")
 
 
 def test_queue_full_is_503_with_retry_after(tiny_model_dir):

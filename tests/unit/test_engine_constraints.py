@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gyrfalcon.errors import RequestError
+from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.api.errors import http_status
 from tests.unit.test_batching import PROMPTS, alone, finals, request, run, stepped  # noqa: F401 - fixture
 
@@ -25,7 +25,7 @@ B = 36  # "B" is one token; "BB" is [B, B]; " B" is two tokens (so bad_words ban
 def test_allowed_ids_all_banned_by_min_tokens_are_refused_at_submit(tiny_engine, params):
     with pytest.raises(RequestError) as err:
         tiny_engine.submit(request(PROMPTS[0], max_tokens=4, temperature=0.0, **params))
-    assert (err.value.status, err.value.param) == (400, "allowed_token_ids")
+    assert (err.value.type, err.value.param) == (Kind.INVALID, "allowed_token_ids")
     assert "min_tokens" in err.value.message
 
 

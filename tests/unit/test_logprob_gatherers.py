@@ -12,7 +12,7 @@ from gyrfalcon.engine.sample.logprob_reports import merge_gathered
 from gyrfalcon.engine.sample.prompt_logprobs import compute_prompt_logprobs
 from gyrfalcon.engine.sample.sampler import Sampler
 from gyrfalcon.engine_api.types import LOGPROB_FLOOR, EngineInfo, EngineRequest, SamplingParams
-from gyrfalcon.errors import RequestError
+from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.plugins.logprobs import (
     PromptLogprobsGatherer,
     TokenIdsLogprobGatherer,
@@ -122,7 +122,7 @@ def test_validation(params, param):
     with pytest.raises(RequestError) as err:
         for gatherer in gyrfalcon_logprob_gatherers(info):
             gatherer.validate(params, {}, info)
-    assert err.value.param == param and err.value.status == 400
+    assert err.value.param == param and err.value.type == Kind.INVALID
 
 
 def _big_vocab() -> EngineInfo:

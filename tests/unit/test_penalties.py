@@ -9,7 +9,7 @@ import torch
 
 from gyrfalcon.engine.sample import persistent_batch
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
-from gyrfalcon.errors import RequestError
+from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.plugins import penalties as P
 from gyrfalcon.policies import BatchRows
 
@@ -148,7 +148,7 @@ def test_bad_words_follow_vllm():
 def test_validation_names_the_param(processor, params, param):
     with pytest.raises(RequestError) as err:
         processor.validate(params, {}, INFO)
-    assert (err.value.status, err.value.param) == (400, param)
+    assert (err.value.type, err.value.param) == (Kind.INVALID, param)
 
 
 def test_engine_honours_the_fields(tiny_engine):

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-from gyrfalcon.errors import RequestError
+from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.openapi import bundle, rule_ids
 from gyrfalcon.protocol.rules import RULES, TRANSLATION_RULES, RequestFields, all_rule_ids, check_rules
 from gyrfalcon.protocol.runtime_rules import RUNTIME_RULES
@@ -58,4 +58,4 @@ def test_code_agrees_with_the_spec(rule, schema, body, valid):
     else:
         with pytest.raises(RequestError) as info:
             check_rules(fields)
-        assert info.value.status == 400 and info.value.param
+        assert info.value.type == Kind.INVALID and info.value.param

@@ -10,7 +10,7 @@ import torch
 from gyrfalcon.engine.sample import persistent_batch
 from gyrfalcon.engine.sample.sampler import Sampler
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
-from gyrfalcon.errors import RequestError
+from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.plugins.sampling import (
     MinPProcessor,
     TemperatureProcessor,
@@ -133,7 +133,7 @@ def test_processors_validate(params, param):
     with pytest.raises(RequestError) as err:
         for processor in gyrfalcon_logits_processors(INFO):
             processor.validate(params, {}, INFO)
-    assert err.value.param == param and err.value.status == 400
+    assert err.value.param == param and err.value.type == Kind.INVALID
 
 
 def make_sampler(gatherers=(), seed=0) -> Sampler:

@@ -13,7 +13,7 @@ from gyrfalcon.engine.scheduler import Scheduler
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
 from gyrfalcon.engine_api.errors import QueueFull
-from gyrfalcon.errors import RequestError
+from gyrfalcon.errors import Kind, RequestError
 
 
 def state(name: str, length: int, n: int = 1, first: int = 5, salt: str | None = None, priority: int = 0) -> RequestState:
@@ -121,7 +121,7 @@ def test_a_request_that_could_never_fit_is_refused_at_submit():
     s.check_fits(8, 8, 1)
     with pytest.raises(RequestError) as err:
         s.check_fits(8, 8, 2)
-    assert err.value.param == "max_tokens" and err.value.status == 400
+    assert err.value.param == "max_tokens" and err.value.type == Kind.INVALID
     with pytest.raises(RequestError) as err:
         s.check_fits(20, 1, 1)
     assert err.value.param == "prompt"

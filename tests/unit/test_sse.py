@@ -6,7 +6,7 @@ import asyncio
 import json
 
 from gyrfalcon.api.sse import DONE, EventStream as events
-from gyrfalcon.errors import RequestError
+from gyrfalcon.errors import Kind, RequestError
 
 
 class Source:
@@ -45,11 +45,11 @@ def test_chunks_then_done():
 
 
 def test_error_mid_stream_is_one_event_then_done():
-    source = Source([{"a": 1}], then=RequestError("engine went away", None, status=503))
+    source = Source([{"a": 1}], then=RequestError("engine went away", None, type=Kind.SHUTTING_DOWN))
     frames = frames_of(events(source))
     assert frames[0] == 'data: {"a":1}\n\n' and frames[-1] == DONE.decode() and len(frames) == 3
     error = json.loads(frames[1][len("data: "):])
-    assert error == {"error": {"message": "engine went away", "type": "ServiceUnavailableError", "param": None, "code": 503}}
+    assert error == {"error": {"message": "engine went away", "type": "server_shutting_down", "param": None, "code": 503}}
     assert source.closed
 
 
