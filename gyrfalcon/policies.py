@@ -203,7 +203,12 @@ class LogitsProcessor:
         """The sequence at ``slot`` left the batch; the slot may go to the next ``add_row``."""
 
     def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
-        """Raise :class:`gyrfalcon.errors.RequestError` (with ``param``) for values it cannot honour."""
+        """Raise :class:`gyrfalcon.errors.RequestError` (with ``param``) for values it cannot honour.
+        Runs on the API side, before submit (:mod:`gyrfalcon.validation`): it must not need torch."""
+
+    def prepare(self, params: SamplingParams, extensions: dict[str, Any]) -> None:
+        """Work a row that wants this processor needs before it joins a step (a grammar's compile):
+        done by the engine at submit, off the step loop that every running request waits on."""
 
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         """True when this row needs the processor (rows that don't are left untouched)."""

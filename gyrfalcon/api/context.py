@@ -31,6 +31,7 @@ from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.plugins import merged_dict
 from gyrfalcon.protocol.translate import Translator
 from gyrfalcon.protocol.wire import parse_json
+from gyrfalcon.validation import RequestValidator
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class ServerContext:
                         self.engine,
                         self.served_model_names,
                         extensions,
-                        self.pm.hook.gyrfalcon_validate_request,
+                        RequestValidator.of(self.pm, self.engine.info()),
                         max_prompts=self.settings.max_request_prompts,
                         max_seqs=self.settings.max_request_seqs,
                         max_work=self.settings.request_tokens(self.engine.info().max_model_len),

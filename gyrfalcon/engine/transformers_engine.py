@@ -35,12 +35,12 @@ from gyrfalcon.engine.step_health import StepFailures
 from gyrfalcon.engine.stopping import StopChecker
 from gyrfalcon.engine_api.streams import CoalescingOutputStream
 from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind, TokenLogprobs
-from gyrfalcon.engine.validation import NATIVE_CAPABILITIES, validate_request
 from gyrfalcon.engine_api.config import EngineConfig
 from gyrfalcon.engine_api.errors import SHUTTING_DOWN, ShuttingDown
 from gyrfalcon.errors import RequestError
 from gyrfalcon.heap import QuietTrimmer
 from gyrfalcon.models.loading import resolve_device, resolve_dtype, resolve_quantization
+from gyrfalcon.validation import NATIVE_CAPABILITIES, policies
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,7 @@ class TransformersEngine(EngineCore):
             device=self.device,
             quantization=self.quantization,
         )
-        self.processors = [p for result in pm.hook.gyrfalcon_logits_processors(info=base) for p in (result or [])]
-        self.gatherers = [g for result in pm.hook.gyrfalcon_logprob_gatherers(info=base) for g in (result or [])]
+        self.processors, self.gatherers = policies(pm, base)
         capabilities = set(NATIVE_CAPABILITIES)
         if cfg.scheduling_policy == "priority":
             capabilities.add("priority")
@@ -148,9 +147,12 @@ class TransformersEngine(EngineCore):
         return self._health
 
     def submit(self, request: EngineRequest) -> OutputStream:
-        validate_request(request, self._info, self.processors, self.gatherers)
+        # the request was validated before (gyrfalcon.validation): only what only the engine knows is checked here
         params = request.sampling
         self.scheduler.check_fits(len(request.prompt_token_ids), params.max_tokens, params.n)
+        for processor in self.processors:
+            if processor.wants(params, request.extensions):
+                processor.prepare(params, request.extensions)
         stream = CoalescingOutputStream(request.request_id, request.output_kind, on_close=self.abort)
         state = RequestState(request, stream, self._make_sequences(request))
         with self._lock:

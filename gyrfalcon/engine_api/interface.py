@@ -106,8 +106,9 @@ class EngineCore(abc.ABC):
 
     Contract:
     - :meth:`info` is cheap and constant after start.
-    - :meth:`submit` validates and enqueues synchronously: it raises
-      :class:`gyrfalcon.errors.RequestError` (invalid, with ``param``) or
+    - :meth:`submit` trusts a request that passed :class:`gyrfalcon.validation.RequestValidator`
+      and enqueues it synchronously: it raises :class:`gyrfalcon.errors.RequestError` only for
+      what only it knows (its KV cache can never hold the request; the id is already running) and
       :class:`gyrfalcon.engine_api.errors.EngineUnavailable` (queue full, shutting down) before the
       frontend commits a status, otherwise returns the request's :class:`OutputStream`.
     - Outputs follow the request's ``output_kind`` and carry token ids (and logprobs); errors after

@@ -3,8 +3,8 @@
 One thread (the caller of :meth:`EngineServer.serve`) owns the socket: it takes the workers'
 messages, sends the heartbeats, and sends the outputs the core's step loop produced, batched per
 worker. The step loop never touches the socket: a stream's waker only notes which request has
-something new (:class:`~gyrfalcon.engine_process.wakeup.PollWakeup`). A submit validates the
-request (a grammar's compile, a plugin's validation) and may take a while, and the workers take 3 s
+something new (:class:`~gyrfalcon.engine_process.wakeup.PollWakeup`). A submit prepares the
+request (a grammar's compile: the API worker validated it) and may take a while, and the workers take 3 s
 without a heartbeat for the engine's death — one slow submit on the socket's thread cut every open
 stream; one on a single submitting thread held every request behind it. So submits run on a few
 threads of their own (:data:`SUBMIT_THREADS`), aborts and finished choices on one thread in the

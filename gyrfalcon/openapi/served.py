@@ -232,3 +232,13 @@ def spec_max(keyword: str) -> int:
     schemas = spec["components"]["schemas"]
     return max(sub[keyword] for name in request_schema_names(spec) for sub in walk_schemas(schemas[name])
                if isinstance(sub.get(keyword), int))  # fmt: skip
+
+
+def fields_stating(keyword: str) -> dict[str, Any]:
+    """The request fields whose schema states ``keyword`` (one the generated models do not
+    enforce, such as ``maxProperties`` or ``uniqueItems``), with its value: the documents are the
+    one home of these bounds."""
+    spec = bundle()
+    schemas = spec["components"]["schemas"]
+    return {prop: schema[keyword] for name in request_schema_names(spec)
+            for prop, schema in schemas[name].get("properties", {}).items() if keyword in schema}  # fmt: skip

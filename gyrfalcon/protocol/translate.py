@@ -5,7 +5,8 @@
 generated model; the plugins' extensions by their schemas), the cross-field rules, the "not
 supported" check, the model name, the deployment's limits, the tools, the prompts (rendered by
 :mod:`gyrfalcon.protocol.chat` on the chat endpoints), the sampling parameters and constraint, one
-engine request per prompt with its ``max_tokens``, then the plugins' ``gyrfalcon_validate_request``.
+engine request per prompt with its ``max_tokens``, then :class:`gyrfalcon.validation.RequestValidator`
+(the policies' own parameters, the plugins' ``gyrfalcon_validate_request``).
 Every refusal is a :class:`RequestError` naming its ``param`` as the client wrote it.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import jsonschema
@@ -30,8 +30,9 @@ from gyrfalcon.protocol.responses import as_chat, input_items, refuse_unsupporte
 from gyrfalcon.protocol.rules import RequestFields, check_rules
 from gyrfalcon.protocol.tools import structured_constraint, tool_constraint, tool_use
 from gyrfalcon.openapi.limits import ServedLimits, largest_object, limits_of, longest_array, walk_schemas
-from gyrfalcon.openapi.served import bundle, request_schema_names, spec_max
+from gyrfalcon.openapi.served import fields_stating, spec_max
 from gyrfalcon.protocol.wire import check_text_length, sent_fields, validate
+from gyrfalcon.validation import RequestValidator
 
 #: wire fields copied as they are into SamplingParams
 _COPIED = (
@@ -42,19 +43,10 @@ _COPIED = (
 )
 
 
-def _stated(keyword: str) -> dict[str, Any]:
-    """The request fields whose schema states ``keyword`` (one the generated models do not
-    enforce), with its value: the spec is the one home of these bounds."""
-    spec = bundle()
-    schemas = spec["components"]["schemas"]
-    return {prop: schema[keyword] for name in request_schema_names(spec)
-            for prop, schema in schemas[name].get("properties", {}).items() if keyword in schema}  # fmt: skip
-
-
 #: request fields (objects) and the most entries each may hold
-MAX_PROPERTIES: dict[str, int] = _stated("maxProperties")
+MAX_PROPERTIES: dict[str, int] = fields_stating("maxProperties")
 #: request fields (arrays) whose items must be distinct
-UNIQUE_ITEMS = frozenset(name for name, unique in _stated("uniqueItems").items() if unique)
+UNIQUE_ITEMS = frozenset(name for name, unique in fields_stating("uniqueItems").items() if unique)
 
 
 SPEC_MAX_ITEMS = spec_max("maxItems")
@@ -72,7 +64,7 @@ class Translator:
         engine: Engine,
         served_model_names: list[str],
         extension_schemas: dict[str, dict[str, Any]],
-        validate_hook: Callable[..., Any] | None = None,
+        validator: RequestValidator | None = None,
         max_prompts: int | None = None,
         max_seqs: int | None = None,
         tool_parser: Any = None,
@@ -91,7 +83,8 @@ class Translator:
         self._extensions = jsonschema.Draft202012Validator(
             {"type": "object", "properties": extension_schemas, "additionalProperties": False}
         )
-        self._validate_hook = validate_hook
+        #: every rule of the engine requests made here (the one validation point)
+        self.validator = validator or RequestValidator(self.info)
         #: the bounds the served spec states, enforced by the same table (gyrfalcon.openapi.limits)
         self.limits = ServedLimits(
             model_names=served_model_names, vocab_size=self.info.vocab_size, max_model_len=self.info.max_model_len,
@@ -163,7 +156,7 @@ class Translator:
 
     def _engine_requests(self, fields: RequestFields, response_id: str, prompts: list[list[int]], prompt_param: str,
                          sampling: SamplingParams, names: WireNames) -> list[EngineRequest]:  # fmt: skip
-        """One engine request per prompt, each with its own ``max_tokens``, checked by the plugins."""
+        """One engine request per prompt, each with its own ``max_tokens``, checked by the validator."""
         kind = OutputKind.DELTA if fields.get("stream", False) else OutputKind.FINAL_ONLY
         requests = [
             EngineRequest(
@@ -177,13 +170,15 @@ class Translator:
             )
             for i, prompt in enumerate(prompts)
         ]
-        if self._validate_hook is not None:
-            try:
-                for request in requests:
-                    self._validate_hook(endpoint=fields.endpoint.name, request=request, info=self.info)
-            except RequestError as exc:
-                exc.param = names(exc.param)
-                raise
+        try:
+            for request in requests:
+                if _answered_without_the_engine(fields, request.sampling):  # the plugins' checks only
+                    self.validator.check_hook(request, fields.endpoint.name)
+                else:
+                    self.validator.check(request, fields.endpoint.name)
+        except RequestError as exc:
+            exc.param = names(exc.param)
+            raise
         return requests
 
     def _check_work(self, f: RequestFields, requests: list[EngineRequest], prompt_param: str) -> None:
@@ -203,7 +198,6 @@ class Translator:
         sampling = requests[0].sampling
         stream_options = fields.get("stream_options") or {}
         echo = bool(fields.get("echo", False))
-        prompt_only = fields.endpoint.echoes_prompt_alone and echo and sampling.max_tokens == 0
         return ServingRequest(
             endpoint=fields.endpoint,
             model=model,
@@ -222,7 +216,7 @@ class Translator:
             logprobs=fields.get("logprobs"),
             user=fields.get("user"),
             recorded={name: fields.get(name) for name in RECORDED_FIELDS if fields.has(name)},
-            prompt_only=prompt_only and sampling.prompt_logprobs is None,
+            prompt_only=_answered_without_the_engine(fields, sampling),
             prompt_logprobs=fields.get("prompt_logprobs"),
             tools=tools,
         )
@@ -382,6 +376,13 @@ class Translator:
         if problem is not None:
             raise f.error("min_tokens", problem)
         return dataclasses.replace(sampling, max_tokens=max_tokens)
+
+
+def _answered_without_the_engine(f: RequestFields, sampling: SamplingParams) -> bool:
+    """A completion that echoes its prompt and generates nothing (``max_tokens: 0``, no prompt
+    logprobs): the prompt is the answer, and no engine request is submitted."""
+    return bool(f.endpoint.echoes_prompt_alone and f.get("echo", False) and sampling.max_tokens == 0
+                and sampling.prompt_logprobs is None)  # fmt: skip
 
 
 def wire_names(f: RequestFields) -> WireNames:

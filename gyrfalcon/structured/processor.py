@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.policies import BatchRows, LogitsProcessor, NewRow, put_rows, row_index, take_rows, to_device
 from gyrfalcon.structured.grammar import DigestCache, check, constraint_key
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 #: bytes of compiled grammars kept (a request with a known constraint skips compilation), each
 #: counted as :data:`MATCHER_BYTES_PER_GRAMMAR_BYTE` times its grammar's text
@@ -91,9 +92,10 @@ class StructuredOutputProcessor(LogitsProcessor):
 
     # ------------------------------------------------------------------ the policy
 
-    def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
-        """Check the constraint (a 400 when it is not valid) and compile it now, at submit: the step
-        loop, which every running request waits on, then finds it compiled (:meth:`add_row`)."""
+    def prepare(self, params: SamplingParams, extensions: dict[str, Any]) -> None:
+        """Compile the constraint now, at submit: the step loop, which every running request waits
+        on, then finds it compiled (:meth:`add_row`). Its syntax was checked before (the plugin's
+        ``gyrfalcon_validate_request``): a compile that fails here is still a 400."""
         if params.structured_outputs is not None:
             self.compiled(params.structured_outputs)
 
@@ -112,6 +114,7 @@ class StructuredOutputProcessor(LogitsProcessor):
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
         import llguidance
         import llguidance.torch as llgt
+        import torch
 
         matchers, broken, unfinished = [], [], []
         for place, i in enumerate(selected):
@@ -149,6 +152,8 @@ class StructuredOutputProcessor(LogitsProcessor):
 
     def _unpack(self, bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
         """``[k, W]`` int32 words → ``[k, vocab]`` booleans (tokens past the tokenizer's: False)."""
+        import torch
+
         if self._shifts is None or self._shifts.device != bitmask.device:
             self._shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
         bits = ((bitmask.unsqueeze(-1) >> self._shifts) & 1).bool().flatten(1)

@@ -89,10 +89,10 @@ def test_remote_results_equal_in_process(slow_engine, remote):
 
 
 def test_refusals_travel_back_as_typed_errors(remote):
-    too_long = EngineRequest("long", [1] * 1000, SamplingParams(max_tokens=4))
+    too_wide = EngineRequest("wide", [1] * 10, SamplingParams(n=4096, max_tokens=100))  # beyond the KV cache
     with pytest.raises(RequestError) as refused:
-        remote.submit(too_long)
-    assert refused.value.param == "prompt" and refused.value.type == Kind.INVALID
+        remote.submit(too_wide)
+    assert refused.value.param == "max_tokens" and refused.value.type == Kind.INVALID
     stream = remote.submit(_request(remote, "same", OutputKind.DELTA, max_tokens=200, ignore_eos=True))
     with pytest.raises(RequestError) as duplicate:
         remote.submit(_request(remote, "same", max_tokens=2))

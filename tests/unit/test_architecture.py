@@ -23,7 +23,8 @@ PACKAGE = Path(gyrfalcon.__file__).parent
 
 #: the rooms, lowest first: each may import only rooms before it (and the package's face)
 LAYERS = [
-    "errors", "logtext", "heap", "generated", "kernels", "engine_api", "openapi", "models", "policies", "engine", "structured",
+    "errors", "logtext", "heap", "generated", "kernels", "engine_api", "openapi", "models", "policies", "validation", "engine",
+    "structured",
     "client", "tools", "protocol", "hookspecs", "serving", "config", "plugins", "engine_process", "api",
     "compose", "ray", "gunicorn_conf", "engine_main", "cli",
     # tooling: beside the runtime, above it
@@ -31,7 +32,7 @@ LAYERS = [
 ]  # fmt: skip
 TOOLING = {"codegen", "reference", "contract", "check", "bench", "campaigns"}
 #: the engine's side knows token ids, never the wire
-ENGINE_SIDE = {"engine", "engine_api", "policies", "kernels"}
+ENGINE_SIDE = {"engine", "engine_api", "policies", "validation", "kernels"}
 WIRE = {"api", "protocol", "openapi", "serving"}
 #: the command line dispatches to the tooling's commands (lazily); no other runtime room may
 COMMANDS = {"cli"}

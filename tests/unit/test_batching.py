@@ -17,6 +17,8 @@ from gyrfalcon.engine.transformers_engine import TransformersEngine
 from gyrfalcon.plugins.engines import create_transformers_engine
 from gyrfalcon.engine_api.types import EngineRequest, OutputKind, SamplingParams
 from gyrfalcon.errors import RequestError
+from gyrfalcon.plugins import plugin_manager
+from gyrfalcon.validation import RequestValidator
 from tests.conftest import tiny_settings
 
 _ids = iter(range(10**9))
@@ -214,6 +216,6 @@ def test_priority_policy_runs_the_lowest_priority_value_first(stepped):
 
 
 def test_fcfs_engine_refuses_a_non_zero_priority(stepped):
-    engine = stepped()
+    validator = RequestValidator.of(plugin_manager(), stepped().info())
     with pytest.raises(RequestError, match="scheduling-policy priority"):
-        engine.submit(dataclasses.replace(request(PROMPTS[0], max_tokens=2), priority=1))
+        validator.check(dataclasses.replace(request(PROMPTS[0], max_tokens=2), priority=1))

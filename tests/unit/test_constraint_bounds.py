@@ -54,18 +54,19 @@ def test_a_digest_cache_stays_within_its_budget_and_skips_large_values():
 
 
 def test_a_constraint_is_compiled_at_submit_and_the_step_loop_only_copies_it(tiny_engine, monkeypatch):
-    """The structured-output processor compiles a constraint when the request is validated (at
-    submit, off the step loop that every running request waits on); a row joining the batch copies
-    the cached matcher; the compiled matchers are kept within a byte budget."""
-    from gyrfalcon.engine_api.types import SamplingParams
+    """The structured-output processor compiles a constraint when the engine takes the request
+    (its ``prepare``, at submit, off the step loop that every running request waits on); a row
+    joining the batch copies the cached matcher; the compiled matchers are kept within a byte budget."""
+    from gyrfalcon.engine_api.types import EngineRequest, OutputKind, SamplingParams
     from gyrfalcon.policies import NewRow
     from gyrfalcon.structured import processor as module
 
     (structured,) = [p for p in tiny_engine.core.processors if p.name == "structured_outputs"]
-    params = SamplingParams(structured_outputs={"regex": "[a-f]{3}-compiled-at-submit"})
+    params = SamplingParams(structured_outputs={"regex": "[a-f]{3}-compiled-at-submit"}, max_tokens=2)
     held = structured._compiled.bytes
-    structured.validate(params, {}, tiny_engine.info())
-    assert structured._compiled.bytes > held
+    with tiny_engine.submit(EngineRequest("compiled-at-submit", [1, 2], params, OutputKind.FINAL_ONLY)) as stream:
+        assert structured._compiled.bytes > held  # before any step could take the row
+        assert list(stream)[-1].finished
 
     def compile_again(constraint):
         raise AssertionError("the step loop compiled a constraint")

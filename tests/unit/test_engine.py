@@ -12,7 +12,9 @@ from gyrfalcon.plugins.engines import create_transformers_engine
 from gyrfalcon.engine_api.types import EngineRequest, OutputKind, SamplingParams
 from gyrfalcon.engine_api.errors import QueueFull, ShuttingDown
 from gyrfalcon.errors import Kind, RequestError
+from gyrfalcon.plugins import plugin_manager
 from gyrfalcon.policies import LogprobGatherer
+from gyrfalcon.validation import RequestValidator
 from tests.conftest import tiny_settings
 
 PROMPT = [1, 87, 85, 264, 201, 42, 302, 432, 381, 2, 201, 1, 280, 85, 509, 86, 201]
@@ -155,9 +157,10 @@ def test_length_at_max_tokens_and_at_context_end(tiny_engine):
         (PROMPT, {"stop_token_ids": [600]}, "stop_token_ids"),
     ],
 )
-def test_submit_rejections(tiny_engine, prompt, params, param):
+def test_the_validator_refuses_naming_the_param(tiny_engine, prompt, params, param):
+    validator = RequestValidator.of(plugin_manager(), tiny_engine.info())
     with pytest.raises(RequestError) as err:
-        tiny_engine.submit(request(prompt=prompt, **params))
+        validator.check(request(prompt=prompt, **params))
     assert (err.value.type, err.value.param) == (Kind.INVALID, param)
 
 
@@ -165,8 +168,19 @@ def test_unknown_extension_is_rejected(tiny_engine):
     req = request()
     req.extensions = {"mystery": 1}
     with pytest.raises(RequestError) as err:
-        tiny_engine.submit(req)
+        RequestValidator.of(plugin_manager(), tiny_engine.info()).check(req)
     assert (err.value.type, err.value.param) == (Kind.INVALID, "extensions.mystery")
+
+
+def test_submit_refuses_only_what_the_kv_cache_can_never_hold(tiny_engine):
+    """The engine trusts a validated request: a prompt past the context is the validator's to
+    refuse, while a request wider than the whole KV cache is refused by the engine alone."""
+    with pytest.raises(RequestError) as err:
+        tiny_engine.submit(request(prompt=PROMPT, n=4096, max_tokens=100))
+    assert err.value.param == "max_tokens" and "KV cache" in err.value.message
+    with pytest.raises(RequestError) as err:
+        RequestValidator.of(plugin_manager(), tiny_engine.info()).check(request(prompt=[5] * 128, max_tokens=1))
+    assert err.value.param == "prompt"
 
 
 def test_queue_full_is_503_with_retry_after(tiny_model_dir):

@@ -1,4 +1,4 @@
-"""Requests whose constraints leave no token to generate: refused at submit when that is certain,
+"""Requests whose constraints leave no token to generate: refused by the validator when that is certain,
 else ended in-band with a 400 by the sampler (never a made-up token 0 or a NaN draw); the other
 rows of the batch go on unchanged."""
 
@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.api.errors import http_status
+from gyrfalcon.errors import Kind, RequestError
+from gyrfalcon.plugins import plugin_manager
+from gyrfalcon.validation import RequestValidator
 from tests.unit.test_batching import PROMPTS, alone, finals, request, run, stepped  # noqa: F401 - fixture
 
 EOS = 2  # the tiny model's
@@ -22,9 +24,9 @@ B = 36  # "B" is one token; "BB" is [B, B]; " B" is two tokens (so bad_words ban
         dict(allowed_token_ids=[7], stop_token_ids=[7], ignore_eos=True, min_tokens=3),
     ],
 )
-def test_allowed_ids_all_banned_by_min_tokens_are_refused_at_submit(tiny_engine, params):
+def test_allowed_ids_all_banned_by_min_tokens_are_refused_before_submit(tiny_engine, params):
     with pytest.raises(RequestError) as err:
-        tiny_engine.submit(request(PROMPTS[0], max_tokens=4, temperature=0.0, **params))
+        RequestValidator.of(plugin_manager(), tiny_engine.info()).check(request(PROMPTS[0], max_tokens=4, temperature=0.0, **params))
     assert (err.value.type, err.value.param) == (Kind.INVALID, "allowed_token_ids")
     assert "min_tokens" in err.value.message
 

@@ -1,0 +1,125 @@
+"""The one validation point of an engine request: every rule it must satisfy, decided before submit.
+
+The translator runs :meth:`RequestValidator.check` on each engine request it makes (naming the
+fields as the client wrote them); callers that build engine requests themselves (benchmarks, tests)
+run the same check. An engine's ``submit`` trusts what it is given and checks only what only it
+knows: that its KV cache can ever hold the request, and its queue.
+
+The checks, in order: what the request asks against the engine's capabilities, the output kind, the
+prompt (not empty; ids inside the vocabulary), ``n``, the context (``engine_api/lengths.py``),
+``max_tokens``, ``min_tokens``, the stop strings, each policy's own parameters (its ``validate``),
+then the plugins' ``gyrfalcon_validate_request``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gyrfalcon.engine_api.lengths import context_message, context_overflow, min_tokens_problem
+from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind
+from gyrfalcon.engine_api.vocabulary import first_outside_vocabulary, outside_vocabulary
+from gyrfalcon.errors import RequestError
+from gyrfalcon.policies import LogitsProcessor, LogprobGatherer
+
+#: ``SamplingParams`` fields (and ``cache_salt``) an engine honours itself; processors and
+#: gatherers add theirs.
+NATIVE_CAPABILITIES = frozenset(
+    {
+        "cache_salt",
+        "n",
+        "max_tokens",
+        "min_tokens",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "detokenize",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+    }
+)
+
+
+def policies(pm: Any, info: EngineInfo) -> tuple[list[LogitsProcessor], list[LogprobGatherer]]:
+    """The logits processors and logprob gatherers the plugins of ``pm`` give an engine of ``info``
+    (the same hooks an engine builds its own from; their ``validate`` needs no torch)."""
+    processors = [p for result in pm.hook.gyrfalcon_logits_processors(info=info) for p in (result or [])]
+    gatherers = [g for result in pm.hook.gyrfalcon_logprob_gatherers(info=info) for g in (result or [])]
+    return processors, gatherers
+
+
+class RequestValidator:
+    """Every rule of an :class:`EngineRequest` for one engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        info: EngineInfo,
+        processors: Sequence[LogitsProcessor] = (),
+        gatherers: Sequence[LogprobGatherer] = (),
+        hook: Callable[..., Any] | None = None,
+    ) -> None:
+        self.info = info
+        self.policies = [*processors, *gatherers]
+        #: the plugins' ``gyrfalcon_validate_request`` (None: none run)
+        self.hook = hook
+
+    @classmethod
+    def of(cls, pm: Any, info: EngineInfo) -> RequestValidator:
+        """The validator of an engine of ``info`` served with the plugins of ``pm``."""
+        return cls(info, *policies(pm, info), hook=pm.hook.gyrfalcon_validate_request)
+
+    def check(self, request: EngineRequest, endpoint: str | None = None) -> None:
+        """Raise :class:`RequestError` (naming the engine request's field) for anything the engine
+        cannot serve; ``endpoint``: the name the plugins' hook is told (None: the hook does not run)."""
+        info = self.info
+        params = request.sampling
+        for name in sorted(params.asked_fields() - info.capabilities):
+            raise RequestError(f"'{name}' is not supported by this server", name)
+        if request.cache_salt is not None and "cache_salt" not in info.capabilities:
+            raise RequestError("'cache_salt' is not supported by this server", "cache_salt")
+        if request.priority != 0 and "priority" not in info.capabilities:
+            raise RequestError("a non-zero priority needs the priority scheduling policy (--scheduling-policy priority)", "priority")
+        for name in sorted(set(request.extensions) - info.capabilities):
+            raise RequestError(f"Extension '{name}' is not supported by this server's engine", f"extensions.{name}")
+        try:
+            OutputKind(request.output_kind)
+        except ValueError:
+            raise RequestError(f"unknown output kind {request.output_kind!r}", "output_kind") from None
+        self._check_lengths(request)
+        for policy in self.policies:
+            policy.validate(params, request.extensions, info)
+        self.check_hook(request, endpoint)
+
+    def check_hook(self, request: EngineRequest, endpoint: str | None) -> None:
+        """The plugins' ``gyrfalcon_validate_request`` alone (for a request the API side answers
+        without the engine, such as an echo that generates nothing)."""
+        if self.hook is not None and endpoint is not None:
+            self.hook(endpoint=endpoint, request=request, info=self.info)
+
+    def _check_lengths(self, request: EngineRequest) -> None:
+        info, params, prompt = self.info, request.sampling, request.prompt_token_ids
+        if not prompt:
+            raise RequestError("the prompt must contain at least one token", "prompt")
+        for name, ids in (("prompt", prompt), ("stop_token_ids", params.stop_token_ids)):
+            bad = first_outside_vocabulary(ids, info.vocab_size)
+            if bad is not None:
+                raise RequestError(outside_vocabulary(bad, name, info.vocab_size), name)
+        if not 1 <= params.n <= info.max_request_seqs:
+            raise RequestError(f"n must be between 1 and {info.max_request_seqs}", "n")
+        prompt_only = params.max_tokens == 0 and params.prompt_logprobs is not None  # logprob path: prefill only
+        # a request that must generate asks for at least one token, whatever max_tokens it gave
+        asked = params.max_tokens if prompt_only else max(params.max_tokens, 1)
+        overflow = context_overflow(len(prompt), asked, info.max_model_len)
+        if overflow == "prompt":
+            raise RequestError(context_message(overflow, len(prompt), asked, info.max_model_len), "prompt")
+        if params.max_tokens < 1 and not prompt_only:
+            raise RequestError("max_tokens must be at least 1 (0 only with prompt_logprobs)", "max_tokens")
+        if overflow is not None:
+            raise RequestError(context_message(overflow, len(prompt), params.max_tokens, info.max_model_len), "max_tokens")
+        problem = min_tokens_problem(params.min_tokens, params.max_tokens)
+        if problem is not None:
+            raise RequestError(problem, "min_tokens")
+        if any(not s for s in params.stop):
+            raise RequestError("stop strings must not be empty", "stop")
