@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -75,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=Settings.num_threads,
                    help="torch threads of the launched server and of the ceilings (default: the server's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-seed", type=int, default=None,
+                   help="the prompts' seed (default: a new one each run, printed in the header: a peer that "
+                        "outlives a run keeps its prompts cached, and the same prompts again would measure that cache)")  # fmt: skip
     p.add_argument("--json", default=None, help="also write the figures to this file")
     p.add_argument("--plot", default=None, metavar="FILE.svg", help="also draw output tok/s per level (and the peer's)")
 
@@ -266,7 +270,8 @@ def _header(args: argparse.Namespace, device: str, model_path: str, build_s: flo
     if build_s is not None:
         subject += f" (random weights, built in {build_s:.1f} s)"
     levels = ", ".join(f"{requests_at(args, c, device)} at c={c}" for c in args.concurrency)
-    return (f"{subject} on {device} ({where}), {dtype}; requests {levels}; {args.prompt_tokens}-token prompts, "
+    return (f"{subject} on {device} ({where}), {dtype}; requests {levels}; {args.prompt_tokens}-token prompts "
+            f"(seed {args.prompt_seed}), "
             f"{args.output_tokens} output tokens, temperature 0, ignore_eos; --quantization {args.quantization}. "
             f"ceiling: the eager loop on the same weights" + ("; baseline: the fp32 eager loop" if not device.startswith("cuda") else "")
             + (f"; peer: {args.peer_url} ({peer_facts(args)})" if args.peer_url else "") + (f"; decode path: {path}" if path else "")
@@ -353,7 +358,9 @@ def main(args: argparse.Namespace) -> int:
         path = decode_path(client)
         vocab = _vocab(model_path)
         counts = [requests_at(args, c, device) for c in args.concurrency]
-        warm, levels = fresh_prompts(counts, max(args.concurrency), args.prompt_tokens, vocab, args.seed)
+        if args.prompt_seed is None:
+            args.prompt_seed = secrets.randbelow(1 << 31)
+        warm, levels = fresh_prompts(counts, max(args.concurrency), args.prompt_tokens, vocab, args.prompt_seed)
         warm_up(Client(url, args.api_key, timeout=WARM_UP_TIMEOUT_S), name, warm, max(args.concurrency), server)
         loads = _served_loads(client, name, args, levels)
         peer_loads = run_peer(args, model_path, warm, levels) if args.peer_url else []
