@@ -9,7 +9,7 @@ logprobs plugin blocked, whose other gatherers this one re-offers unchanged).
 from __future__ import annotations
 
 from gyrfalcon.hookspecs import hookimpl
-from gyrfalcon.plugins.logprobs import PromptLogprobsGatherer, TokenIdsLogprobGatherer, TopLogprobsGatherer, top_k_gathered
+from gyrfalcon.policies.logprobs import PromptLogprobsGatherer, TokenIdsLogprobGatherer, TopLogprobsGatherer, top_k_gathered
 
 
 class ShiftedPromptLogprobs(PromptLogprobsGatherer):

@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=Settings.num_threads,
                    help="torch threads of the launched server and of the ceilings (default: the server's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-seed", type=int, default=None,
+    p.add_argument("--prompt-seed", type=int, default=secrets.randbelow(1 << 31),
                    help="the prompts' seed (default: a new one each run, printed in the header: a peer that "
                         "outlives a run keeps its prompts cached, and the same prompts again would measure that cache)")  # fmt: skip
     p.add_argument("--json", default=None, help="also write the figures to this file")
@@ -358,8 +358,6 @@ def main(args: argparse.Namespace) -> int:
         path = decode_path(client)
         vocab = _vocab(model_path)
         counts = [requests_at(args, c, device) for c in args.concurrency]
-        if args.prompt_seed is None:
-            args.prompt_seed = secrets.randbelow(1 << 31)
         warm, levels = fresh_prompts(counts, max(args.concurrency), args.prompt_tokens, vocab, args.prompt_seed)
         warm_up(Client(url, args.api_key, timeout=WARM_UP_TIMEOUT_S), name, warm, max(args.concurrency), server)
         loads = _served_loads(client, name, args, levels)

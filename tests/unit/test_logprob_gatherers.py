@@ -13,11 +13,11 @@ from gyrfalcon.engine.sample.prompt_logprobs import compute_prompt_logprobs
 from gyrfalcon.engine.sample.sampler import Sampler
 from gyrfalcon.engine_api.types import LOGPROB_FLOOR, EngineInfo, EngineRequest, SamplingParams
 from gyrfalcon.errors import Kind, RequestError
-from gyrfalcon.plugins.logprobs import (
+from gyrfalcon.policies.logprobs import (
     PromptLogprobsGatherer,
     TokenIdsLogprobGatherer,
     TopLogprobsGatherer,
-    gyrfalcon_logprob_gatherers,
+    gatherers as builtin_gatherers,
 )
 from gyrfalcon.policies import BatchRows
 
@@ -120,7 +120,7 @@ def test_whole_vocabulary_count_when_uncapped():
 def test_validation(params, param):
     info = INFO if param != "logprob_token_ids" or len(params.logprob_token_ids or []) < 129 else _big_vocab()
     with pytest.raises(RequestError) as err:
-        for gatherer in gyrfalcon_logprob_gatherers(info):
+        for gatherer in builtin_gatherers(info):
             gatherer.validate(params, {}, info)
     assert err.value.param == param and err.value.type == Kind.INVALID
 
@@ -135,7 +135,7 @@ def test_minus_one_is_the_whole_vocabulary_only_on_an_uncapped_server():
     import dataclasses
 
     uncapped = dataclasses.replace(INFO, max_logprobs=-1)
-    for gatherer in gyrfalcon_logprob_gatherers(uncapped):
+    for gatherer in builtin_gatherers(uncapped):
         gatherer.validate(SamplingParams(logprobs=-1, prompt_logprobs=-1), {}, uncapped)
         gatherer.validate(SamplingParams(logprobs=5, logprob_token_ids=list(range(V))), {}, uncapped)
 
@@ -165,7 +165,7 @@ def test_prompt_logprobs_zero_and_single_token_prompt():
 
 
 def test_sampler_splits_prompt_and_generated_gatherers_and_reports_once_per_step():
-    gs = gyrfalcon_logprob_gatherers(INFO)
+    gs = builtin_gatherers(INFO)
     sampler = Sampler([], gs, [2], torch.Generator().manual_seed(0))
     assert [g.name for g in sampler.gatherers] == ["top_logprobs", "logprob_token_ids"]
     assert [g.name for g in sampler.prompt_gatherers] == ["prompt_logprobs"]

@@ -222,11 +222,11 @@ def test_a_decode_step_makes_one_copy_to_the_device_and_one_back(stepped, monkey
     the logprobs come back in one."""
     import torch
 
-    from gyrfalcon import policies
+    from gyrfalcon.policies import base as policies
     from gyrfalcon.engine.model import staging
     from gyrfalcon.engine.model.captured import DecodeSteps
     from gyrfalcon.engine.sample import persistent_batch, sampler
-    from gyrfalcon.plugins import logprobs, penalties
+    from gyrfalcon.policies import logprobs, penalties
 
     engine = stepped()
     if path == "static":
@@ -263,7 +263,7 @@ def test_a_step_with_a_prefill_and_a_first_draw_of_n_choices_makes_one_copy_each
     requests alone."""
     import torch
 
-    from gyrfalcon import policies
+    from gyrfalcon.policies import base as policies
     from gyrfalcon.engine import batcher
     from gyrfalcon.engine.model import staging
 

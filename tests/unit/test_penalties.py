@@ -10,7 +10,7 @@ import torch
 from gyrfalcon.engine.sample import persistent_batch
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import Kind, RequestError
-from gyrfalcon.plugins import penalties as P
+from gyrfalcon.policies import penalties as P
 from gyrfalcon.policies import BatchRows
 
 V = 40

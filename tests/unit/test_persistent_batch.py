@@ -9,7 +9,7 @@ from gyrfalcon.engine.sample import noise
 from gyrfalcon.engine.sample.persistent_batch import PersistentBatch
 from gyrfalcon.engine.sample.sampler import Sampler
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
-from gyrfalcon.plugins import logprobs, penalties, sampling
+from gyrfalcon.policies import logprobs, penalties, sampling
 from gyrfalcon.policies import LogitsProcessor
 
 V = 32
@@ -156,10 +156,10 @@ def test_uniforms_are_spread_evenly():
 def test_a_step_with_every_policy_makes_one_host_transfer(monkeypatch):
     """Temperature, truncation, penalties, bias, allow-list, top-k and explicit-id logprobs: the
     sampled ids, the tops and the logprobs reach the host in one copy."""
-    processors = sampling.gyrfalcon_logits_processors(INFO) + [
-        p for p in penalties.gyrfalcon_logits_processors(INFO) if p.name != "bad_words"
+    processors = sampling.processors(INFO) + [
+        p for p in penalties.processors(INFO) if p.name != "bad_words"
     ]
-    sampler = Sampler(processors, logprobs.gyrfalcon_logprob_gatherers(INFO), [2], torch.Generator())
+    sampler = Sampler(processors, logprobs.gatherers(INFO), [2], torch.Generator())
     batch = PersistentBatch(sampler.processors, sampler.gatherers, V, "cpu")
     params = [
         SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, frequency_penalty=0.4, seed=3, logprobs=2),

@@ -11,12 +11,12 @@ from gyrfalcon.engine.sample import persistent_batch
 from gyrfalcon.engine.sample.sampler import Sampler
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import Kind, RequestError
-from gyrfalcon.plugins.sampling import (
+from gyrfalcon.policies.sampling import (
     MinPProcessor,
     TemperatureProcessor,
     TopKProcessor,
     TopPProcessor,
-    gyrfalcon_logits_processors,
+    processors as sampling_processors,
 )
 from gyrfalcon.policies import BatchRows, LogprobGatherer
 from gyrfalcon.api.errors import http_status
@@ -114,7 +114,7 @@ def test_min_p_matches_reference_per_row():
 
 def test_greedy_rows_are_not_touched_by_truncation():
     params = [SamplingParams(temperature=0.0, top_k=2, top_p=0.5, min_p=0.3)]
-    for processor in gyrfalcon_logits_processors(INFO):
+    for processor in sampling_processors(INFO):
         assert not processor.wants(params[0], {})
 
 
@@ -131,13 +131,13 @@ def test_greedy_rows_are_not_touched_by_truncation():
 )
 def test_processors_validate(params, param):
     with pytest.raises(RequestError) as err:
-        for processor in gyrfalcon_logits_processors(INFO):
+        for processor in sampling_processors(INFO):
             processor.validate(params, {}, INFO)
     assert err.value.param == param and err.value.type == Kind.INVALID
 
 
 def make_sampler(gatherers=(), seed=0) -> Sampler:
-    return Sampler(gyrfalcon_logits_processors(INFO), list(gatherers), [2], torch.Generator().manual_seed(seed))
+    return Sampler(sampling_processors(INFO), list(gatherers), [2], torch.Generator().manual_seed(seed))
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -261,9 +261,9 @@ def test_rows_with_no_token_left_get_an_error_not_a_token(temperature):
         SamplingParams(temperature=temperature, seed=3, allowed_token_ids=[2], min_tokens=2),
         SamplingParams(temperature=temperature, seed=4),
     ]
-    from gyrfalcon.plugins import penalties
+    from gyrfalcon.policies import penalties
 
-    processors = gyrfalcon_logits_processors(INFO) + penalties.gyrfalcon_logits_processors(INFO)
+    processors = sampling_processors(INFO) + penalties.processors(INFO)
     sampler = Sampler(processors, [], [2], seeded(0))
     out = sampler.sample(logits.clone(), rows_for(params, sampler, seeds=[1, 2, 3, 4]))
     assert sorted(out.errors) == [1, 2, 3]
