@@ -11,7 +11,8 @@ class Kind:
     """The kinds of error a request can end with (each its envelope's ``type``).
 
     A refusal of what the request asks is :attr:`INVALID` (the default, what a plugin validator
-    raises); any kind not listed here is taken for a failure of the server.
+    raises); a :class:`RequestError` of a kind not listed here is a refusal too (a 400: a plugin may
+    name its own kind), an engine's in-band error of such a kind a failure of the server (a 500).
     """
 
     #: the request cannot be served as asked; ``param`` names the field
@@ -32,6 +33,10 @@ class Kind:
     SHUTTING_DOWN = "server_shutting_down"
     #: the engine failed the request (a bug, NaN logits, a lost replica's stream ended early)
     ENGINE_FAILED = "engine_error"
+
+
+#: every kind :class:`Kind` names
+KINDS = frozenset(value for name, value in vars(Kind).items() if name.isupper())
 
 
 class RequestError(Exception):

@@ -36,7 +36,7 @@ _TYPES = {
 }
 
 
-#: the HTTP status of each kind of error (its ``type``); any other kind is a failure of the server
+#: the HTTP status of each kind of error (its ``type``); see :func:`http_status` for any other kind
 _STATUS_OF_KIND = {
     Kind.INVALID: 400,
     Kind.UNAUTHENTICATED: 401,
@@ -48,6 +48,7 @@ _STATUS_OF_KIND = {
     Kind.OVERLOADED: 503,
     Kind.NOT_READY: 503,
     Kind.SHUTTING_DOWN: 503,
+    Kind.ENGINE_FAILED: 500,
 }
 #: headers a kind's answer carries besides ``Retry-After``
 _HEADERS_OF_KIND = {
@@ -57,8 +58,10 @@ _HEADERS_OF_KIND = {
 
 
 def http_status(error: RequestError | EngineError | EngineUnavailable) -> int:
-    """The HTTP status of a refusal, an engine's in-band error or its refusal to take a request now."""
-    return _STATUS_OF_KIND.get(error.type, 500)
+    """The HTTP status of a refusal, an engine's in-band error or its refusal to take a request now.
+    A kind of its own is a refusal (400) when a :class:`RequestError` names it (a plugin's), and a
+    failure (500) when an engine's in-band error does."""
+    return _STATUS_OF_KIND.get(error.type, 400 if isinstance(error, RequestError) else 500)
 
 
 def error_body(status: int, message: str, type: str | None = None, param: str | None = None) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from gyrfalcon.engine_api.interface import EngineCore, OutputStream
 from gyrfalcon.engine_api.types import EngineError, RequestOutput
 from gyrfalcon.engine_process import BEAT_S, SILENCE_S
 from gyrfalcon.engine_process.wakeup import PollWakeup
+from gyrfalcon.errors import Kind
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +296,7 @@ class EngineServer:
         if stream is not None:
             stream.set_waker(None)
             self.core.abort(self._engine_id(worker.identity, local_id))
-        error = EngineError(message, type=ShuttingDown.type if unavailable else "server_error",
+        error = EngineError(message, type=ShuttingDown.type if unavailable else Kind.ENGINE_FAILED,
                             retry_after=1.0 if unavailable else None)  # fmt: skip
         batch += [[local_id, codec.encode_output(RequestOutput(local_id, [], finished=True, error=error))], [local_id, None]]
 

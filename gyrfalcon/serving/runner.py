@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from gyrfalcon.engine_api.interface import Engine, OutputStream
 from gyrfalcon.engine_api.types import EngineError, RequestOutput
-from gyrfalcon.errors import Kind, RequestError
+from gyrfalcon.errors import KINDS, Kind, RequestError
 from gyrfalcon.protocol.requests import ServingRequest
 from gyrfalcon.protocol.endpoints import CHAT, CHAT_BATCH, COMPLETIONS, GENERATE, RESPONSES, Endpoint
 from gyrfalcon.serving.formats import ChatFormatter, CompletionFormatter, Formatter, GenerateFormatter
@@ -121,8 +121,9 @@ class OutputReader:
         return output
 
     def _request_error(self, error: EngineError) -> RequestError:
-        return RequestError(error.message, self.serving.wire_param(error.param), type=error.type,
-                            retry_after=error.retry_after)  # fmt: skip
+        # an engine's failure of a kind of its own stays a failure (a RequestError of such a kind is a refusal)
+        kind = error.type if error.type in KINDS else Kind.ENGINE_FAILED
+        return RequestError(error.message, self.serving.wire_param(error.param), type=kind, retry_after=error.retry_after)
 
     async def started(self) -> None:
         """Wait for the first stream's first output (or its end), kept for :meth:`next`: an error
