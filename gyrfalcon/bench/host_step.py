@@ -37,7 +37,9 @@ def measure(model_dir: str, batch: int, steps: int, prompt_tokens: int = 4) -> f
     around the stub."""
     from gyrfalcon.config import Settings
     from gyrfalcon.engine_api.types import EngineRequest, OutputKind, SamplingParams
+    from gyrfalcon.plugins import plugin_manager
     from gyrfalcon.plugins.engines import create_transformers_engine
+    from gyrfalcon.validation import RequestValidator
 
     settings = Settings(model=model_dir, max_model_len=steps + prompt_tokens + 60, max_num_seqs=batch, max_queue_len=batch, dtype="float32",
                         device="cpu", seed=0, num_threads=1, enforce_eager=True)  # fmt: skip
@@ -48,8 +50,11 @@ def measure(model_dir: str, batch: int, steps: int, prompt_tokens: int = 4) -> f
         core.runner.run_model = _stub_model(core.runner.logits_width)
         params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
         prompt = [5 + t % 200 for t in range(prompt_tokens)]
-        streams = [engine.submit(EngineRequest(f"host-{batch}-{i}", [i % 5, *prompt[1:]], params, OutputKind.DELTA))
-                   for i in range(batch)]  # fmt: skip
+        requests = [EngineRequest(f"host-{batch}-{i}", [i % 5, *prompt[1:]], params, OutputKind.DELTA) for i in range(batch)]
+        validator = RequestValidator.of(plugin_manager(), engine.info())
+        for request in requests:  # what the API side runs before every submit
+            validator.check(request)
+        streams = [engine.submit(request) for request in requests]
         while core.batcher.running_sequences < batch or core.batcher.prefilling_requests():
             core.batcher.step()
         times = []

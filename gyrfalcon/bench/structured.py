@@ -25,12 +25,14 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {
           "age": {"type": "integer", "minimum": 0}}, "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
 
 
-def _step_ms(engine, batch: int, tokens: int, constraint) -> float:
+def _step_ms(engine, validator, batch: int, tokens: int, constraint) -> float:
     """Milliseconds per decode step of ``batch`` rows generating ``tokens`` each (after the prefill)."""
     prompt = engine.tokenize("Write a few words about the sea:")
     params = SamplingParams(n=batch, max_tokens=tokens, temperature=1.0, seed=1, ignore_eos=True,
                             structured_outputs=constraint)  # fmt: skip
-    stream = engine.submit(EngineRequest(f"bench-{time.monotonic_ns()}", prompt, params, OutputKind.DELTA))
+    request = EngineRequest(f"bench-{time.monotonic_ns()}", prompt, params, OutputKind.DELTA)
+    validator.check(request)  # what the API side runs before every submit
+    stream = engine.submit(request)
     first = None
     for output in stream:
         if first is None:
@@ -48,18 +50,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-threads", type=int, default=Settings.num_threads)
     args = p.parse_args(argv)
 
+    from gyrfalcon.plugins import plugin_manager
     from gyrfalcon.plugins.engines import create_transformers_engine
     from gyrfalcon.structured.processor import StructuredOutputProcessor
+    from gyrfalcon.validation import RequestValidator
 
     settings = Settings(model=args.model, max_num_seqs=args.batch, num_threads=args.num_threads, device="cpu", dtype="float32")
     engine = create_transformers_engine(settings)
     assert engine.wait_ready(600).ready, engine.health().message
+    validator = RequestValidator.of(plugin_manager(), engine.info())
     try:
-        _step_ms(engine, args.batch, 4, None)  # warm-up
+        _step_ms(engine, validator, args.batch, 4, None)  # warm-up
         plain, masked = [], []
         for _ in range(args.rounds):
-            plain.append(_step_ms(engine, args.batch, args.tokens, None))
-            masked.append(_step_ms(engine, args.batch, args.tokens, ENDLESS))
+            plain.append(_step_ms(engine, validator, args.batch, args.tokens, None))
+            masked.append(_step_ms(engine, validator, args.batch, args.tokens, ENDLESS))
         processor = StructuredOutputProcessor(engine.info())
         processor.compiled({"json": {"type": "object"}})  # the tokenizer view, built once per engine
         started = time.perf_counter()
