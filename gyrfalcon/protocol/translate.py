@@ -356,7 +356,9 @@ class Translator:
         return params
 
     def _with_max_tokens(self, f: RequestFields, sampling: SamplingParams, prompt_len: int, prompt_param: str) -> SamplingParams:
-        """Resolve ``max_tokens`` for one prompt and check that prompt + max_tokens fit the context."""
+        """Resolve ``max_tokens`` for one prompt and check that prompt + max_tokens fit the context
+        (naming the wire's token field) and that ``min_tokens`` fits it: here for every request, the
+        echoes answered without the engine included, which the validator's length checks skip."""
         context = self.info.max_model_len
         if f.has("max_completion_tokens"):
             name, max_tokens = "max_completion_tokens", f.get("max_completion_tokens")
