@@ -214,7 +214,7 @@ class RemoteEngineCore(EngineCore):
         try:
             while not self._stop.is_set():
                 try:
-                    events = dict(poller.poll(BEAT_S * 1000))
+                    events = dict(poller.poll(max(next_ping - time.monotonic(), 0.0) * 1000))  # wake on time for the beat
                     if self._wake.fd in events:
                         self._wake.take()
                     self._send_outbox()
@@ -226,6 +226,7 @@ class RemoteEngineCore(EngineCore):
                     if now >= next_ping:
                         next_ping = now + BEAT_S
                         self._outbox.append([b"ping", b""])
+                        self._send_outbox()  # now, not after the next poll: that may wait a whole beat
                         self._receive()  # what waits in the socket counts before the engine is called silent
                         silent = time.monotonic() - self._last_heard
                         if self._gone is None and silent > self.silence_s:

@@ -105,7 +105,7 @@ class EngineServer:
         try:
             while not self._stop.is_set():
                 try:
-                    events = dict(poller.poll(BEAT_S * 1000))
+                    events = dict(poller.poll(max(next_beat - time.monotonic(), 0.0) * 1000))  # wake on time for the beat
                     if self._socket in events:
                         self._receive()
                     if self._ready.fd in events:
