@@ -90,9 +90,10 @@ class Settings:
     #: docs/kernels.md: on the default model int8 inputs moved log-probabilities by 0.03 to 0.09 nats
     #: (the same kernels, last bits apart, land anywhere in that range), fp32 inputs by 0.0000
     matmul_inputs: str = option("auto", "CPU, int4 layers: float32 (our kernel: the fp32 weights' products exactly), "
-                                "int8 (ours, inputs rounded per block of 32 as llama.cpp: less arithmetic, further from "
-                                "the fp32 model), bfloat16 (torch's kernel); auto: the fastest of those within the "
-                                "quality bar on this CPU", choices=("auto", "float32", "int8", "bfloat16"), checked=True)  # fmt: skip
+                                "int16 (ours, inputs rounded to 15 bits per block of 32, in integers), int8 (ours, "
+                                "inputs rounded per block of 32 as llama.cpp: the least arithmetic, furthest from the "
+                                "fp32 model), bfloat16 (torch's kernel); auto: the fastest of those within the quality "
+                                "bar on this CPU", choices=("auto", "float32", "int16", "int8", "bfloat16"), checked=True)  # fmt: skip
     device: str = option("auto", "auto (cuda where there is one, else cpu), cpu, cuda, cuda:N")
     #: vLLM's --kv-cache-dtype
     kv_cache_dtype: str = option("auto", "the KV cache's dtype: auto (the model's), float32, bfloat16 (twice the tokens "

@@ -5,7 +5,7 @@ For the default model (or ``--model DIR``): over a fixed English paragraph (the 
 ``|Δ log p|`` over the full vocabulary at every position and the top-1 agreement against the fp32
 model without quantisation; then greedy answers (24 tokens) to ten fixed chat prompts, counted
 identical to fp32's. Each row is a load as the server does it (:func:`load_weights`, the second
-with the int4 layers' inputs rounded to int8: ``--matmul-inputs int8``); the last two
+with each of the int4 layers' input formats: ``--matmul-inputs``); the last two
 read the paragraph through the engine's paged runner with an fp32 and a bf16 KV cache
 (``--kv-cache-dtype``; their greedy answers are the plain model's). Targets of
 the issue "Weights kept in their bits": ≤ 0.05 nats, ≥ 98 % top-1, ≥ 8 of 10 answers; an fp32
@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ref_lp, ref_answers = _logprobs(reference, ids), _answers(reference, tokenizer)
     del reference
     rows = [("auto (the server's default)", "auto", "auto", True, None, None),
+            ("auto, --matmul-inputs float32", "auto", "auto", True, None, torch.float32),
+            ("auto, --matmul-inputs int16", "auto", "auto", True, None, torch.int16),
             ("auto, --matmul-inputs int8", "auto", "auto", True, None, torch.int8),
             ("int8", "auto", "int8", True, None, None),
             ("int4 quantised at load (the GGUF's bits unused)", "auto", "int4", False, None, None),

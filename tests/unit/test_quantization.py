@@ -10,7 +10,7 @@ from gyrfalcon.kernels.quant.apply import quantize_model, resolve_quantization
 from gyrfalcon.kernels.quant.layers import (CastLinear, Int4Linear, Int8Linear, PackedLinear, TiedEmbedding,
                                                  UnsupportedQuantization,
                                                  fuse_outputs)
-from gyrfalcon.kernels.quant.q4 import Q4Linear, int8_rounded, q4_kernel
+from gyrfalcon.kernels.quant.q4 import ROUNDED, Q4Linear, q4_inputs, q4_kernel
 from gyrfalcon.kernels.quant.q8 import Q8Embedding
 from gyrfalcon.kernels.quant.weights import Int4Weights, Int8Weights, relative_error
 
@@ -105,10 +105,11 @@ def test_the_q8_0_head_gives_each_row_the_same_bits_at_any_row_count(tmp_path):
     torch.library.opcheck(_q8_linear, (x[:3], head.q8, head.scale, head.out_features))
 
 
-@pytest.mark.parametrize("inputs", [torch.int8, torch.float32])
+@pytest.mark.parametrize("inputs", [torch.int8, torch.int16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 200])
 def test_the_int4_kernels_give_each_row_the_same_bits_alone_and_the_product_of_their_inputs(rows, inputs):
-    """``q4q8_linear.c`` (inputs rounded to int8 per block of 32) and ``q4_linear.c`` (fp32 inputs):
+    """``q4q8_linear.c`` (inputs rounded to int8 per block of 32, or to 15 bits in two int8 parts) and
+    ``q4_linear.c`` (fp32 inputs):
     the GGUF layout's weights dequantised exactly (fp16 scales and minimums), each row the same
     bits alone and among any number of others (their register tiles, the fp32 kernel's buffered
     path from 6 rows on, chunks of 64 and 128 rows), and the product of the exact weights with the
@@ -118,7 +119,7 @@ def test_the_int4_kernels_give_each_row_the_same_bits_alone_and_the_product_of_t
     layer = Q4Linear(weights, bias, None, inputs)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
     y = layer(x)
-    read = int8_rounded(x) if inputs == torch.int8 else x
+    read = ROUNDED[inputs](x) if inputs in ROUNDED else x
     want = read.double() @ weights.dequantize().double().t() + bias.double()
     assert y.dtype == torch.float32 and float((y.double() - want).abs().max()) < 2e-5 * float(want.abs().max())
     for i in {0, rows // 2, rows - 1}:
@@ -259,9 +260,9 @@ def test_settings_refuse_an_unknown_quantization():
         Settings(quantization="gptq").validate()
 
 
-@pytest.mark.parametrize("inputs", ["auto", "int8"])
+@pytest.mark.parametrize("inputs", ["auto", "int8", "int16"])
 def test_an_int4_engine_gives_a_request_the_same_tokens_alone_and_in_a_batch(tiny_model_dir, inputs):
-    """At the default fp32 inputs and with ``--matmul-inputs int8`` (each row rounded on its own)."""
+    """At the default inputs and with ``--matmul-inputs int8`` or ``int16`` (each row rounded on its own)."""
     from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
     from gyrfalcon.plugins.engines import create_transformers_engine
     from tests.conftest import tiny_settings
@@ -271,7 +272,7 @@ def test_an_int4_engine_gives_a_request_the_same_tokens_alone_and_in_a_batch(tin
         assert engine.wait_ready(timeout=60).ready
         assert engine.info().quantization == "int4"
         layers = {m.inputs for m in engine.core.runner.model.modules() if isinstance(m, Q4Linear)}
-        assert layers == {torch.float32 if inputs == "auto" else torch.int8}
+        assert layers == {q4_inputs() if inputs == "auto" else getattr(torch, inputs)}
         prompts = [[1] + list(range(10 + i, 10 + 3 * i + 2)) for i in range(12)]
         params = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
         streams = [engine.submit(EngineRequest(f"b{i}", p, params)) for i, p in enumerate(prompts)]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from gyrfalcon.kernels import native
-from gyrfalcon.kernels.quant.q4 import KERNELS, Q4Linear
+from gyrfalcon.kernels.quant.q4 import INPUT_CODES, KERNELS, Q4Linear
 
 def unsupported(decoder, cache, rows_in_place: bool) -> str | None:
     """Why :class:`LayerLoop` cannot run ``decoder``'s layers over ``cache`` (None: it can)."""
@@ -60,7 +60,8 @@ class LayerLoop:
         self.intermediate = first.mlp.down_proj.in_features
         self.eps = float(decoder.norm.variance_epsilon)
         self.scale = float(first.attn.scaling if first.attn.scaling is not None else self.dim**-0.5)
-        self.int8 = int(first.qkv.inputs == torch.int8)
+        self.inputs = first.qkv.inputs
+        self.inputs_code = INPUT_CODES[self.inputs]
         self._table: tuple[object, torch.Tensor] | None = None
 
     def _layers(self, cache) -> torch.Tensor:
@@ -95,7 +96,7 @@ class LayerLoop:
                 table.data_ptr(), table.shape[0], x.data_ptr(), rows, x.shape[1], self.heads, self.kv_heads, self.dim,
                 self.intermediate, positions.data_ptr(), slots.data_ptr(), blocks.data_ptr(), blocks.shape[1],
                 cache.block_size, self.decoder.rotary.cos.data_ptr(), self.decoder.rotary.sin.data_ptr(), self.eps,
-                self.scale, int(cache.keys[0].dtype == torch.bfloat16), self.int8, torch.get_num_threads())
+                self.scale, int(cache.keys[0].dtype == torch.bfloat16), self.inputs_code, torch.get_num_threads())
             if status:
                 raise MemoryError(f"decode_layers failed ({status}: -1 a buffer, -2 or -3 a shape a kernel does "
                                   "not take)")
@@ -103,5 +104,5 @@ class LayerLoop:
 
     def describe(self) -> str:
         """For the start-up line."""
-        kernel = KERNELS[torch.int8 if self.int8 else torch.float32]
+        kernel = KERNELS[self.inputs]
         return f"decode_layers.c: a decode step's {len(self.decoder.layers)} layers in one call ({kernel}.c)"

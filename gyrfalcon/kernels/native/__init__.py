@@ -4,7 +4,8 @@ and called through ctypes (which drops the GIL for the call); they need no torch
 - ``q8_linear.c``: the fp32 product with a GGUF's ``Q8_0`` table (the output head,
   :mod:`~gyrfalcon.kernels.quant.q8`);
 - ``q4q8_linear.c`` and ``q4_linear.c``: the product of int4 weights in groups of 32, a GGUF's
-  ``Q4_1`` blocks, with inputs rounded to int8 or kept in fp32 (the decoder's linear layers,
+  ``Q4_1`` blocks, with inputs rounded to int8 or to 15 bits (two int8 parts) per block of 32, or
+  kept in fp32 (the decoder's linear layers,
   :mod:`~gyrfalcon.kernels.quant.q4`);
 - ``mean_square.c``: an RMSNorm's mean of squares (:mod:`~gyrfalcon.engine.model.decoder`);
 - ``one_query_attention.c``: a decode row's attention over its KV blocks, read in place
@@ -54,6 +55,7 @@ _SIGNATURES = {
     "q8_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
     "q4_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
     "q4q8_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
+    "q4q16_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
     "mean_square": ([_POINTER] * 2 + [_LONG] * 2 + [_INT], _INT),
     "one_query_attention": ([_POINTER] * 6 + [_LONG] * 7 + [ctypes.c_float, _INT, _INT], _INT),
     "decode_layers": ([_POINTER, _LONG, _POINTER] + [_LONG] * 6 + [_POINTER] * 3 + [_LONG] * 2 + [_POINTER] * 2

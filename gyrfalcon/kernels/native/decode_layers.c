@@ -29,6 +29,8 @@ int q4_linear(const float *x, const uint8_t *nibbles, const uint16_t *sc, float 
               int threads);
 int q4q8_linear(const float *x, const uint8_t *nibbles, const uint16_t *sc, float *out, long M, long N, long K,
                 int threads);
+int q4q16_linear(const float *x, const uint8_t *nibbles, const uint16_t *sc, float *out, long M, long N, long K,
+                 int threads);
 int mean_square(const float *x, float *out, long rows, long width, int threads);
 int one_query_attention(const float *q, const void *keys, const void *values, const int64_t *blocks,
                         const int64_t *positions, float *out, long rows, long heads, long kv_heads, long dim,
@@ -156,13 +158,15 @@ static void rotate(float *x, long heads, long dim, const float *cos, const float
     }
 }
 
-static int linear(int int8, const float *x, const int64_t *layer, int field, float *out, long M, long N, long K,
+/* the product through the kernel of the input format `inputs`: 0 fp32, 1 int8, 2 two int8 parts */
+static int linear(int inputs, const float *x, const int64_t *layer, int field, float *out, long M, long N, long K,
                   int threads) {
     const uint8_t *nibbles = (const uint8_t *)(intptr_t)layer[field];
     const uint16_t *scales = (const uint16_t *)(intptr_t)layer[field + 1];
     const float *bias = (const float *)(intptr_t)layer[field + 2];
-    int status = int8 ? q4q8_linear(x, nibbles, scales, out, M, N, K, threads)
-                      : q4_linear(x, nibbles, scales, out, M, N, K, threads);
+    int status = inputs == 2   ? q4q16_linear(x, nibbles, scales, out, M, N, K, threads)
+                 : inputs == 1 ? q4q8_linear(x, nibbles, scales, out, M, N, K, threads)
+                               : q4_linear(x, nibbles, scales, out, M, N, K, threads);
     if (status || bias == NULL) return status;
     for (long m = 0; m < M; m++)
         for (long n = 0; n < N; n++) out[m * N + n] += bias[n];
@@ -176,7 +180,7 @@ static int linear(int int8, const float *x, const int64_t *layer, int field, flo
 int decode_layers(const int64_t *layers, long count, float *x, long rows, long hidden, long heads, long kv_heads,
                   long dim, long intermediate, const int64_t *positions, const int64_t *slots, const int64_t *blocks,
                   long table_width, long block_size, const float *cos, const float *sin, float eps, float scale,
-                  int bf16, int int8, int threads) {
+                  int bf16, int inputs, int threads) {
     long q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
     if (dim > 512 || dim % 2) return -3;
     size_t floats = (size_t)rows * (hidden * 3 + qkv_width + q_width * 2 + intermediate * 3 + 1);
@@ -190,7 +194,7 @@ int decode_layers(const int64_t *layers, long count, float *x, long rows, long h
         const int64_t *layer = layers + l * FIELDS;
         char *keys = (char *)(intptr_t)layer[KEYS], *values = (char *)(intptr_t)layer[VALUES];
         status = rms_norm(x, (const float *)(intptr_t)layer[INPUT_NORM], normed, squares, rows, hidden, eps, threads);
-        if (status == 0) status = linear(int8, normed, layer, QKV_NIBBLES, qkv, rows, qkv_width, hidden, threads);
+        if (status == 0) status = linear(inputs, normed, layer, QKV_NIBBLES, qkv, rows, qkv_width, hidden, threads);
         if (status) break;
         for (long b = 0; b < rows; b++) {
             float *row = qkv + b * qkv_width, *k = row + q_width, *v = k + kv_width;
@@ -211,17 +215,17 @@ int decode_layers(const int64_t *layers, long count, float *x, long rows, long h
         }
         status = one_query_attention(q, keys, values, blocks, positions, attended, rows, heads, kv_heads, dim,
                                      table_width, block_size, layer[WINDOW], scale, bf16, threads);
-        if (status == 0) status = linear(int8, attended, layer, O_NIBBLES, projected, rows, hidden, q_width, threads);
+        if (status == 0) status = linear(inputs, attended, layer, O_NIBBLES, projected, rows, hidden, q_width, threads);
         if (status) break;
         for (long i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];
         status = rms_norm(x, (const float *)(intptr_t)layer[POST_NORM], normed, squares, rows, hidden, eps, threads);
         if (status == 0)
-            status = linear(int8, normed, layer, GATE_UP_NIBBLES, gate_up, rows, 2 * intermediate, hidden, threads);
+            status = linear(inputs, normed, layer, GATE_UP_NIBBLES, gate_up, rows, 2 * intermediate, hidden, threads);
         if (status) break;
         for (long b = 0; b < rows; b++)
             silu_mul(gate_up + b * 2 * intermediate, gate_up + b * 2 * intermediate + intermediate,
                      act + b * intermediate, intermediate);
-        status = linear(int8, act, layer, DOWN_NIBBLES, projected, rows, hidden, intermediate, threads);
+        status = linear(inputs, act, layer, DOWN_NIBBLES, projected, rows, hidden, intermediate, threads);
         if (status == 0)
             for (long i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];
     }

@@ -1,6 +1,10 @@
 /* y = x · Wᵀ for a weight kept in a GGUF's Q4_1 blocks (W[n, k] = d[n, b] · q[n, k] + m[n, b], b = k / 32,
- * q in 0..15, d and m fp16) and fp32 inputs rounded to int8 per block of 32, as llama.cpp's Q8_1:
- * x[k] ≈ e[b] · s[k], e[b] = max |x| over the block / 127, s[k] = round(x[k] / e[b]) in -127..127.
+ * q in 0..15, d and m fp16) and fp32 inputs rounded to integers per block of 32, in one of two grids:
+ * - q4q8_linear, int8 as llama.cpp's Q8_1: x[k] ≈ e[b] · s[k], e[b] = max |x| over the block / 127,
+ *   s[k] = round(x[k] / e[b]) in -127..127;
+ * - q4q16_linear, 15 bits held in two int8 parts: with u = x[k] · 127 / max |x|, hi = round(u) and
+ *   lo = round((u - hi) · 254), both in -127..127, x[k] ≈ e[b] · s[k], s[k] = 254 · hi + lo,
+ *   e[b] = max |x| / (127 · 254): a grid 254 times finer, each part multiplied as the int8 one is.
  *
  * Built at first use with the other kernels of this folder (gyrfalcon/kernels/native) by the
  * machine's C compiler and loaded through ctypes. Called by gyrfalcon/kernels/quant/q4.py, which
@@ -9,10 +13,12 @@
  * Why: multiplying 4-bit weights by fp32 inputs costs about 22 instructions per 32 weights on AVX2
  * (each weight converted to a float), so one decode row was bound by arithmetic, not by memory. Here
  * 32 weights times a row take about 5 (vpmaddubsw + vpmaddwd, or one vpdpbusd with AVX-512 VNNI),
- * in integers, exactly.
+ * in integers, exactly; twice that with two parts, whose rounding moves the default model's
+ * log-probabilities 254 times less than int8's (docs/kernels.md).
  *
  * What each output is, for row i and column n: per block b, the exact integer sum
- * t = Σ_{k in b} q[n, k] · s[i, k] (int32), then y = fma((float)t, d[n, b] · e[i, b], y) and
+ * t = Σ_{k in b} q[n, k] · s[i, k] (int32; with two parts 254 · Σ q · hi + Σ q · lo, at most
+ * 32 · 15 · 32,385 < 2^24 in magnitude, so exact as a float too), then y = fma((float)t, d[n, b] · e[i, b], y) and
  * y = fma(m[n, b], f[i, b], y), with f[i, b] = e[i, b] · Σ_{k in b} s[i, k], blocks ascending from
  * y = 0. The same operations in the same order whatever the rows beside it, the tile, the thread
  * count or the instruction set (the integer sums are exact on every path): a row gets the same bits
@@ -37,22 +43,32 @@
 #define ROWS 4    /* rows a register tile */
 #define CHUNK 64  /* rows a pass over the panels takes (their int8 rows stay in the core's L2) */
 
-/* one row's inputs as int8 blocks: s[K], e[K / 32], f[K / 32] */
-static void quantize_row(const float *x, long K, int8_t *s, float *e, float *f) {
+/* one row's inputs in int8 blocks: s[K] (with two parts, lo[K] too: s holds the high part), e[K / 32]
+ * and f[K / 32] = e · Σ s over the block (254 · hi + lo with two parts) */
+static void quantize_row(const float *x, long K, int8_t *s, int8_t *lo, float *e, float *f) {
     for (long b = 0; b < K / BLOCK; b++) {
         const float *xb = x + b * BLOCK;
         float amax = 0.0f;
         for (int k = 0; k < BLOCK; k++) amax = fmaxf(amax, fabsf(xb[k]));
-        float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
         int total = 0;
         for (int k = 0; k < BLOCK; k++) {
-            int v = (int)nearbyintf(xb[k] * inverse);
+            float u = xb[k] * inverse;
+            __asm__("" : "+x"(u)); /* rounded as a product: -ffp-contract=fast would fuse it into u - v below */
+            int v = (int)nearbyintf(u);
             v = v > 127 ? 127 : v < -127 ? -127 : v;
             s[b * BLOCK + k] = (int8_t)v;
-            total += v;
+            if (lo == NULL) {
+                total += v;
+                continue;
+            }
+            int w = (int)nearbyintf((u - (float)v) * 254.0f);
+            w = w > 127 ? 127 : w < -127 ? -127 : w;
+            lo[b * BLOCK + k] = (int8_t)w;
+            total += 254 * v + w;
         }
-        e[b] = scale;
-        f[b] = scale * (float)total;
+        e[b] = lo == NULL ? amax / 127.0f : amax / (127.0f * 254.0f);
+        f[b] = e[b] * (float)total;
     }
 }
 
@@ -64,6 +80,10 @@ typedef __m256i sums;
 #define SUMS_ZERO _mm256_setzero_si256()
 static inline sums dot4(sums acc, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(acc, w, x); }
 static inline __m256i sums_int32(sums acc) { return acc; }
+/* 254 · hi + lo, in int32 lanes */
+static inline __m256i sums_joined(sums hi, sums lo) {
+    return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(hi, 8), _mm256_slli_epi32(hi, 1)), lo);
+}
 #else
 /* a block's sums in int16 lanes, each pair of weights times inputs by vpmaddubsw: a lane adds eight
  * pairs, at most 8 · 2 · 15 · 127 = 30,480 in magnitude (no saturation, no overflow), then
@@ -72,12 +92,16 @@ typedef __m256i sums;
 #define SUMS_ZERO _mm256_setzero_si256()
 static inline sums dot4(sums acc, __m256i w, __m256i x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
 static inline __m256i sums_int32(sums acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+/* 254 · hi + lo, in int32 lanes */
+static inline __m256i sums_joined(sums hi, sums lo) {
+    return _mm256_add_epi32(_mm256_madd_epi16(hi, _mm256_set1_epi16(254)), sums_int32(lo));
+}
 #endif
 
-/* r rows (s, e, f: their int8 blocks) against one panel, into out (row stride N) */
-static inline __attribute__((always_inline)) void tile(const int8_t *s, const float *e, const float *f,
-                                                        const uint8_t *nib, const uint16_t *sc, float *out, long N,
-                                                        long K, const int r) {
+/* r rows (s, lo, e, f: their int8 blocks, lo NULL with one part) against one panel, into out (row stride N) */
+static inline __attribute__((always_inline)) void tile(const int8_t *s, const int8_t *lo, const float *e,
+                                                        const float *f, const uint8_t *nib, const uint16_t *sc,
+                                                        float *out, long N, long K, const int r, const int parts) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     /* the outputs accumulate in out itself, a block at a time: in registers beside the block's
      * sums and weights they spilled (AVX2 has 16) */
@@ -86,8 +110,8 @@ static inline __attribute__((always_inline)) void tile(const int8_t *s, const fl
         _mm256_storeu_ps(out + i * N + 8, _mm256_setzero_ps());
     }
     for (long b = 0; b < K / BLOCK; b++) {
-        sums acc[ROWS][2];
-        for (int i = 0; i < r; i++) acc[i][0] = acc[i][1] = SUMS_ZERO;
+        sums acc[ROWS][2], acl[ROWS][2]; /* the sums of the high (or only) part, of the low part */
+        for (int i = 0; i < r; i++) acc[i][0] = acc[i][1] = acl[i][0] = acl[i][1] = SUMS_ZERO;
 #pragma GCC unroll 1 /* unrolled, gcc summed all of a block's products as a tree, spilling them */
         for (int g = 0; g < BLOCK / 8; g++) {
             const uint8_t *w = nib + (b * (BLOCK / 8) + g) * 64;
@@ -102,6 +126,13 @@ static inline __attribute__((always_inline)) void tile(const int8_t *s, const fl
                 __m256i xa = _mm256_set1_epi32(first), xb = _mm256_set1_epi32(second);
                 acc[i][0] = dot4(dot4(acc[i][0], a0, xa), b0, xb);
                 acc[i][1] = dot4(dot4(acc[i][1], a1, xa), b1, xb);
+                if (parts == 2) {
+                    memcpy(&first, lo + i * K + k0, 4);
+                    memcpy(&second, lo + i * K + k0 + 4, 4);
+                    xa = _mm256_set1_epi32(first), xb = _mm256_set1_epi32(second);
+                    acl[i][0] = dot4(dot4(acl[i][0], a0, xa), b0, xb);
+                    acl[i][1] = dot4(dot4(acl[i][1], a1, xa), b1, xb);
+                }
             }
         }
         const uint16_t *sb = sc + b * 2 * PANEL;
@@ -113,7 +144,8 @@ static inline __attribute__((always_inline)) void tile(const int8_t *s, const fl
             __m256 ei = _mm256_set1_ps(e[i * (K / BLOCK) + b]), fi = _mm256_set1_ps(f[i * (K / BLOCK) + b]);
             for (int v = 0; v < 2; v++) {
                 __m256 y = _mm256_loadu_ps(out + i * N + 8 * v);
-                y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums_int32(acc[i][v])), _mm256_mul_ps(d[v], ei), y);
+                __m256i t = parts == 2 ? sums_joined(acc[i][v], acl[i][v]) : sums_int32(acc[i][v]);
+                y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d[v], ei), y);
                 _mm256_storeu_ps(out + i * N + 8 * v, _mm256_fmadd_ps(m[v], fi, y));
             }
         }
@@ -121,27 +153,40 @@ static inline __attribute__((always_inline)) void tile(const int8_t *s, const fl
 }
 
 /* rows [0, M) of the quantised inputs against one panel */
-static void panel_rows(const int8_t *s, const float *e, const float *f, const uint8_t *nib, const uint16_t *sc,
-                       float *out, long M, long N, long K) {
+static void panel_rows(const int8_t *s, const int8_t *lo, const float *e, const float *f, const uint8_t *nib,
+                       const uint16_t *sc, float *out, long M, long N, long K) {
+#define TILE(r, parts)                                                                                                 \
+    tile(s + i * K, lo == NULL ? NULL : lo + i * K, e + i * (K / BLOCK), f + i * (K / BLOCK), nib, sc, out + i * N, N, \
+         K, r, parts)
+#define TILES(parts)                                                                                                   \
+    do {                                                                                                               \
+        for (; i + ROWS <= M; i += ROWS) TILE(ROWS, parts);                                                            \
+        switch (M - i) {                                                                                               \
+        case 3: TILE(3, parts); break;                                                                                 \
+        case 2: TILE(2, parts); break;                                                                                 \
+        case 1: TILE(1, parts); break;                                                                                 \
+        default: break;                                                                                                \
+        }                                                                                                              \
+    } while (0)
     long i = 0;
-    for (; i + ROWS <= M; i += ROWS) tile(s + i * K, e + i * (K / BLOCK), f + i * (K / BLOCK), nib, sc, out + i * N, N, K, ROWS);
-    switch (M - i) {
-    case 3: tile(s + i * K, e + i * (K / BLOCK), f + i * (K / BLOCK), nib, sc, out + i * N, N, K, 3); break;
-    case 2: tile(s + i * K, e + i * (K / BLOCK), f + i * (K / BLOCK), nib, sc, out + i * N, N, K, 2); break;
-    case 1: tile(s + i * K, e + i * (K / BLOCK), f + i * (K / BLOCK), nib, sc, out + i * N, N, K, 1); break;
-    default: break;
-    }
+    if (lo == NULL)
+        TILES(1);
+    else
+        TILES(2);
+#undef TILES
+#undef TILE
 }
 #endif
 
-/* out[M, N] = x[M, K] · Wᵀ; returns 0, -1 if a buffer could not be allocated, -2 if this build has
- * no kernel (it needs AVX2 with F16C), -3 for a shape it does not take */
-int q4q8_linear(const float *x, const uint8_t *nibbles, const uint16_t *sc, float *out, long M, long N, long K,
-                int threads) {
+/* out[M, N] = x[M, K] · Wᵀ with the inputs in `parts` int8 parts (1 or 2); returns 0, -1 if a buffer
+ * could not be allocated, -2 if this build has no kernel (it needs AVX2 with F16C), -3 for a shape it
+ * does not take */
+static int product(const float *x, const uint8_t *nibbles, const uint16_t *sc, float *out, long M, long N, long K,
+                   int threads, int parts) {
 #if defined(__AVX2__) && defined(__F16C__)
     if (N % PANEL || K % BLOCK) return -3;
     long panels = N / PANEL, blocks = K / BLOCK;
-    int8_t *s = malloc((size_t)M * K);
+    int8_t *s = malloc((size_t)M * K * parts), *lo = parts == 2 ? s + M * K : NULL;
     float *ef = malloc(sizeof(float) * 2 * M * blocks);
     if (s == NULL || ef == NULL) {
         free(s);
@@ -157,14 +202,14 @@ int q4q8_linear(const float *x, const uint8_t *nibbles, const uint16_t *sc, floa
 #if defined(_OPENMP)
 #pragma omp for schedule(static)
 #endif
-        for (long i = 0; i < M; i++) quantize_row(x + i * K, K, s + i * K, e + i * blocks, f + i * blocks);
+        for (long i = 0; i < M; i++) quantize_row(x + i * K, K, s + i * K, lo == NULL ? NULL : lo + i * K, e + i * blocks, f + i * blocks);
         for (long i0 = 0; i0 < M; i0 += CHUNK) {
             long rows = M - i0 < CHUNK ? M - i0 : CHUNK;
 #if defined(_OPENMP)
 #pragma omp for schedule(static)
 #endif
             for (long p = 0; p < panels; p++)
-                panel_rows(s + i0 * K, e + i0 * blocks, f + i0 * blocks, nibbles + p * (K / 8) * 64,
+                panel_rows(s + i0 * K, lo == NULL ? NULL : lo + i0 * K, e + i0 * blocks, f + i0 * blocks, nibbles + p * (K / 8) * 64,
                            sc + p * blocks * 2 * PANEL, out + i0 * N + p * PANEL, rows, N, K);
         }
     }
@@ -174,7 +219,19 @@ int q4q8_linear(const float *x, const uint8_t *nibbles, const uint16_t *sc, floa
     free(ef);
     return 0;
 #else
-    (void)x, (void)nibbles, (void)sc, (void)out, (void)M, (void)N, (void)K, (void)threads;
+    (void)x, (void)nibbles, (void)sc, (void)out, (void)M, (void)N, (void)K, (void)threads, (void)parts;
     return -2;
 #endif
+}
+
+/* the product with int8 inputs (see the top of this file) */
+int q4q8_linear(const float *x, const uint8_t *nibbles, const uint16_t *sc, float *out, long M, long N, long K,
+                int threads) {
+    return product(x, nibbles, sc, out, M, N, K, threads, 1);
+}
+
+/* the product with inputs in two int8 parts, a grid 254 times finer (see the top of this file) */
+int q4q16_linear(const float *x, const uint8_t *nibbles, const uint16_t *sc, float *out, long M, long N, long K,
+                 int threads) {
+    return product(x, nibbles, sc, out, M, N, K, threads, 2);
 }

@@ -117,11 +117,11 @@ class QuantizationReport:
 
 
 #: input formats, finest first
-_ROUNDINGS = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int8)
+_ROUNDINGS = (torch.float64, torch.float32, torch.int16, torch.float16, torch.bfloat16, torch.int8)
 
 
 def coarsest(*formats: torch.dtype) -> torch.dtype:
-    """The coarsest of ``formats`` (fp32 < fp16 < bf16 < int8)."""
+    """The coarsest of ``formats`` (fp32 < int16 (15 bits a block of 32) < fp16 < bf16 < int8)."""
     return max(formats, key=lambda f: _ROUNDINGS.index(f) if f in _ROUNDINGS else 0)
 
 

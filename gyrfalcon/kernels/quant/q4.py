@@ -33,7 +33,13 @@ PANEL = 16
 #: fp32 inputs move them by 0.0000 (docs/kernels.md)
 INPUTS = {"AVX2": torch.float32, "AVX512": torch.float32}
 #: each input format's kernel (by name, in the native library)
-KERNELS = {torch.int8: "q4q8_linear", torch.float32: "q4_linear"}
+KERNELS = {torch.int8: "q4q8_linear", torch.int16: "q4q16_linear", torch.float32: "q4_linear"}
+#: the formats read through ``q4q8_linear.c``'s layout (:func:`pack`)
+INTEGER_INPUTS = (torch.int8, torch.int16)
+#: each input format's code where a kernel's caller passes it as an integer (the operator,
+#: ``decode_layers.c``'s ``inputs``)
+INPUT_CODES = {torch.float32: 0, torch.int8: 1, torch.int16: 2}
+_FORMATS = {code: inputs for inputs, code in INPUT_CODES.items()}
 
 
 def q4_kernel() -> bool:
@@ -62,7 +68,7 @@ def pack(weights: Int4Weights, inputs: torch.dtype) -> tuple[torch.Tensor, torch
     fp16 values (a GGUF's are; :meth:`Int4Weights.quantize` rounds them so)."""
     n, k = weights.shape
     q = weights.q.to(torch.uint8)
-    if inputs == torch.int8:
+    if inputs in INTEGER_INPUTS:
         v = q.reshape(n // PANEL, PANEL, k // 8, 2, 4)
         nibbles = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(n // PANEL, k // 8, 64)
     else:
@@ -84,6 +90,23 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     # a last bit off the kernel's division, which moves a tie of the rounding now and then
     inverse = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
     return (torch.round(blocks * inverse).clamp(-127, 127) * (amax / 127)).reshape(x.shape)
+
+
+def int16_rounded(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32 rows) as ``q4q16_linear.c`` reads it: per block of 32, with ``u = x · 127 / max |x|``,
+    ``hi = round(u)`` and ``lo = round((u - hi) · 254)`` (each in -127..127), ``e · (254 · hi + lo)``
+    with ``e = max |x| / (127 · 254)``."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, GROUP)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+    u = blocks * inverse
+    hi = torch.round(u).clamp(-127, 127)
+    lo = torch.round((u - hi) * 254).clamp(-127, 127)
+    return ((254 * hi + lo) * (amax / (127 * 254))).reshape(x.shape)
+
+
+#: what each input format's kernel reads of fp32 rows (fp32: the rows themselves)
+ROUNDED = {torch.int8: int8_rounded, torch.int16: int16_rounded}
 
 
 class Q4Linear(torch.nn.Module):
@@ -108,7 +131,7 @@ class Q4Linear(torch.nn.Module):
         self.register_buffer("nibbles", nibbles)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        check_rows_alone(self, weights.dequantize(), int8_rounded if inputs == torch.int8 else None)
+        check_rows_alone(self, weights.dequantize(), ROUNDED.get(inputs))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -117,7 +140,7 @@ class Q4Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the operator keeps the layer inside the graph
-            y = _q4_linear(x.reshape(-1, self.in_features), self.nibbles, self.scales)
+            y = _q4_linear(x.reshape(-1, self.in_features), self.nibbles, self.scales, INPUT_CODES[self.inputs])
             if self.bias is not None:
                 y = y + self.bias
             return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -134,7 +157,7 @@ class Q4Linear(torch.nn.Module):
         nibbles, scales, bias, nibbles_at, scales_at, kernel = call
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if flat.dtype != torch.float32 or not flat.is_contiguous() or flat.device.type != "cpu":
-            y = _product(flat, nibbles, scales)
+            y = _product(flat, nibbles, scales, INPUT_CODES[self.inputs])
         else:
             y = torch.empty(flat.shape[0], self.out_features)
             if flat.shape[0]:
@@ -177,11 +200,11 @@ class Q4Linear(torch.nn.Module):
                 f"{str(self.inputs).removeprefix('torch.')} inputs ({KERNELS[self.inputs]}.c)")  # fmt: skip
 
 
-def _product(flat: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``flat`` ``[M, K]`` times the weight's transpose, ``[M, N]`` fp32, through the kernel whose
-    layout ``nibbles`` has (:func:`pack`)."""
-    int8 = nibbles.shape[-1] == 64
-    n, k = nibbles.shape[0] * PANEL, nibbles.shape[1] * (8 if int8 else 2)
+def _product(flat: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, inputs: int) -> torch.Tensor:
+    """``flat`` ``[M, K]`` times the weight's transpose, ``[M, N]`` fp32, through the kernel of the
+    input format whose code is ``inputs`` (:data:`INPUT_CODES`; ``nibbles`` in its layout: :func:`pack`)."""
+    fmt = _FORMATS[inputs]
+    n, k = nibbles.shape[0] * PANEL, nibbles.shape[1] * (8 if fmt in INTEGER_INPUTS else 2)
     if flat.device.type != "cpu" or flat.shape[-1] != k:
         raise ValueError(f"the int4 kernels take [M, {k}] CPU rows, got {list(flat.shape)} on {flat.device}")
     flat = flat.float().contiguous()
@@ -189,7 +212,7 @@ def _product(flat: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor) ->
     if flat.shape[0]:
         kernels = loaded()
         assert kernels is not None, "a Q4Linear loads the kernels before its first product"
-        kernel = getattr(kernels, KERNELS[torch.int8 if int8 else torch.float32])
+        kernel = getattr(kernels, KERNELS[fmt])
         status = kernel(flat.data_ptr(), nibbles.data_ptr(), scales.data_ptr(), out.data_ptr(), flat.shape[0], n, k,
                         torch.get_num_threads())  # fmt: skip
         if status:
@@ -197,5 +220,5 @@ def _product(flat: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor) ->
     return out
 
 
-_q4_linear = operator("q4_linear(Tensor flat, Tensor nibbles, Tensor scales) -> Tensor", _product,
-                      lambda flat, nibbles, scales: flat.new_empty((flat.shape[0], nibbles.shape[0] * PANEL)))
+_q4_linear = operator("q4_linear(Tensor flat, Tensor nibbles, Tensor scales, int inputs) -> Tensor", _product,
+                      lambda flat, nibbles, scales, inputs: flat.new_empty((flat.shape[0], nibbles.shape[0] * PANEL)))
