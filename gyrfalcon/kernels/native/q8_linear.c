@@ -44,6 +44,7 @@ typedef int32_t vints __attribute__((vector_size(32)));
 #define R 6 /* input rows per tile: 12 accumulators and 2 weight vectors in AVX2's 16 registers */
 #endif
 #define V (P / LANES) /* vectors per panel row */
+#define NP (8 / V)        /* panels one row's pass takes at a time: eight chains in flight */
 
 static inline vec load(const float *p) {
     vec v;
@@ -136,12 +137,54 @@ static void all_rows(const float *x, const float *w, float *out, long M, long K,
     }
 }
 
+/* one row of x against panels [p0, p1): NP panels at a time, each weight dequantised in registers
+ * and multiplied as the tiles do (the same chains, so the same bits). Why: a tile of one row keeps
+ * only V chains of fused multiply-adds in flight, and waited on their latency and on the buffer's
+ * store and load; one row read the table at half the memory's speed. */
+static void one_row(const float *x, const int8_t *q, const float *scale, float *out, long N, long K, long p0, long p1) {
+    long blocks = K / BLOCK;
+    for (long p = p0; p < p1; p += NP) {
+        int np = p1 - p < NP ? (int)(p1 - p) : NP;
+        vec acc[NP][V];
+        for (int j = 0; j < NP; j++)
+            for (int v = 0; v < V; v++) acc[j][v] = (vec){0};
+        for (long b = 0; b < blocks; b++) {
+            vec s[NP][V];
+            for (int j = 0; j < np; j++) {
+                for (int v = 0; v < V; v++) s[j][v] = load(scale + (p + j) * blocks * P + b * P + v * LANES);
+                for (int ahead = 0; ahead < BLOCK * P; ahead += 64)
+                    __builtin_prefetch(q + (p + j) * K * P + (b + 2) * BLOCK * P + ahead);
+            }
+            for (long k = b * BLOCK; k < (b + 1) * BLOCK; k++) {
+                vec xb = splat(x + k);
+                for (int j = 0; j < np; j++)
+                    for (int v = 0; v < V; v++) {
+                        vec w = load_q(q + (p + j) * K * P + k * P + v * LANES) * s[j][v];
+                        acc[j][v] += w * xb; /* one fused multiply-add (-ffp-contract=fast) */
+                    }
+            }
+        }
+        for (int j = 0; j < np; j++) {
+            float o[P];
+            for (int v = 0; v < V; v++) store(o + v * LANES, acc[j][v]);
+            long columns = N - (p + j) * P < P ? N - (p + j) * P : P;
+            memcpy(out + (p + j) * P, o, sizeof(float) * columns);
+        }
+    }
+}
+
 /* out[M, N] = x[M, K] · Wᵀ, W in panels (q: ceil(N / 16) panels of [K][16] int8, scale: of
  * [K / 32][16] fp32; a last partial panel's missing columns are padding); K % 32 == 0; returns 0,
  * or -1 if a thread's buffer for that last panel could not be allocated */
 int q8_linear(const float *x, const int8_t *q, const float *scale, float *out, long M, long N, long K, int threads) {
     long blocks = K / BLOCK, panels = (N + P - 1) / P;
     int failed = 0;
+    if (M == 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (long g = 0; g < (panels + NP - 1) / NP; g++)
+            one_row(x, q, scale, out, N, K, g * NP, (g + 1) * NP < panels ? (g + 1) * NP : panels);
+        return 0;
+    }
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float w[BLOCK * P] __attribute__((aligned(64)));

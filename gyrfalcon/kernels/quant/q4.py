@@ -1,16 +1,18 @@
 """int4 weights in groups of 32 (a GGUF's ``Q4_1``/``Q4_0`` blocks) on the CPU, through C kernels of
-our own (:mod:`~gyrfalcon.kernels.native`), with the inputs in one of two formats:
+our own (:mod:`~gyrfalcon.kernels.native`), with the inputs in one of three formats:
 
+- ``int16`` (``q4q16_linear`` in ``q4q8_linear.c``): each input row rounded to 15 bits per block of
+  32, held as two int8 parts, and multiplied in integers, exactly — the default;
 - ``int8`` (``q4q8_linear.c``): each input row rounded to int8 per block of 32, as llama.cpp's
   ``Q8_1``, and multiplied in integers, exactly (vpmaddubsw, or vpdpbusd with AVX-512 VNNI);
 - ``float32`` (``q4_linear.c``): fp32 inputs times the exactly dequantised weights, a chain of fused
   multiply-adds per output: the fp32 reference model's product.
 
-Either way each output is computed in one fixed order whatever the rows beside it (the same bits
+Each way each output is computed in one fixed order whatever the rows beside it (the same bits
 alone and in any batch) and on AVX2 and AVX-512 alike. Which one serves is chosen per instruction
 set by measurement (:data:`INPUTS`, docs/kernels.md). On the default model, against the fp32 model:
-fp32 inputs 0.0000 nats, int8 inputs 0.0325 (top-1 100 %; torch's int4 kernel with bf16 inputs,
-the one fast path it has on a CPU, 0.0325 too).
+fp32 inputs 0.0000 nats, int16 inputs 0.0006, int8 inputs 0.03 to 0.10 (torch's int4 kernel with
+bf16 inputs, the one fast path it has on a CPU, 0.0325).
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from gyrfalcon.kernels.quant.weights import GROUP, Int4Weights
 
 #: output columns of one panel of the kernels' layouts
 PANEL = 16
-#: the input format of each instruction set unless ``--matmul-inputs`` says otherwise: fp32 on both.
-#: int8 inputs take less arithmetic (on AVX2 a 3072 x 576 layer takes 21 against 63 us at one row,
-#: 189 against 320 at sixteen, 6.2 against 8.9 ms at 512; weights in cache), but on the default model
-#: they moved log-probabilities by 0.03 to 0.09 nats from the fp32 model — past the 0.05 bar — where
-#: fp32 inputs move them by 0.0000 (docs/kernels.md)
-INPUTS = {"AVX2": torch.float32, "AVX512": torch.float32}
+#: the input format of each instruction set unless ``--matmul-inputs`` says otherwise: int16 (15 bits
+#: a block of 32, two int8 parts) on both. Measured on a Zen 4 (docs/kernels.md): a step's 120
+#: products of the default model at one row from memory take 2.7 ms against 5.4 with fp32 inputs
+#: (AVX2) and 2.7 against 4.2 (AVX-512 VNNI), at sixteen rows 19.4 against 20.5 and 14.0 against
+#: 20.1; log-probabilities move by 0.0006 nats from the fp32 model (fp32 inputs 0.0000; int8 inputs,
+#: less arithmetic still, 0.03 to 0.10 — past the 0.05 bar)
+INPUTS = {"AVX2": torch.int16, "AVX512": torch.int16}
 #: each input format's kernel (by name, in the native library)
 KERNELS = {torch.int8: "q4q8_linear", torch.int16: "q4q16_linear", torch.float32: "q4_linear"}
 #: the formats read through ``q4q8_linear.c``'s layout (:func:`pack`)
