@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{cpu().describe()}; {args.threads} threads; {args.layers} layers of {list(shapes)}, "
           f"{bytes_a_pass / 1e6:.0f} MB of weights a pass; --matmul-inputs auto here: {default}\n")
     names = [str(f).removeprefix("torch.") for f in formats]
-    print("| rows | " + " | ".join(f"{n} ms" for n in names) + " | " + " | ".join(f"{n}: speed-up over float32" for n in names[1:]) + " |")
+    speedups = " | ".join(f"{n}: speed-up over float32" for n in names[1:])
+    print("| rows | " + " | ".join(f"{n} ms" for n in names) + f" | {speedups} |")
     print("|---" * (2 * len(names)) + "|")
     for rows in args.rows:
         layers = args.layers if rows <= 64 else 1  # a prefill chunk: one layer of each shape

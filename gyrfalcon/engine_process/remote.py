@@ -214,7 +214,8 @@ class RemoteEngineCore(EngineCore):
         try:
             while not self._stop.is_set():
                 try:
-                    events = dict(poller.poll(max(next_ping - time.monotonic(), 0.0) * 1000))  # wake on time for the beat
+                    # wake on time for the next ping, not a whole beat later
+                    events = dict(poller.poll(max(next_ping - time.monotonic(), 0.0) * 1000))
                     if self._wake.fd in events:
                         self._wake.take()
                     self._send_outbox()

@@ -105,7 +105,8 @@ class EngineServer:
         try:
             while not self._stop.is_set():
                 try:
-                    events = dict(poller.poll(max(next_beat - time.monotonic(), 0.0) * 1000))  # wake on time for the beat
+                    # wake on time for the next beat, not a whole beat later
+                    events = dict(poller.poll(max(next_beat - time.monotonic(), 0.0) * 1000))
                     if self._socket in events:
                         self._receive()
                     if self._ready.fd in events:

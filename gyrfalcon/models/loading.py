@@ -31,7 +31,7 @@ def kernel_dtype(dtype: Any, device: str, mode: str = "int4") -> Any:
     """The format the quantised matmuls take their inputs in, for ``--quantization`` ``mode``:
 
     - ``int4`` on an x86 CPU with AVX2 or AVX-512: our kernels' format for that instruction set
-      (:func:`gyrfalcon.kernels.quant.q4.q4_inputs`: int8 blocks, by measurement);
+      (:func:`gyrfalcon.kernels.quant.q4.q4_inputs`: 15-bit integer blocks, by measurement);
     - bf16 on CUDA (tinygemm's only one) and, for torch's int8 kernel, on CPUs with AVX2 or AVX-512,
       where torch's kernels are fast only with bf16 inputs (16-30x their fp32 and fp16 paths);
     - the model's ``dtype`` elsewhere.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from gyrfalcon.kernels import native
-from gyrfalcon.kernels.quant.q4 import INPUT_CODES, KERNELS, Q4Linear
+from gyrfalcon.kernels.quant.q4 import INPUT_CODES, SOURCES, Q4Linear
 
 def unsupported(decoder, cache, rows_in_place: bool) -> str | None:
     """Why :class:`LayerLoop` cannot run ``decoder``'s layers over ``cache`` (None: it can)."""
@@ -104,5 +104,5 @@ class LayerLoop:
 
     def describe(self) -> str:
         """For the start-up line."""
-        kernel = KERNELS[self.inputs]
-        return f"decode_layers.c: a decode step's {len(self.decoder.layers)} layers in one call ({kernel}.c)"
+        layers = len(self.decoder.layers)
+        return f"decode_layers.c: a decode step's {layers} layers in one call ({SOURCES[self.inputs]})"

@@ -45,6 +45,7 @@ from gyrfalcon.kernels.quant.layers import (
 )
 from gyrfalcon.kernels.native.cpu import cpu
 from gyrfalcon.kernels.quant.q4 import KERNELS as Q4_INPUTS
+from gyrfalcon.kernels.quant.q4 import SOURCES as Q4_SOURCES
 from gyrfalcon.kernels.quant.q4 import Q4Linear, q4_fits, q4_kernel
 from gyrfalcon.kernels.quant.q8 import Q8Embedding, Q8Linear
 from gyrfalcon.kernels.quant.weights import GROUP, Int4Weights, Int8Weights, relative_error
@@ -162,7 +163,7 @@ def _convert(module: torch.nn.Linear, name: str, kernel: str, bits, dtype, devic
         if layer is None:
             weights = weights or _requantize(Int4Weights, module, source, kind)
             layer = Int4Linear(weights, module.bias, torch.bfloat16 if dtype in Q4_INPUTS and cpu().avx2 else dtype, device)
-        kind.kernels.add(f"{Q4_INPUTS[layer.dtype]}.c, {_name(layer.dtype)} inputs" if isinstance(layer, Q4Linear)
+        kind.kernels.add(f"{Q4_SOURCES[layer.dtype]}, {_name(layer.dtype)} inputs" if isinstance(layer, Q4Linear)
                          else f"torch's kernel, {_name(layer.dtype)} inputs")  # fmt: skip
         if exact:
             kind.exact[source.kind] += 1

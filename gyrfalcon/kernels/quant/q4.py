@@ -37,6 +37,8 @@ PANEL = 16
 INPUTS = {"AVX2": torch.int16, "AVX512": torch.int16}
 #: each input format's kernel (by name, in the native library)
 KERNELS = {torch.int8: "q4q8_linear", torch.int16: "q4q16_linear", torch.float32: "q4_linear"}
+#: where each input format's kernel is, for the start-up line
+SOURCES = {torch.int8: "q4q8_linear.c", torch.int16: "q4q8_linear.c's q4q16_linear", torch.float32: "q4_linear.c"}
 #: the formats read through ``q4q8_linear.c``'s layout (:func:`pack`)
 INTEGER_INPUTS = (torch.int8, torch.int16)
 #: each input format's code where a kernel's caller passes it as an integer (the operator,
@@ -96,9 +98,9 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
 
 
 def int16_rounded(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (fp32 rows) as ``q4q16_linear.c`` reads it: per block of 32, with ``u = x · 127 / max |x|``,
-    ``hi = round(u)`` and ``lo = round((u - hi) · 254)`` (each in -127..127), ``e · (254 · hi + lo)``
-    with ``e = max |x| / (127 · 254)``."""
+    """``x`` (fp32 rows) as ``q4q8_linear.c``'s ``q4q16_linear`` reads it: per block of 32, with
+    ``u = x · 127 / max |x|``, ``hi = round(u)`` and ``lo = round((u - hi) · 254)`` (each in
+    -127..127), ``e · (254 · hi + lo)`` with ``e = max |x| / (127 · 254)``."""
     blocks = x.float().reshape(*x.shape[:-1], -1, GROUP)
     amax = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
@@ -200,7 +202,7 @@ class Q4Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int4 g{GROUP}, "
-                f"{str(self.inputs).removeprefix('torch.')} inputs ({KERNELS[self.inputs]}.c)")  # fmt: skip
+                f"{str(self.inputs).removeprefix('torch.')} inputs ({SOURCES[self.inputs]})")  # fmt: skip
 
 
 def _product(flat: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, inputs: int) -> torch.Tensor:
