@@ -8,7 +8,7 @@ our own (:mod:`~gyrfalcon.kernels.native`), with the inputs in one of three form
 - ``float32`` (``q4_linear.c``): fp32 inputs times the exactly dequantised weights, a chain of fused
   multiply-adds per output: the fp32 reference model's product.
 
-Each way each output is computed in one fixed order whatever the rows beside it (the same bits
+Whatever the format, each output is computed in one fixed order whatever the rows beside it (the same bits
 alone and in any batch) and on AVX2 and AVX-512 alike. Which one serves is chosen per instruction
 set by measurement (:data:`INPUTS`, docs/kernels.md). On the default model, against the fp32 model:
 fp32 inputs 0.0000 nats, int16 inputs 0.0006, int8 inputs 0.03 to 0.10 (torch's int4 kernel with
@@ -29,11 +29,11 @@ from gyrfalcon.kernels.quant.weights import GROUP, Int4Weights
 #: output columns of one panel of the kernels' layouts
 PANEL = 16
 #: the input format of each instruction set unless ``--matmul-inputs`` says otherwise: int16 (15 bits
-#: a block of 32, two int8 parts) on both. Measured on a Zen 4 (docs/kernels.md): a step's 120
-#: products of the default model at one row from memory take 2.7 ms against 5.4 with fp32 inputs
-#: (AVX2) and 2.7 against 4.2 (AVX-512 VNNI), at sixteen rows 19.4 against 20.5 and 14.0 against
-#: 20.1; log-probabilities move by 0.0006 nats from the fp32 model (fp32 inputs 0.0000; int8 inputs,
-#: less arithmetic still, 0.03 to 0.10 — past the 0.05 bar)
+#: a block of 32, two int8 parts) on both. Measured on a Zen 4 (``python -m gyrfalcon.bench.kernels``,
+#: docs/kernels.md): a step's 120 products of the default model at one row from memory take 2.6 ms
+#: against 4.6 with fp32 inputs (AVX2) and 2.6 against 4.1 (AVX-512 VNNI), at sixteen rows 20.6
+#: against 20.2 and 15.1 against 20.0; log-probabilities move by 0.0006 nats from the fp32 model
+#: (fp32 inputs 0.0000; int8 inputs, less arithmetic still, 0.03 to 0.10 — past the 0.05 bar)
 INPUTS = {"AVX2": torch.int16, "AVX512": torch.int16}
 #: each input format's kernel (by name, in the native library)
 KERNELS = {torch.int8: "q4q8_linear", torch.int16: "q4q16_linear", torch.float32: "q4_linear"}
