@@ -96,8 +96,9 @@ class Settings:
                                 "bar on this CPU", choices=("auto", "float32", "int16", "int8", "bfloat16"), checked=True)  # fmt: skip
     device: str = option("auto", "auto (cuda where there is one, else cpu), cpu, cuda, cuda:N")
     #: vLLM's --kv-cache-dtype
-    kv_cache_dtype: str = option("auto", "the KV cache's dtype: auto (the model's), float32, bfloat16 (twice the tokens "
-                                 "per byte), float16", choices=DTYPES, checked=True)  # fmt: skip
+    kv_cache_dtype: str = option("auto", "the KV cache's dtype: auto (the model's; float16 beside an fp32 model's "
+                                 "quantised layers, as llama.cpp keeps a GGUF's), float32, bfloat16, float16 (the "
+                                 "last two twice the tokens per byte)", choices=DTYPES, checked=True)  # fmt: skip
     block_size: int = option(16, "tokens per KV-cache block")
     kv_cache_memory: int | None = option(None, "bytes of KV cache (default: max-num-seqs full-length sequences, as "
                                          "memory allows; on the CPU at most one context of the model's length or "

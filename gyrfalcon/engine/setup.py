@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from gyrfalcon.engine.kv.blocks import BlockPool
-from gyrfalcon.engine.kv.cache import CachePlan, KVShape, PagedKVCache, plan_cache
+from gyrfalcon.engine.kv.cache import CachePlan, KVShape, PagedKVCache, cache_dtype, plan_cache
 from gyrfalcon.engine.model.budget import PeakProbe, StepReserve, cuda_peak, measure_reserve, provisional_blocks
 from gyrfalcon.engine.model.fast_check import DecodePath
 from gyrfalcon.engine.model.runner import ModelRunner
@@ -132,9 +132,8 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
     inputs = None if cfg.matmul_inputs == "auto" else getattr(torch, cfg.matmul_inputs)
     model, weights = load_weights(str(cfg.model), cfg.dtype, device, quantization, cfg.cache_dir, inputs)
     log.warning("%s", weights.describe())
-    # the model's dtype by default (vLLM's auto): a bf16 cache halves its bytes but moves the default
-    # model's log-probabilities by 0.009 nats, and the server's would no longer equal the model's
-    kv_dtype = next(model.parameters()).dtype if cfg.kv_cache_dtype == "auto" else resolve_dtype(cfg.kv_cache_dtype, device)
+    kv_dtype = (cache_dtype(next(model.parameters()).dtype, weights.mode != "none") if cfg.kv_cache_dtype == "auto"
+                else resolve_dtype(cfg.kv_cache_dtype, device))  # fmt: skip
     shape = KVShape.of(model.config, kv_dtype)
 
     def runner_on(cache: PagedKVCache) -> ModelRunner:

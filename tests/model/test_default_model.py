@@ -127,6 +127,7 @@ def test_at_the_defaults_a_request_gets_the_same_tokens_alone_and_in_a_batch(eng
     The halves share the prefix cache: each request run alone finds its prompt's blocks cached by
     the batch and computes only the rest — the same rows as in the batch, since a prefill computes
     its rows in block-aligned groups (before that, 2 of 12 repeated seeded requests drew other tokens)."""
+    assert engine.core.runner.cache.keys[0].dtype == torch.float16  # the defaults' cache beside int4 layers
     assert engine.info().quantization == "int4"
     assert engine.info().decode_path.startswith("native")  # decode rows' layers in one call, mixed steps by operators
     prompts = _mixed_prompts(16, longest=300)

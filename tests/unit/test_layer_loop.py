@@ -48,12 +48,13 @@ def _results(engine, together: bool) -> list[tuple[list[int], list]]:
     return [(o.token_ids, o.logprobs.logprobs) for o in outputs]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32", "bfloat16", "float16"])
 def test_the_layer_loop_serves_the_operators_bits(tiny_model_dir, kv_cache_dtype):
     """With int4 layers (the tiny model quantised at load, as a GGUF's are kept), decode steps run
     their layers in one call of ``decode_layers.c`` — nothing compiled — and seeded requests, alone
     and together, get the operator-by-operator engine's tokens and log-probabilities bit for bit
-    (fp32 and bf16 caches: the new keys and values are rounded as ``.to(bfloat16)`` does)."""
+    (fp32, bf16 and fp16 caches: the new keys and values are rounded as ``.to(dtype)`` rounds them;
+    ``auto`` beside int4 layers is fp16, llama.cpp's cache for a GGUF)."""
     from gyrfalcon.plugins.engines import create_transformers_engine
 
     settings = dict(quantization="int4", kv_cache_dtype=kv_cache_dtype)
@@ -65,6 +66,8 @@ def test_the_layer_loop_serves_the_operators_bits(tiny_model_dir, kv_cache_dtype
         assert operators.core.decode_path.name == "eager"
         assert looped.core.decode_path.name == "native", looped.core.decode_path
         runner = looped.core.runner
+        expected_dtype = torch.float16 if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+        assert runner.cache.keys[0].dtype == operators.core.runner.cache.keys[0].dtype == expected_dtype
         before = runner.forwards
         expected = _results(operators, together=False)
         assert _results(looped, together=False) == expected

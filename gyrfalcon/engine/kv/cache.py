@@ -27,6 +27,16 @@ CPU_DEFAULT_BYTES = 2 << 30
 CPU_AVAILABLE_SHARE = 0.25
 
 
+def cache_dtype(model_dtype: torch.dtype, quantized: bool) -> torch.dtype:
+    """``--kv-cache-dtype auto``: the model's dtype (vLLM's ``auto``), except an fp32 model whose
+    linear layers run quantised weights (a GGUF's bits, the CPU's default), whose cache is fp16 —
+    what llama.cpp keeps for the same file. Its keys and values are rounded to 11 bits where the
+    weights they came from hold 4 or 8: half the bytes (180 MiB of the default model's 8,192
+    tokens) for a measured drift far inside the quality bar (docs/kernels.md, "KV cache"); an fp32
+    model served unquantised keeps an fp32 cache, so its answers stay the model's own."""
+    return torch.float16 if model_dtype == torch.float32 and quantized else model_dtype
+
+
 @dataclass(frozen=True)
 class KVShape:
     """What one token's KV takes: layers × (key + value) × kv heads × head dim, in ``dtype``."""

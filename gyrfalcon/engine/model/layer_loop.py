@@ -12,7 +12,7 @@ through the operators, to the same bits).
 
 It takes the direct forward's Llama-shaped layers whose four products are all int4 layers of one
 input format (:class:`~gyrfalcon.kernels.quant.q4.Q4Linear`: the GGUF's bits, the CPU's
-default), an fp32 stream, a cos/sin table, a cache of fp32 or bf16 read in place
+default), an fp32 stream, a cos/sin table, a cache of fp32, bf16 or fp16 read in place
 (``one_query_attention.c``); :func:`unsupported` says why not otherwise, and the operators serve.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from gyrfalcon.engine.model.one_query import CACHE_FORMATS
 from gyrfalcon.kernels import native
 from gyrfalcon.kernels.quant.q4 import INPUT_CODES, SOURCES, Q4Linear
 
@@ -96,7 +97,7 @@ class LayerLoop:
                 table.data_ptr(), table.shape[0], x.data_ptr(), rows, x.shape[1], self.heads, self.kv_heads, self.dim,
                 self.intermediate, positions.data_ptr(), slots.data_ptr(), blocks.data_ptr(), blocks.shape[1],
                 cache.block_size, self.decoder.rotary.cos.data_ptr(), self.decoder.rotary.sin.data_ptr(), self.eps,
-                self.scale, int(cache.keys[0].dtype == torch.bfloat16), self.inputs_code, torch.get_num_threads())
+                self.scale, CACHE_FORMATS[cache.keys[0].dtype], self.inputs_code, torch.get_num_threads())
             if status:
                 raise MemoryError(f"decode_layers failed ({status}: -1 a buffer, -2 or -3 a shape a kernel does "
                                   "not take)")

@@ -20,21 +20,21 @@ from gyrfalcon.kernels import native
 
 #: the widest head and the most query heads per KV head the kernel takes
 MAX_DIM, MAX_GROUP = 256, 16
-#: the caches it reads
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
+#: the caches it reads, as the kernels' ``format`` codes (``vectors.h``'s ``CACHE_*``)
+CACHE_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor,
                         positions: torch.Tensor, block_size: int, window: int, scale: float) -> torch.Tensor:  # fmt: skip
     """Each row's query ``q`` ``[b, H, D]`` attending to its context's keys and values, read in
-    place from one layer's caches ``[slots, KVH, D]`` (fp32, or bf16 widened exactly) through its
+    place from one layer's caches ``[slots, KVH, D]`` (fp32, or bf16 or fp16 widened exactly) through its
     block table ``blocks`` ``[b, nb]``: the columns up to ``positions`` ``[b]`` (and past
     ``position - window`` where ``window`` > 0). Returns ``[b, H, D]`` fp32."""
     kernels = native.loaded()
     assert kernels is not None, "the engine's kernels are loaded before a step reads in place"
-    if not (q.dtype == torch.float32 and keys.dtype == values.dtype and keys.dtype in CACHE_DTYPES
+    if not (q.dtype == torch.float32 and keys.dtype == values.dtype and keys.dtype in CACHE_FORMATS
             and blocks.dtype == positions.dtype == torch.long and keys.is_contiguous() and values.is_contiguous()):  # fmt: skip
-        raise ValueError("one_query_attention takes fp32 queries, contiguous fp32 or bf16 caches, int64 block tables "
+        raise ValueError("one_query_attention takes fp32 queries, contiguous fp32, bf16 or fp16 caches, int64 block tables "
                          "and positions")  # fmt: skip
     q, blocks, positions = q.contiguous(), blocks.contiguous(), positions.contiguous()
     out = q.new_empty(q.shape)
@@ -42,7 +42,7 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         status = kernels.one_query_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), blocks.data_ptr(),
                                              positions.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], keys.shape[1],
                                              q.shape[2], blocks.shape[1], block_size, window, scale,
-                                             int(keys.dtype == torch.bfloat16), torch.get_num_threads())  # fmt: skip
+                                             CACHE_FORMATS[keys.dtype], torch.get_num_threads())  # fmt: skip
         if status:
             raise MemoryError("one_query_attention could not allocate its scores")
     return out
@@ -55,9 +55,9 @@ _operator = native.operator("one_query_attention(Tensor q, Tensor keys, Tensor v
 
 def applies(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:
     """Whether the kernel takes a layer of this shape: on the CPU with the engine's kernels
-    loaded, an fp32 stream and an fp32 or bf16 cache, a head width of whole 16-lane vectors up to
+    loaded, an fp32 stream and a cache of :data:`CACHE_FORMATS`, a head width of whole 16-lane vectors up to
     :data:`MAX_DIM`, at most :data:`MAX_GROUP` query heads per KV head."""
-    return (native.loaded() is not None and device.type == "cpu" and dtype == torch.float32 and cache_dtype in CACHE_DTYPES
+    return (native.loaded() is not None and device.type == "cpu" and dtype == torch.float32 and cache_dtype in CACHE_FORMATS
             and dim % 16 == 0 and dim <= MAX_DIM and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP)  # fmt: skip
 
 

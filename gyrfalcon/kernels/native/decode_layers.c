@@ -34,7 +34,7 @@ int q4q16_linear(const float *x, const uint8_t *nibbles, const uint16_t *sc, flo
 int mean_square(const float *x, float *out, long rows, long width, int threads);
 int one_query_attention(const float *q, const void *keys, const void *values, const int64_t *blocks,
                         const int64_t *positions, float *out, long rows, long heads, long kv_heads, long dim,
-                        long table_width, long block_size, long window, float scale, int bf16, int threads);
+                        long table_width, long block_size, long window, float scale, int format, int threads);
 
 /* one layer's fields, as layer_loop.py's LayerLoop._layers lays them out */
 enum {
@@ -136,6 +136,18 @@ static inline uint16_t bf16_of(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* n values into a cache of `format` (vectors.h's CACHE_*) from slot offset `at`, rounded to nearest
+ * even as torch's .to(dtype) rounds them (the prefill's writes) */
+static void store_kv(void *cache, size_t at, const float *x, long n, int format) {
+    if (format == CACHE_FP32) {
+        memcpy((float *)cache + at, x, sizeof(float) * n);
+    } else if (format == CACHE_BF16) {
+        for (long i = 0; i < n; i++) ((uint16_t *)cache)[at + i] = bf16_of(x[i]);
+    } else {
+        for (long i = 0; i < n; i++) ((_Float16 *)cache)[at + i] = (_Float16)x[i];
+    }
+}
+
 /* out = weight · (x · 1/sqrt(mean(x²) + eps)) per row, as decoder.py's _rms_norm */
 static int rms_norm(const float *x, const float *weight, float *out, float *squares, long rows, long width, float eps,
                     int threads) {
@@ -180,7 +192,7 @@ static int linear(int inputs, const float *x, const int64_t *layer, int field, f
 int decode_layers(const int64_t *layers, long count, float *x, long rows, long hidden, long heads, long kv_heads,
                   long dim, long intermediate, const int64_t *positions, const int64_t *slots, const int64_t *blocks,
                   long table_width, long block_size, const float *cos, const float *sin, float eps, float scale,
-                  int bf16, int inputs, int threads) {
+                  int format, int inputs, int threads) {
     long q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
     if (dim > 512 || dim % 2) return -3;
     size_t floats = (size_t)rows * (hidden * 3 + qkv_width + q_width * 2 + intermediate * 3 + 1);
@@ -203,18 +215,11 @@ int decode_layers(const int64_t *layers, long count, float *x, long rows, long h
             rotate(q + b * q_width, heads, dim, c, s);
             rotate(k, kv_heads, dim, c, s);
             size_t at = (size_t)slots[b] * kv_width;
-            if (bf16) {
-                for (long i = 0; i < kv_width; i++) {
-                    ((uint16_t *)keys)[at + i] = bf16_of(k[i]);
-                    ((uint16_t *)values)[at + i] = bf16_of(v[i]);
-                }
-            } else {
-                memcpy((float *)keys + at, k, sizeof(float) * kv_width);
-                memcpy((float *)values + at, v, sizeof(float) * kv_width);
-            }
+            store_kv(keys, at, k, kv_width, format);
+            store_kv(values, at, v, kv_width, format);
         }
         status = one_query_attention(q, keys, values, blocks, positions, attended, rows, heads, kv_heads, dim,
-                                     table_width, block_size, layer[WINDOW], scale, bf16, threads);
+                                     table_width, block_size, layer[WINDOW], scale, format, threads);
         if (status == 0) status = linear(inputs, attended, layer, O_NIBBLES, projected, rows, hidden, q_width, threads);
         if (status) break;
         for (long i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];

@@ -2,7 +2,7 @@
  * head h, out[b, h] = softmax(q[b, h] · K[j] · scale) · V[j] over the columns j of the row's
  * context (positions lo .. position[b], lo > position - window on a sliding-window layer), column
  * j read from slot blocks[b, j / block_size] * block_size + j % block_size of the layer's caches
- * ([slots, kv_heads, dim], fp32 or bf16); head h reads kv head h / (heads / kv_heads).
+ * ([slots, kv_heads, dim], fp32, bf16 or fp16: `format`, vectors.h's CACHE_*); head h reads kv head h / (heads / kv_heads).
  *
  * Why a kernel of our own: the decode rows' attention copied every row's blocks into a dense
  * tensor each layer and called SDPA (about 36 µs a layer at batch 1 on the default model, most of
@@ -16,8 +16,8 @@
  * per column and a prefetcher that loses the stride at each block took a 1,704-token context's
  * 30 layers from 6.9 to 9.2 ms a step on two AVX2 cores). VW is the
  * machine's vector width (16 floats with AVX-512, 8 with AVX2: AVX2's 16 registers held a 16-lane
- * loop's accumulators only on the stack, 5 to 8 times slower). A bf16 cache's values are widened
- * exactly (a bf16 is the top half of an fp32). exp is a polynomial (Cephes' expf, about 1 ulp) in
+ * loop's accumulators only on the stack, 5 to 8 times slower). A bf16 or fp16 cache's values are
+ * widened exactly (a bf16 is the top half of an fp32; fp16 through F16C). exp is a polynomial (Cephes' expf, about 1 ulp) in
  * vector form. Returns -1 where a buffer cannot be had. */
 
 #include <stdint.h>
@@ -44,9 +44,10 @@ static inline void fetch(const char *p, long bytes) {
     for (long i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
-/* VW cache values, fp32 or bf16 (widened exactly) */
-static inline vf load_kv(const void *p, int bf16) {
-    if (!bf16) return load((const float *)p);
+/* VW cache values in `format` (widened exactly) */
+static inline vf load_kv(const void *p, int format) {
+    if (format == CACHE_FP32) return load((const float *)p);
+    if (format == CACHE_FP16) return widen_fp16(p);
     vh h;
     memcpy(&h, p, sizeof h);
     vu u = __builtin_convertvector(h, vu) << 16;
@@ -109,8 +110,8 @@ static void column_offsets(long *at, const int64_t *table, long lo, long from, l
  * in either loop. at[] holds PREFETCH readable entries past `to`. */
 static inline __attribute__((always_inline)) void score_columns(const float *q, const char *keys, const long *at,
                                                                long from, long to, long group, long dim, long stride,
-                                                               float scale, float *s, int bf16, const long chunks) {
-    long width = bf16 ? 2 : 4, j = from;
+                                                               float scale, float *s, int format, const long chunks) {
+    long width = format == CACHE_FP32 ? 4 : 2, j = from;
     for (; j + 4 <= to; j += 4) {
         const char *k[4];
         for (int i = 0; i < 4; i++) {
@@ -122,7 +123,7 @@ static inline __attribute__((always_inline)) void score_columns(const float *q, 
             vf acc[4] = {{0}, {0}, {0}, {0}};
             for (long c = 0; c < chunks; c++) {
                 vf qc = load(qg + c * VW);
-                for (int i = 0; i < 4; i++) acc[i] += qc * load_kv(k[i] + c * VW * width, bf16);
+                for (int i = 0; i < 4; i++) acc[i] += qc * load_kv(k[i] + c * VW * width, format);
             }
             for (int i = 0; i < 4; i++) s[g * stride + j + i] = lanes_sum(acc[i]) * scale;
         }
@@ -130,7 +131,7 @@ static inline __attribute__((always_inline)) void score_columns(const float *q, 
     for (; j < to; j++) {
         const char *k = keys + at[j];
         vf kc[MAX_CHUNKS];
-        for (long c = 0; c < chunks; c++) kc[c] = load_kv(k + c * VW * width, bf16);
+        for (long c = 0; c < chunks; c++) kc[c] = load_kv(k + c * VW * width, format);
         for (long g = 0; g < group; g++) {
             const float *qg = q + g * dim;
             vf acc = {0};
@@ -144,9 +145,9 @@ static inline __attribute__((always_inline)) void score_columns(const float *q, 
  * values weighted over the columns in ascending order. `fetch_values`: read the values ahead (the
  * first of a kv head's query heads; the others find them cached). */
 static inline __attribute__((always_inline)) void weigh_values(float *s, long n, const char *values, const long *at,
-                                                              long dim, float *out, int bf16, int fetch_values,
+                                                              long dim, float *out, int format, int fetch_values,
                                                               const long chunks) {
-    long width = bf16 ? 2 : 4;
+    long width = format == CACHE_FP32 ? 4 : 2;
     float max = s[0];
     for (long j = 1; j < n; j++) max = s[j] > max ? s[j] : max;
     for (long j = n; j < n + VW; j++) s[j] = max - 1000.0f;  /* padding: exp gives 0 */
@@ -163,7 +164,7 @@ static inline __attribute__((always_inline)) void weigh_values(float *s, long n,
         const char *v = values + at[j];
         if (fetch_values) fetch(values + at[j + PREFETCH], dim * width);
         float weight = s[j];
-        for (long c = 0; c < chunks; c++) acc[c] += weight * load_kv(v + c * VW * width, bf16);
+        for (long c = 0; c < chunks; c++) acc[c] += weight * load_kv(v + c * VW * width, format);
     }
     for (long c = 0; c < chunks; c++) {
         vf o = acc[c] * inverse;
@@ -185,9 +186,9 @@ static inline __attribute__((always_inline)) void weigh_values(float *s, long n,
 
 int one_query_attention(const float *q, const void *keys, const void *values, const int64_t *blocks,
                         const int64_t *positions, float *out, long rows, long heads, long kv_heads, long dim,
-                        long table_width, long block_size, long window, float scale, int bf16, int threads) {
-    long group = heads / kv_heads, row_bytes = dim * (bf16 ? 2 : 4), columns = 0, tasks = 0;
-    if (dim % 16 || dim > MAX_DIM || group > MAX_GROUP || heads % kv_heads) return -2;
+                        long table_width, long block_size, long window, float scale, int format, int threads) {
+    long group = heads / kv_heads, row_bytes = dim * (format == CACHE_FP32 ? 4 : 2), columns = 0, tasks = 0;
+    if (format < CACHE_FP32 || format > CACHE_FP16 || dim % 16 || dim > MAX_DIM || group > MAX_GROUP || heads % kv_heads) return -2;
     long *lo = malloc(sizeof(long) * 4 * rows), *n = lo + rows, *first = n + rows, *spans = first + rows;
     if (!lo) return -1;
     for (long b = 0; b < rows; b++) {
@@ -231,7 +232,7 @@ int one_query_attention(const float *q, const void *keys, const void *values, co
             for (long i = ahead; i < to + PREFETCH; i++) at[i] = at[n[b] - 1];
             const float *qb = q + (b * heads + kv * group) * dim;
             float *s = scores + (kv * group) * columns + first[b];
-            BY_CHUNKS(score_columns(qb, k, at, from, to, group, dim, columns, scale, s, bf16, chunks))
+            BY_CHUNKS(score_columns(qb, k, at, from, to, group, dim, columns, scale, s, format, chunks))
         }
 #if defined(_OPENMP)
 #pragma omp for schedule(dynamic, 1)
@@ -240,7 +241,7 @@ int one_query_attention(const float *q, const void *keys, const void *values, co
             long b = task / heads, h = task % heads, kv = h / group;
             long *at = offsets + kv * columns + first[b];
             float *s = scores + h * columns + first[b];
-            BY_CHUNKS(weigh_values(s, n[b], v, at, dim, out + (b * heads + h) * dim, bf16, h % group == 0, chunks))
+            BY_CHUNKS(weigh_values(s, n[b], v, at, dim, out + (b * heads + h) * dim, format, h % group == 0, chunks))
         }
     }
     (void)threads;
