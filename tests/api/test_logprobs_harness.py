@@ -153,9 +153,14 @@ def test_lm_eval_scores_through_the_server_equal_in_process(served_url, tiny_mod
             assert greedy == ref_greedy and value == pytest.approx(ref, abs=1e-4)
 
 
-def test_an_int4_servers_loglikelihoods_equal_the_same_quantised_model_in_process(tiny_model_dir):
+@pytest.mark.parametrize("kv_cache_dtype, tolerance", [("float32", 1e-4), ("auto", 1e-3)])
+def test_an_int4_servers_loglikelihoods_equal_the_same_quantised_model_in_process(tiny_model_dir, kv_cache_dtype,
+                                                                                  tolerance):  # fmt: skip
     """``--quantization int4`` (the tiny fp32 checkpoint quantised at load): what the harness reads
-    through the API equals a direct forward of the same quantised model, as loaded in-process."""
+    through the API equals a direct forward of the same quantised model, as loaded in-process —
+    within 1e-4 with the model's own (fp32) KV cache; the default beside int4 layers is an fp16
+    cache (llama.cpp's for a GGUF), whose keys and values are rounded to 11 bits where the plain
+    forward keeps fp32: within 1e-3 (1.3e-4 measured on these sums), the same greedy flags."""
     from gyrfalcon.api.app import create_app
     from gyrfalcon.models.loading import load_weights
     from gyrfalcon.plugins import plugin_manager
@@ -163,11 +168,13 @@ def test_an_int4_servers_loglikelihoods_equal_the_same_quantised_model_in_proces
     from tests.conftest import tiny_settings
     from tests.helpers import api_client
 
-    settings = tiny_settings(tiny_model_dir, quantization="int4", served_model_name=["tiny"])
+    settings = tiny_settings(tiny_model_dir, quantization="int4", served_model_name=["tiny"], kv_cache_dtype=kv_cache_dtype)
     pm = plugin_manager()
     engine = create_transformers_engine(settings, pm)
     try:
         assert engine.wait_ready(60).ready and engine.info().quantization == "int4"
+        expected_cache = torch.float16 if kv_cache_dtype == "auto" else torch.float32
+        assert engine.core.runner.cache.keys[0].dtype == expected_cache
         quantised = load_weights(tiny_model_dir, "float32", "cpu", "int4")[0]
         contexts, ctxlens, continuations = requests_for(engine, quantised)
         prompts = [ctx + cont for ctx, cont in zip(contexts, continuations)]
@@ -178,6 +185,6 @@ def test_an_int4_servers_loglikelihoods_equal_the_same_quantised_model_in_proces
         expected = [reference(quantised, ctx, cont) for ctx, cont in zip(contexts, continuations)]
         assert [g for _, g in got] == [g for _, g in expected]
         for (value, _), (want, _) in zip(got, expected):
-            assert value == pytest.approx(want, abs=1e-4)
+            assert value == pytest.approx(want, abs=tolerance)
     finally:
         engine.shutdown(grace=1.0)

@@ -2,7 +2,8 @@
  * head h, out[b, h] = softmax(q[b, h] · K[j] · scale) · V[j] over the columns j of the row's
  * context (positions lo .. position[b], lo > position - window on a sliding-window layer), column
  * j read from slot blocks[b, j / block_size] * block_size + j % block_size of the layer's caches
- * ([slots, kv_heads, dim], fp32, bf16 or fp16: `format`, vectors.h's CACHE_*); head h reads kv head h / (heads / kv_heads).
+ * ([slots, kv_heads, dim], fp32, bf16 or fp16: `format`, vectors.h's CACHE_*); head h reads kv head
+ * h / (heads / kv_heads).
  *
  * Why a kernel of our own: the decode rows' attention copied every row's blocks into a dense
  * tensor each layer and called SDPA (about 36 µs a layer at batch 1 on the default model, most of
@@ -17,8 +18,8 @@
  * 30 layers from 6.9 to 9.2 ms a step on two AVX2 cores). VW is the
  * machine's vector width (16 floats with AVX-512, 8 with AVX2: AVX2's 16 registers held a 16-lane
  * loop's accumulators only on the stack, 5 to 8 times slower). A bf16 or fp16 cache's values are
- * widened exactly (a bf16 is the top half of an fp32; fp16 through F16C). exp is a polynomial (Cephes' expf, about 1 ulp) in
- * vector form. Returns -1 where a buffer cannot be had. */
+ * widened exactly (a bf16 is the top half of an fp32; fp16 through F16C). exp is a polynomial
+ * (Cephes' expf, about 1 ulp) in vector form. Returns -1 where a buffer cannot be had. */
 
 #include <stdint.h>
 #include <stdlib.h>
