@@ -84,12 +84,12 @@ def test_a_rows_mean_square_has_the_same_bits_alone_and_in_any_batch(tmp_path, w
 
 
 @pytest.mark.parametrize("window", [0, 37])
-@pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16, torch.float16])
 def test_one_query_attention_reads_the_blocks_in_place_as_sdpa_over_their_copy(tmp_path, window, cache):
     """``one_query_attention.c``: each row's heads over its own blocks (scattered, some rows of one
     block, some of many; grouped query heads; a sliding window) agree with SDPA over the gathered
     context, give the same bits alone and in the batch, and the compiled step's operator gives the
-    eager call's bits; a bf16 cache is read as its values widened to fp32."""
+    eager call's bits; a bf16 or fp16 cache is read as its values widened to fp32."""
     from gyrfalcon.engine.model.attention import _gather, _sdpa
     from gyrfalcon.engine.model.one_query import _operator, one_query_attention
 
@@ -112,6 +112,50 @@ def test_one_query_attention_reads_the_blocks_in_place_as_sdpa_over_their_copy(t
     assert torch.equal(torch.cat(alone), out)
     assert torch.equal(_operator(q, keys, values, tables, positions, block, window, 0.125), out)
     torch.library.opcheck(_operator, (q[:2], keys, values, tables[:2], positions[:2], block, window, 0.125))
+
+
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("cache", [torch.float32, torch.float16])
+def test_a_prefills_groups_read_the_blocks_in_place_as_sdpa_over_their_copy(tmp_path, window, cache):
+    """``prefill_attention.c``: a segment's rows (starting mid-block, scattered blocks, grouped query
+    heads, a sliding window) agree with SDPA over the gathered context; rows of one-row groups are
+    left to the decode rows' kernel; each row's bits are the same whether its prompt came in one
+    segment or two, on one thread or two."""
+    from gyrfalcon.engine.model.attention import _gather, _sdpa, block_groups
+    from gyrfalcon.engine.model.one_query import RowsInPlace
+
+    native.library(tmp_path)
+    torch.manual_seed(window + 1)
+    block, kv_heads, heads, dim, start, count = 16, 3, 9, 64, 5, 140
+    keys, values = torch.randn(40 * block, kv_heads, dim).to(cache), torch.randn(40 * block, kv_heads, dim).to(cache)
+    table = torch.randperm(39)[: -(-(start + count) // block)] + 1
+    q = torch.randn(count, heads, dim) * 2
+    kernel = RowsInPlace.of(keys, values, block, window, 0.125, dim)
+    out = torch.full((count, heads, dim), float("nan"))
+    kernel.prefill(q, table, start, out)
+
+    positions = torch.arange(start, start + count)[:, None]
+    columns = torch.arange(len(table) * block)[None]
+    visible = (columns <= positions) & ((columns > positions - window) if window else True)
+    expected = _sdpa(q.transpose(0, 1)[None], _gather(keys, table[None], block, torch.float32),
+                     _gather(values, table[None], block, torch.float32), visible[None, None], 0.125)[0]  # fmt: skip
+    single = [first - start for first, stop in block_groups(start, count, block) if stop - first == 1]
+    many = torch.ones(count, dtype=torch.bool)
+    many[single] = False
+    assert single and out[~many].isnan().all()  # position 144 falls alone at the last block's start
+    assert torch.allclose(out[many], expected[many], atol=2e-6) and out[many].abs().max() > 0.1
+    cut = 3 * block - start  # a chunk boundary on a block's edge, as the scheduler cuts prompts
+    halves = torch.full_like(out, float("nan"))
+    kernel.prefill(q[:cut], table, start, halves[:cut])
+    kernel.prefill(q[cut:], table, start + cut, halves[cut:])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.full_like(out, float("nan"))
+        kernel.prefill(q, table, start, alone)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(halves[many], out[many]) and torch.equal(alone[many], out[many])
 
 
 @pytest.mark.skipif(not __import__("gyrfalcon.kernels.native.cpu", fromlist=["cpu"]).cpu().avx512,

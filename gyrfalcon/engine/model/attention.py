@@ -29,12 +29,13 @@ arguments to their attention function).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from gyrfalcon.engine.kv.cache import PagedKVCache
-from gyrfalcon.engine.model.one_query import RowsInPlace
+from gyrfalcon.engine.model.one_query import PREFILL_MAX_BLOCK, RowsInPlace
 
 ATTENTION_NAME = "gyrfalcon_paged"
 STEP_KWARG = "gyrfalcon_step"
@@ -189,8 +190,9 @@ def paged_attention(
         if in_place:
             output[:, rows] = attend(query[:, :, rows], segment.blocks.unsqueeze(0), index)
         else:
-            _prefill_by_groups(sdpa, query, gather(segment.blocks.unsqueeze(0), query.dtype),
-                               step.prefill_mask(index, window), segment, cache.block_size, output, rows_in_place)  # fmt: skip
+            _prefill_by_groups(sdpa, query, lambda: gather(segment.blocks.unsqueeze(0), query.dtype),
+                               lambda: step.prefill_mask(index, window), segment, cache.block_size, output,
+                               rows_in_place)  # fmt: skip
     return output, None
 
 
@@ -240,14 +242,25 @@ def _gather(layer_cache: torch.Tensor, blocks: torch.Tensor, block_size: int, dt
     return blocked.index_select(0, blocks.reshape(-1)).view(rows, width, *layer_cache.shape[1:]).transpose(1, 2).to(dtype)
 
 
-def _prefill_by_groups(sdpa, query: torch.Tensor, keys_values: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                       segment: Segment, block_size: int, output: torch.Tensor,
+def _prefill_by_groups(sdpa, query: torch.Tensor, keys_values: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                       mask: Callable[[], torch.Tensor], segment: Segment, block_size: int, output: torch.Tensor,
                        rows_in_place: RowsInPlace | None = None) -> None:  # fmt: skip
-    """Prefill ``segment``'s rows of ``output``, one ``sdpa`` call per :func:`block_groups` group,
-    each with the keys and mask columns up to the group's last block; a group of one row through
-    ``rows_in_place`` where given (the decode rows' kernel: the row's bits then do not depend on
-    whether it came as a prefill or a decode row)."""
-    k, v = keys_values
+    """Prefill ``segment``'s rows of ``output`` by :func:`block_groups` groups. Where
+    ``rows_in_place`` is given (the CPU's kernels), every group reads the blocks in place: a group
+    of one row through the decode rows' kernel (the row's bits then do not depend on whether it came
+    as a prefill or a decode row), the others through ``prefill_attention.c``. Otherwise one ``sdpa``
+    call per group over the gathered keys and values (``keys_values()``) and ``mask()``'s columns
+    up to the group's last block."""
+    if rows_in_place is not None and block_size <= PREFILL_MAX_BLOCK:
+        rows = slice(segment.offset, segment.offset + segment.count)
+        rows_in_place.prefill(query[0, :, rows].transpose(0, 1), segment.blocks, segment.start, output[0, rows])
+        for first, stop in block_groups(segment.start, segment.count, block_size):
+            if stop - first == 1:
+                row = segment.offset + first - segment.start
+                position = torch.full((1,), first, dtype=torch.long, device=query.device)
+                output[:, row : row + 1] = rows_in_place(query[:, :, row], segment.blocks.unsqueeze(0), position)
+        return
+    (k, v), mask_columns = keys_values(), mask()
     groups = query.shape[1] // k.shape[1]
     if groups > 1 and getattr(sdpa, "takes_repeated", False):
         # repeated once for every group: each group's repeat copied its growing prefix again (a
@@ -260,7 +273,7 @@ def _prefill_by_groups(sdpa, query: torch.Tensor, keys_values: tuple[torch.Tenso
             output[:, rows] = rows_in_place(query[:, :, rows.start], segment.blocks.unsqueeze(0), position)
             continue
         width = -(-stop // block_size) * block_size
-        group_mask = mask[..., first - segment.start : stop - segment.start, :width]
+        group_mask = mask_columns[..., first - segment.start : stop - segment.start, :width]
         output[:, rows] = sdpa(query[:, :, rows], k[:, :, :width], v[:, :, :width], group_mask)
 
 

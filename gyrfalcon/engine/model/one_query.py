@@ -1,5 +1,6 @@
-"""A single query row's attention on the CPU, reading its KV blocks in place
-(``one_query_attention.c`` of :mod:`~gyrfalcon.kernels.native`).
+"""Attention on the CPU reading the KV blocks in place: a single query row's
+(``one_query_attention.c`` of :mod:`~gyrfalcon.kernels.native`), and a prefill segment's groups of
+rows (``prefill_attention.c``: :meth:`RowsInPlace.prefill`).
 
 Decode rows — and a prefill's one-row groups, so that a position gets the same bits whichever way
 it came — take it where :meth:`RowsInPlace.of` allows; every other row keeps the gather-then-SDPA
@@ -20,6 +21,8 @@ from gyrfalcon.kernels import native
 
 #: the widest head and the most query heads per KV head the kernel takes
 MAX_DIM, MAX_GROUP = 256, 16
+#: the largest block (tokens) whose groups ``prefill_attention.c`` takes
+PREFILL_MAX_BLOCK = 16
 #: the caches it reads, as the kernels' ``format`` codes (``vectors.h``'s ``CACHE_*``)
 CACHE_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -83,3 +86,22 @@ class RowsInPlace:
     def __call__(self, q: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         attend = _operator if torch.compiler.is_compiling() else one_query_attention
         return attend(q, self.keys, self.values, blocks, positions, self.block_size, self.window, self.scale).unsqueeze(1)
+
+    def prefill(self, q: torch.Tensor, blocks: torch.Tensor, start: int, out: torch.Tensor) -> None:
+        """The rows of a prefill segment at positions ``start ..`` of one sequence (``q``
+        ``[T, H, D]``, its block table ``blocks`` ``[nb]``) into ``out`` ``[T, H, D]`` (contiguous),
+        each group of :func:`~gyrfalcon.engine.model.attention.block_groups` of two rows or more
+        through ``prefill_attention.c``; the groups of one row are the caller's (a decode row's kernel).
+
+        Why: the groups went through SDPA one call each over keys and values copied out of the
+        cache and repeated to every query head, about 60 GFLOP/s on two AVX2 cores; the kernel
+        reads them in place and shares each with a group's rows and heads."""
+        if not (out.is_contiguous() and out.dtype == q.dtype == torch.float32 and out.shape == q.shape):
+            raise ValueError("prefill attention writes fp32 rows [T, H, D] into a contiguous tensor of their shape")
+        q, blocks = q.contiguous(), blocks.contiguous()
+        status = native.loaded().prefill_attention(
+            q.data_ptr(), self.keys.data_ptr(), self.values.data_ptr(), blocks.data_ptr(), out.data_ptr(), start,
+            q.shape[0], q.shape[1], self.keys.shape[1], q.shape[2], self.block_size, self.window, self.scale,
+            CACHE_FORMATS[self.keys.dtype], torch.get_num_threads())  # fmt: skip
+        if status:
+            raise MemoryError(f"prefill_attention failed ({status}: -1 a buffer, -2 a shape it does not take)")

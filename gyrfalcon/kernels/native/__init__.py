@@ -8,7 +8,8 @@ and called through ctypes (which drops the GIL for the call); they need no torch
   kept in fp32 (the decoder's linear layers,
   :mod:`~gyrfalcon.kernels.quant.q4`);
 - ``mean_square.c``: an RMSNorm's mean of squares (:mod:`~gyrfalcon.engine.model.decoder`);
-- ``one_query_attention.c``: a decode row's attention over its KV blocks, read in place
+- ``one_query_attention.c``: a decode row's attention over its KV blocks, read in place, and
+  ``prefill_attention.c``: a prefill's groups of rows over theirs
   (:mod:`~gyrfalcon.engine.model.one_query`);
 - ``decode_layers.c``: every decoder layer of a step of decode rows in one call, through the
   kernels above (:mod:`~gyrfalcon.engine.model.layer_loop`).
@@ -58,6 +59,7 @@ _SIGNATURES = {
     "q4q16_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
     "mean_square": ([_POINTER] * 2 + [_LONG] * 2 + [_INT], _INT),
     "one_query_attention": ([_POINTER] * 6 + [_LONG] * 7 + [ctypes.c_float, _INT, _INT], _INT),
+    "prefill_attention": ([_POINTER] * 5 + [_LONG] * 7 + [ctypes.c_float, _INT, _INT], _INT),
     "decode_layers": ([_POINTER, _LONG, _POINTER] + [_LONG] * 6 + [_POINTER] * 3 + [_LONG] * 2 + [_POINTER] * 2
                       + [ctypes.c_float] * 2 + [_INT] * 3, _INT),
     "silu_mul": ([_POINTER] * 3 + [_LONG], None),
