@@ -22,6 +22,14 @@ keepalive = 5
 control_socket_disable = True
 
 
+def post_worker_init(worker) -> None:  # noqa: ARG001 - gunicorn's hook signature
+    """The worker has built its app: what it holds now lives as long as it, out of the garbage
+    collector's full passes (:func:`gyrfalcon.heap.freeze_long_lived`)."""
+    from gyrfalcon.heap import freeze_long_lived
+
+    freeze_long_lived()
+
+
 def child_exit(server, worker) -> None:  # noqa: ARG001 - gunicorn's hook signature
     """A worker is gone: prometheus-client drops its live gauges (its counts stay summed)."""
     from gyrfalcon.compose import METRICS_DIR_ENV

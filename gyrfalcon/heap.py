@@ -36,6 +36,19 @@ def release_freed_memory() -> None:
     trim_heap()
 
 
+def freeze_long_lived() -> None:
+    """Collect, then move every object the process holds now out of the collector's sight
+    (``gc.freeze``): what an API worker builds once for its life (the app, the tokenizer, the
+    translator's models) is no longer traversed by each full collection.
+
+    Why: a worker holds about 100,000 tracked objects; a burst of large bodies (1 MB tool schemas,
+    each parsed into 15,000 dicts) set off a full collection every other body, 40 to 110 ms each
+    with the interpreter's lock held, during which no other request of the worker moved (an abuse
+    campaign's normal client saw its p99 latency double)."""
+    gc.collect()
+    gc.freeze()
+
+
 class QuietTrimmer:
     """Collects Python's garbage and trims the heap (:func:`release_freed_memory`) once, when the
     process has been quiet for ``quiet_s`` seconds after work: a cycle holding only untracked

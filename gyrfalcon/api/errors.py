@@ -108,7 +108,21 @@ def serialize_error(req: falcon.Request, resp: falcon.Response, exception: falco
 
 
 async def handle_request_error(req: falcon.Request, resp: falcon.Response, ex: RequestError, params: dict) -> None:
-    raise APIError.from_request_error(ex)
+    raise APIError.from_request_error(_without_frames(ex))
+
+
+def _without_frames(error: BaseException) -> BaseException:
+    """``error`` and the exceptions it chains, their tracebacks dropped.
+
+    Why: a refusal's traceback (and that of the pydantic error it was raised from) holds every
+    frame it left, and their locals the parsed body and its validation errors (a 20,000-key
+    logit_bias: 20,000 dicts), in a reference cycle with the handlers' frames; dropped here, they go
+    with the request instead of waiting for the collector's full pass."""
+    link: BaseException | None = error
+    while link is not None:
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return error
 
 
 async def handle_engine_unavailable(req: falcon.Request, resp: falcon.Response, ex: EngineUnavailable, params: dict) -> None:

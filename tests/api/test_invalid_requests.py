@@ -281,6 +281,27 @@ def test_many_bad_logit_bias_keys_name_a_few_and_count_the_rest(client):
     assert len(error["message"]) < 1000
 
 
+def test_a_refused_body_goes_with_its_request_not_with_a_garbage_collection(client):
+    """A refusal's traceback held its frames, and their locals the parsed body and its validation
+    errors, in a reference cycle with the error handlers' frames: each refused body of bad
+    logit_bias keys left its thousands of error dicts for the collector, whose full passes held
+    the interpreter's lock 40 to 110 ms in a worker (an abuse campaign's other client waited)."""
+    import gc
+
+    body = {"messages": MSG, "logit_bias": {f"k{i}": 1 for i in range(300)}}
+    client.simulate_post(CHAT, json=body)  # anything built once, built
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        assert client.simulate_post(CHAT, json=body).status_code == 400
+        gc.collect()
+        dicts = sum(type(o) is dict for o in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert dicts < 100, f"{dicts} dicts in reference cycles after one refusal of 300 bad keys"
+
+
 def test_an_object_larger_than_any_field_takes_is_refused_before_it_is_walked(client):
     """The served spec states the most keys an object may hold (the vocabulary's size: a
     ``logit_bias`` entry per token); one key more is a 400 naming the object, wherever it is."""
