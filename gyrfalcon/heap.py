@@ -1,4 +1,5 @@
-"""The C heap of a server process: freed memory handed back to the system.
+"""The heap of a server process: freed memory handed back to the system, and (in an API worker)
+what lives as long as the process kept out of the garbage collector's full passes.
 
 glibc keeps what a process frees for its next allocations, in the main heap and in one arena per
 thread that allocated: a server that served a burst keeps the burst's peak resident. Each process
