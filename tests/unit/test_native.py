@@ -131,8 +131,12 @@ def test_a_prefills_groups_read_the_blocks_in_place_as_sdpa_over_their_copy(tmp_
     table = torch.randperm(39)[: -(-(start + count) // block)] + 1
     q = torch.randn(count, heads, dim) * 2
     kernel = RowsInPlace.of(keys, values, block, window, 0.125, dim)
+
+    def groups(first: int, rows: int) -> list[tuple[int, int]]:
+        return [(a, b) for a, b in block_groups(first, rows, block) if b - a > 1]
+
     out = torch.full((count, heads, dim), float("nan"))
-    kernel.prefill(q, table, start, out)
+    kernel.prefill(q, table, start, out, groups(start, count))
 
     positions = torch.arange(start, start + count)[:, None]
     columns = torch.arange(len(table) * block)[None]
@@ -146,13 +150,13 @@ def test_a_prefills_groups_read_the_blocks_in_place_as_sdpa_over_their_copy(tmp_
     assert torch.allclose(out[many], expected[many], atol=2e-6) and out[many].abs().max() > 0.1
     cut = 3 * block - start  # a chunk boundary on a block's edge, as the scheduler cuts prompts
     halves = torch.full_like(out, float("nan"))
-    kernel.prefill(q[:cut], table, start, halves[:cut])
-    kernel.prefill(q[cut:], table, start + cut, halves[cut:])
+    kernel.prefill(q[:cut], table, start, halves[:cut], groups(start, cut))
+    kernel.prefill(q[cut:], table, start + cut, halves[cut:], groups(start + cut, count - cut))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         alone = torch.full_like(out, float("nan"))
-        kernel.prefill(q, table, start, alone)
+        kernel.prefill(q, table, start, alone, groups(start, count))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(halves[many], out[many]) and torch.equal(alone[many], out[many])

@@ -251,10 +251,12 @@ def _prefill_by_groups(sdpa, query: torch.Tensor, keys_values: Callable[[], tupl
     as a prefill or a decode row), the others through ``prefill_attention.c``. Otherwise one ``sdpa``
     call per group over the gathered keys and values (``keys_values()``) and ``mask()``'s columns
     up to the group's last block."""
+    groups = block_groups(segment.start, segment.count, block_size)
     if rows_in_place is not None and block_size <= PREFILL_MAX_BLOCK:
         rows = slice(segment.offset, segment.offset + segment.count)
-        rows_in_place.prefill(query[0, :, rows].transpose(0, 1), segment.blocks, segment.start, output[0, rows])
-        for first, stop in block_groups(segment.start, segment.count, block_size):
+        rows_in_place.prefill(query[0, :, rows].transpose(0, 1), segment.blocks, segment.start, output[0, rows],
+                              [(first, stop) for first, stop in groups if stop - first > 1])  # fmt: skip
+        for first, stop in groups:
             if stop - first == 1:
                 row = segment.offset + first - segment.start
                 position = torch.full((1,), first, dtype=torch.long, device=query.device)
@@ -266,7 +268,7 @@ def _prefill_by_groups(sdpa, query: torch.Tensor, keys_values: Callable[[], tupl
         # repeated once for every group: each group's repeat copied its growing prefix again (a
         # 1,704-token prompt's prefill spent 1.1 of its 5.6 s copying); a group reads a slice
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    for first, stop in block_groups(segment.start, segment.count, block_size):
+    for first, stop in groups:
         rows = slice(segment.offset + first - segment.start, segment.offset + stop - segment.start)
         if rows_in_place is not None and stop - first == 1:
             position = torch.full((1,), first, dtype=torch.long, device=query.device)

@@ -87,11 +87,13 @@ class RowsInPlace:
         attend = _operator if torch.compiler.is_compiling() else one_query_attention
         return attend(q, self.keys, self.values, blocks, positions, self.block_size, self.window, self.scale).unsqueeze(1)
 
-    def prefill(self, q: torch.Tensor, blocks: torch.Tensor, start: int, out: torch.Tensor) -> None:
+    def prefill(self, q: torch.Tensor, blocks: torch.Tensor, start: int, out: torch.Tensor,
+                groups: list[tuple[int, int]]) -> None:  # fmt: skip
         """The rows of a prefill segment at positions ``start ..`` of one sequence (``q``
         ``[T, H, D]``, its block table ``blocks`` ``[nb]``) into ``out`` ``[T, H, D]`` (contiguous),
-        each group of :func:`~gyrfalcon.engine.model.attention.block_groups` of two rows or more
-        through ``prefill_attention.c``; the groups of one row are the caller's (a decode row's kernel).
+        by ``groups``: ``(first, stop)`` positions of at most :data:`PREFILL_MAX_BLOCK` rows, two
+        or more each (:func:`~gyrfalcon.engine.model.attention.block_groups` cuts them), through
+        ``prefill_attention.c``; the rows of no group are left as they are.
 
         Why: the groups went through SDPA one call each over keys and values copied out of the
         cache and repeated to every query head, about 60 GFLOP/s on two AVX2 cores; the kernel
@@ -99,9 +101,10 @@ class RowsInPlace:
         if not (out.is_contiguous() and out.dtype == q.dtype == torch.float32 and out.shape == q.shape):
             raise ValueError("prefill attention writes fp32 rows [T, H, D] into a contiguous tensor of their shape")
         q, blocks = q.contiguous(), blocks.contiguous()
+        cuts = torch.tensor(groups, dtype=torch.long).reshape(-1)
         status = native.loaded().prefill_attention(
-            q.data_ptr(), self.keys.data_ptr(), self.values.data_ptr(), blocks.data_ptr(), out.data_ptr(), start,
-            q.shape[0], q.shape[1], self.keys.shape[1], q.shape[2], self.block_size, self.window, self.scale,
-            CACHE_FORMATS[self.keys.dtype], torch.get_num_threads())  # fmt: skip
+            q.data_ptr(), self.keys.data_ptr(), self.values.data_ptr(), blocks.data_ptr(), out.data_ptr(),
+            cuts.data_ptr(), len(groups), start, q.shape[1], self.keys.shape[1], q.shape[2], self.block_size,
+            self.window, self.scale, CACHE_FORMATS[self.keys.dtype], torch.get_num_threads())  # fmt: skip
         if status:
-            raise MemoryError(f"prefill_attention failed ({status}: -1 a buffer, -2 a shape it does not take)")
+            raise MemoryError(f"prefill_attention failed ({status}: -1 a buffer, -2 a group or shape it does not take)")

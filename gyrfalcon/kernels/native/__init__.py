@@ -59,7 +59,7 @@ _SIGNATURES = {
     "q4q16_linear": ([_POINTER] * 4 + [_LONG] * 3 + [_INT], _INT),
     "mean_square": ([_POINTER] * 2 + [_LONG] * 2 + [_INT], _INT),
     "one_query_attention": ([_POINTER] * 6 + [_LONG] * 7 + [ctypes.c_float, _INT, _INT], _INT),
-    "prefill_attention": ([_POINTER] * 5 + [_LONG] * 7 + [ctypes.c_float, _INT, _INT], _INT),
+    "prefill_attention": ([_POINTER] * 6 + [_LONG] * 7 + [ctypes.c_float, _INT, _INT], _INT),
     "decode_layers": ([_POINTER, _LONG, _POINTER] + [_LONG] * 6 + [_POINTER] * 3 + [_LONG] * 2 + [_POINTER] * 2
                       + [ctypes.c_float] * 2 + [_INT] * 3, _INT),
     "silu_mul": ([_POINTER] * 3 + [_LONG], None),

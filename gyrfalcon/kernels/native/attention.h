@@ -1,15 +1,31 @@
 /* What the two attention kernels (one_query_attention.c, prefill_attention.c) compute alike: a
- * vector's load and store, the sum of its lanes in one fixed order, and exp in vectors (Cephes'
- * expf, about 1 ulp; 0 below -87.3). */
+ * vector's load and store, a cache's values widened to fp32, the sum of a vector's lanes in one
+ * fixed order, and exp in vectors (Cephes' expf, about 1 ulp; 0 below -87.3). */
 #ifndef GYRFALCON_ATTENTION_H
 #define GYRFALCON_ATTENTION_H
 
+#include <stdint.h>
 #include <string.h>
 
 #include "vectors.h"
 
 static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+
+/* VW cache values in `format` (widened exactly) */
+static inline vf load_kv(const void *p, int format) {
+    if (format == CACHE_FP32) return load((const float *)p);
+    if (format == CACHE_FP16) return widen_fp16(p);
+    vh h;
+    memcpy(&h, p, sizeof h);
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
 
 /* the lanes pairwise: the same order whichever row or thread sums them */
 static inline float lanes_sum(vf v) {

@@ -27,13 +27,9 @@
 
 #include "attention.h"
 
-typedef uint32_t vu __attribute__((vector_size(VW * 4)));
-typedef uint16_t vh __attribute__((vector_size(VW * 2)));
-
 #define MAX_GROUP 16                /* query heads per kv head */
 #define MAX_DIM 256                 /* head width */
 #define MAX_CHUNKS (MAX_DIM / VW)
-
 
 /* columns read ahead: a cache's rows lie a block's table entry apart every block_size columns,
  * where the hardware's prefetcher loses the stride (a 1,704-token context read 30 layers' caches
@@ -44,17 +40,6 @@ static inline void fetch(const char *p, long bytes) {
     for (long i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
-/* VW cache values in `format` (widened exactly) */
-static inline vf load_kv(const void *p, int format) {
-    if (format == CACHE_FP32) return load((const float *)p);
-    if (format == CACHE_FP16) return widen_fp16(p);
-    vh h;
-    memcpy(&h, p, sizeof h);
-    vu u = __builtin_convertvector(h, vu) << 16;
-    vf v;
-    memcpy(&v, &u, sizeof v);
-    return v;
-}
 
 
 

@@ -1,7 +1,7 @@
 /* Attention of a prefill segment's query rows over their sequence's KV blocks, read in place: the
- * rows are positions start .. start+count-1 of one sequence, cut into groups at every multiple of
- * block_size (attention.py's block_groups); each group of two rows or more is computed here (a
- * group of one row is a decode row's, one_query_attention.c). Row r at position p and head h:
+ * rows are positions start .. of one sequence, in the groups the caller cuts them into (attention.py's
+ * block_groups, at every multiple of block_size): `cuts` holds each group's first and stop positions,
+ * two rows or more each (a group of one row is a decode row's, one_query_attention.c). Row r at position p and head h:
  * out[r, h] = softmax(q[r, h] · K[j] · scale) · V[j] over j = lo .. p (lo > p - window on a
  * sliding-window layer), column j read from slot table[j / block_size] * block_size + j % block_size
  * of the layer's caches ([slots, kv_heads, dim], `format`: vectors.h's CACHE_*).
@@ -13,9 +13,9 @@
  * block of 16 columns is widened and transposed once, then multiplied as a small matrix product.
  *
  * Each score is one chain of fused multiply-adds over dim; each row's softmax runs over its own
- * columns only, and its weighted values sum over the columns in ascending order (a column past the
- * columns of other rows are skipped): a row's bits depend on its own query and context, not on the
- * rows beside it, the thread count or which thread computes it. Returns -1 where a buffer cannot be
+ * columns only, and its weighted values sum over its own columns in ascending order: a row's bits
+ * depend on its own query and context, not on the rows beside it, the thread count or which thread
+ * computes it. Returns -1 where a buffer cannot be
  * had, -2 for a shape it does not take. */
 
 #include <stdint.h>
@@ -30,33 +30,11 @@
 #define HEADS 3               /* query heads of a tile of weighted values ... */
 #define DIMS 4                /* ... times this many vectors of dim: 12 accumulators, 4 values */
 
-
-static inline float widen(const void *cache, long at, int format) {
-    if (format == CACHE_FP32) return ((const float *)cache)[at];
-    uint16_t h = ((const uint16_t *)cache)[at];
-    if (format == CACHE_FP16) {
-        _Float16 f;
-        memcpy(&f, &h, 2);
-        return (float)f;
-    }
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* one row of the cache (dim values of column j, kv head kv) widened into out */
+/* one row of the cache (dim values from element `at`) widened into out */
 static inline void widen_row(const void *cache, long at, long dim, int format, float *out) {
-    if (format == CACHE_FP32) {
-        memcpy(out, (const float *)cache + at, sizeof(float) * dim);
-    } else if (format == CACHE_FP16) {
-        for (long d = 0; d < dim; d += VW) store(out + d, widen_fp16((const uint16_t *)cache + at + d));
-    } else {
-        for (long d = 0; d < dim; d++) out[d] = widen(cache, at + d, format);
-    }
+    const char *row = (const char *)cache + at * (format == CACHE_FP32 ? 4 : 2);
+    for (long d = 0; d < dim; d += VW) store(out + d, load_kv(row + d * (format == CACHE_FP32 ? 4 : 2), format));
 }
-
-
 
 /* scores s[i * stride + j] = q_i · K[j] · scale for the `queries` query vectors q[i] over the
  * columns of `blocks` blocks of kt (each [dim][COLUMNS], block b holding columns b * COLUMNS ..) */
@@ -94,7 +72,7 @@ static void scores(const float *const *q, long queries, const float *kt, long bl
     }
 }
 
-/* out[h] (h < heads, each at out + h * out_stride) = Σ_j w[h][j] · vs[j] · inverse[h] over columns
+/* out[h] (h < heads) = Σ_j w[h][j] · vs[j] · inverse[h] over columns
  * from .. to-1 in ascending order, for `vectors` vectors of dim from d0 */
 static inline void weigh(const float *const *w, const float *vs, long dim, long from, long to, long d0, int heads,
                          int vectors, const float *inverse, float *const *out) {
@@ -216,32 +194,21 @@ static size_t group_floats(long queries, long columns, long dim) {
 }
 
 int prefill_attention(const float *q, const void *keys, const void *values, const int64_t *table, float *out,
-                      long start, long count, long heads, long kv_heads, long dim, long block_size, long window,
-                      float scale, int format, int threads) {
-    long group = heads / kv_heads;
-    if (format < CACHE_FP32 || format > CACHE_FP16 || dim % VW || dim > MAX_DIM || heads % kv_heads ||
-        block_size > 16 || group > 16)
+                      const int64_t *cuts, long groups, long start, long heads, long kv_heads, long dim,
+                      long block_size, long window, float scale, int format, int threads) {
+    long group = heads / kv_heads, longest = 0;
+    if (format < CACHE_FP32 || format > CACHE_FP16 || dim % VW || dim > MAX_DIM || heads % kv_heads || group > 16)
         return -2;
-    /* the groups of two rows or more: [first, stop) cut at multiples of block_size */
-    long max_groups = count / 2 + 2, groups = 0, longest = 0;
-    long *cuts = malloc(sizeof(long) * 2 * max_groups);
-    if (!cuts) return -1;
-    for (long first = start; first < start + count;) {
-        long stop = (first / block_size + 1) * block_size;
-        if (stop > start + count) stop = start + count;
-        if (stop - first > 1) {
-            cuts[2 * groups] = first;
-            cuts[2 * groups + 1] = stop;
-            groups++;
-        }
-        if (stop > longest) longest = stop;
-        first = stop;
+    for (long g = 0; g < groups; g++) {
+        if (cuts[2 * g + 1] - cuts[2 * g] > 16 || cuts[2 * g] < start) return -2; /* qv holds 16 rows x 16 heads */
+        if (cuts[2 * g + 1] > longest) longest = cuts[2 * g + 1];
     }
-    size_t scratch = group_floats(block_size * group, longest, dim);
+    if (groups == 0) return 0;
+    size_t scratch = group_floats(16 * group, longest, dim);
     /* without a window every group reads its columns from 0: each kv head's are widened once, shared */
     long shared_blocks = (longest + COLUMNS - 1) / COLUMNS;
     size_t per_head = (size_t)shared_blocks * dim * COLUMNS + (size_t)longest * dim;
-    float *shared = window > 0 || groups == 0 ? NULL : malloc(sizeof(float) * per_head * kv_heads);
+    float *shared = window > 0 ? NULL : malloc(sizeof(float) * per_head * kv_heads);
     int failed = 0;
 #if defined(_OPENMP)
 #pragma omp parallel num_threads(threads) if (groups * kv_heads > 1)
@@ -281,6 +248,5 @@ int prefill_attention(const float *q, const void *keys, const void *values, cons
     }
     free(shared);
     (void)threads;
-    free(cuts);
     return failed ? -1 : 0;
 }
