@@ -3,9 +3,12 @@
 because, like it, it composes the whole (settings, plugins, engine: :mod:`gyrfalcon.compose`) and
 hands it to a room below (:class:`~gyrfalcon.engine_process.server.EngineServer`).
 
-Settings come from the environment (as for the API workers). The process is the leader of its own
-session, so a signal to the server's process group (Ctrl-C in a terminal) never reaches it: its
-launcher signals it. SIGUSR1 drains the engine (health 503, queued requests end with a 503, running
+Settings come from the environment (as for the API workers). The process leads a process group of
+its own, so a signal to the server's process group (Ctrl-C in a terminal) never reaches it: its
+launcher signals it. It stays in the launcher's session, so that the kernel's autogroup scheduling
+weighs its threads against the API workers' one by one (``nice`` included) rather than as two
+equal groups; as a background group of that session it ignores SIGTTOU (a terminal set to
+``tostop`` would otherwise stop it at its first log line). SIGUSR1 drains the engine (health 503, queued requests end with a 503, running
 ones have ``--drain-timeout``) while the workers finish their streams; SIGTERM, or the launcher's
 death, stops it. An engine whose model cannot load exits with status 1 (its launcher then stops
 the server, so that a supervisor sees the failure).
@@ -22,6 +25,7 @@ import time
 
 
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     if len(argv) != 1:
         print("usage: python -m gyrfalcon.engine_main ADDRESS", file=sys.stderr)
         return 2

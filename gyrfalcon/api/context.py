@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +53,19 @@ def _purge_every(store: ResponseStore, interval_s: float) -> None:
 
 T = TypeVar("T")
 
+#: the large-body lane's nice value: the lowest priority, so the engine's threads beside it take
+#: a core from it at once rather than sharing it (on 2 cores, a lane busy a third of the time
+#: doubled the median latency of the engine's other requests, whose steps wait for every thread)
+LARGE_BODY_NICE = 19
+
+
+def _yield_the_cpu() -> None:
+    """Lower the calling thread's CPU priority to :data:`LARGE_BODY_NICE` (Linux: a thread's own nice)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LARGE_BODY_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the lane is paced all the same
+        log.debug("could not lower the large-body lane's priority", exc_info=True)
+
 #: bodies larger than this (64 KiB) are parsed and translated in a lane of their own
 #: (:meth:`ServerContext.in_body_lane`)
 LARGE_BODY_BYTES = 64 << 10
@@ -77,6 +91,7 @@ class ServerContext:
         self._spec: bytes | None = None
         self._store: ResponseStore | None = None
         self._large_bodies = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gyrfalcon-large-bodies")
+        self._lane_yields = False
 
     async def in_body_lane(self, raw: bytes, fn: Callable[[], T]) -> T:
         """``fn()`` (the parsing, translation and submission of body ``raw``) in a worker thread: the
@@ -90,6 +105,8 @@ class ServerContext:
             return await loop.run_in_executor(None, fn)
 
         def paced() -> T:
+            if not self._lane_yields:
+                self._lower_the_lanes_priority()
             start = time.thread_time()
             try:
                 return fn()
@@ -97,6 +114,17 @@ class ServerContext:
                 self._large_bodies.submit(time.sleep, LARGE_BODY_REST * (time.thread_time() - start))
 
         return await loop.run_in_executor(self._large_bodies, paced)
+
+    def _lower_the_lanes_priority(self) -> None:
+        """In the large-body lane, once the engine is ready: start the pools that libraries start on
+        first use (the tokenizer's threads), whose threads would otherwise inherit the lane's
+        priority for good, then lower the lane's (:data:`LARGE_BODY_NICE`). Threads it starts later
+        (the stored responses' purge) run at its priority, as befits their work."""
+        if not self.engine.health().ready:
+            return
+        self.engine.tokenize("start the tokenizer's thread pool " * 64)
+        _yield_the_cpu()
+        self._lane_yields = True
 
     def response_store(self) -> ResponseStore:
         """The stored responses (one SQLite file in the cache folder, shared by every API worker)."""

@@ -1,8 +1,8 @@
 """What ``gyrfalcon serve`` runs: the engine process, then gunicorn's master, stopped in order.
 
 This process imports neither torch nor the app; it starts the engine as a fresh interpreter
-(spawned, never forked, in a session of its own so that a signal to the server's process group
-reaches only the API side), waits until it listens, then runs gunicorn with the engine's address in
+(spawned, never forked, in a process group of its own so that a signal to the server's process
+group reaches only the API side; in the same session, see :mod:`gyrfalcon.engine_main`), waits until it listens, then runs gunicorn with the engine's address in
 the workers' environment.
 
 - SIGTERM (SIGINT, SIGQUIT likewise): the engine drains first (queued requests get a 503 at once),
@@ -102,8 +102,12 @@ def run_server(gunicorn_argv: list[str], env: dict[str, str]) -> int:
     socket_path = os.path.join(run_dir, "engine.sock")
     address = f"ipc://{socket_path}"
     env = {**env, ENGINE_ADDRESS_ENV: address}
+    # not a session of its own: under the kernel's autogroup scheduling a session is one CPU group,
+    # and the engine's threads shared the cores with an API worker parsing a large body as two
+    # equal groups, whatever the worker's nice (api.context.LARGE_BODY_NICE): on 2 cores the
+    # median latency of the engine's other requests went 1.8x while a client sent 1 MB schemas
     engine = subprocess.Popen([sys.executable, "-m", "gyrfalcon.engine_main", address], env=engine_env(env),
-                              start_new_session=True)  # fmt: skip
+                              process_group=0)  # fmt: skip
     gunicorn: subprocess.Popen | None = None
     stopping: list[int] = []
 

@@ -103,6 +103,16 @@ class Endpoint:
             values.update(wire_defaults(self.nested_model))
         return values
 
+    @cached_property
+    def key_patterns(self) -> dict[str, str]:
+        """The maps among the fields of its sampling object whose keys the documents give a pattern
+        (``propertyNames``: logit_bias's token ids), with the pattern."""
+        from gyrfalcon.openapi.served import fields_stating
+
+        model = self.nested_model or self.wire_model
+        names = {info.alias or name for name, info in model.model_fields.items()}
+        return {name: keys["pattern"] for name, keys in fields_stating("propertyNames").items() if name in names}
+
     def flatten(self, body: dict[str, Any]) -> dict[str, Any]:
         """The sent fields with the nested object's merged in (one namespace for the rules)."""
         values = dict(body)

@@ -31,7 +31,7 @@ from gyrfalcon.protocol.rules import RequestFields, check_rules
 from gyrfalcon.protocol.tools import structured_constraint, tool_constraint, tool_use
 from gyrfalcon.openapi.limits import ServedLimits, largest_object, limits_of, longest_array, walk_schemas
 from gyrfalcon.openapi.served import fields_stating, spec_max
-from gyrfalcon.protocol.wire import check_text_length, sent_fields, validate
+from gyrfalcon.protocol.wire import check_key_patterns, check_text_length, sent_fields, validate
 from gyrfalcon.validation import RequestValidator
 
 #: wire fields copied as they are into SamplingParams
@@ -106,6 +106,7 @@ class Translator:
             raise RequestError("The request body must be a JSON object", None)
         body = dict(body)
         raw_extensions = body.pop("extensions", None)
+        check_key_patterns(endpoint.nested_body(body), endpoint.key_patterns, endpoint.nested)
         wire = validate(endpoint.wire_model, body)  # schema errors first, extensions' included
         sent = sent_fields(wire)
         if raw_extensions is not None:

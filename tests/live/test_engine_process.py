@@ -85,6 +85,32 @@ def test_the_engines_openmp_threads_spin_briefly_unless_the_operator_chose(two_w
     assert engine_env({"GOMP_SPINCOUNT": "INFINITY"}) == {"GOMP_SPINCOUNT": "INFINITY"}
 
 
+def test_the_engine_shares_the_workers_session_and_yields_to_nothing_they_parse(two_workers):
+    """Under the kernel's autogroup scheduling a session is one CPU group: the engine in a session of
+    its own shared 2 cores with an API worker parsing 1 MB bodies as two equal groups, and its other
+    requests' median latency went 1.8x. It now shares the launcher's session (a process group of its
+    own still keeps a terminal's ^C for the launcher), and the worker's large-body lane runs at the
+    lowest priority, so that the engine's threads take a core from it at once."""
+    from gyrfalcon.api.context import LARGE_BODY_NICE
+
+    engine, workers = _processes(two_workers)
+    launcher = two_workers.process.pid
+    assert os.getsid(engine) == os.getsid(launcher) and os.getpgid(engine) == engine != os.getpgid(launcher)
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    r = requests.post(two_workers.url + "/v1/completions", timeout=60, json={  # a large body: the lane's
+        "model": "tiny", "prompt": "hi", "max_tokens": 1, "user": "u" * (80 << 10),
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    # of every thread of the workers (the tokenizer's pool included, which a library starts on first
+    # use and whose threads would inherit the priority of the thread that started it): only the lane
+    nice = []
+    for worker in workers:
+        for tid in os.listdir(f"/proc/{worker}/task"):
+            with open(f"/proc/{worker}/task/{tid}/stat") as f:
+                nice.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+    assert sorted(set(nice)) == [0, LARGE_BODY_NICE] and nice.count(LARGE_BODY_NICE) == 1, nice
+
+
 def test_killed_workers_are_replaced_and_their_requests_aborted(two_workers):
     url = two_workers.url
     _, workers = _processes(two_workers)
