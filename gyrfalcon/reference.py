@@ -91,7 +91,7 @@ def plugins() -> str:
 def rules() -> str:
     """``docs/rules.md``: the rules a request must meet beyond each field's own type and range."""
     from gyrfalcon.openapi.served import bundle, x_rules
-    from gyrfalcon.protocol.rules import RULES
+    from gyrfalcon.protocol.rules import stated_rule_ids
     from gyrfalcon.protocol.runtime_rules import RUNTIME_RULES
 
     stated: dict[str, list[str]] = {}
@@ -104,11 +104,12 @@ def rules() -> str:
              "`GET /openapi.json`, with this deployment's limits laid over them). A request must also meet the",
              "rules below; breaking one is a 400 whose `param` names the field.",
              "", "## Between fields, stated in the documents", "",
-             "Each is an `if`/`then` block carrying its `x-rule` id in the documents, so that a client's validator",
-             "and Schemathesis see it, and a function of the same name in `protocol/rules.py` decides it. They",
-             "are checked in this order, after each field's own checks.", "",
+             "Each is an `if`/`then` block carrying its `x-rule` id in the documents, with the refusal's text",
+             "(`description`) and the field it names (`x-param`, else the condition's first field). A client's",
+             "validator and Schemathesis read the same blocks the server evaluates (`protocol/rules.py`), in the",
+             "documents' order, after each field's own checks.", "",
              "| rule | stated in |", "|---|---|"]  # fmt: skip
-    for rule_id in RULES:
+    for rule_id in stated_rule_ids():
         lines.append(f"| `{rule_id}` | {', '.join(f'`{s}`' for s in stated.get(rule_id, [])) or '—'} |")
     lines += ["", "## Known only to the running server", "",
               "The served spec lists these under `x-runtime-rules`. `stage` says when each is checked: while the",

@@ -94,8 +94,6 @@ class TokenIdsLogprobGatherer(LogprobGatherer):
         param = "logprob_token_ids"
         if not ids:
             raise RequestError("logprob_token_ids must not be an empty list", param)
-        if params.logprobs is None:
-            raise RequestError("logprob_token_ids requires logprobs", param)
         if len(ids) > MAX_LOGPROB_TOKEN_IDS:
             raise RequestError(f"logprob_token_ids holds at most {MAX_LOGPROB_TOKEN_IDS} ids", param)
         if UNIQUE_IDS and len(set(ids)) != len(ids):

@@ -1,7 +1,7 @@
 """The rules only the running server can check, by id: what ``x-runtime-rules`` in the served spec says.
 
 JSON Schema states a field's type, range and the cross-field rules written as ``x-rule`` if/then
-blocks (:data:`gyrfalcon.protocol.rules.RULES`); the rules here need what only a running server
+blocks, evaluated from the documents (:mod:`gyrfalcon.protocol.rules`); the rules here need what only a running server
 knows — the resolved ``max_tokens``, the tokenizer and the chat template, the vocabulary, the KV
 cache, the stored responses. Each :class:`RuntimeRule` holds its id, the ``param`` its 400 names,
 the text clients read, its home (the function that decides it) and when it is checked. A test

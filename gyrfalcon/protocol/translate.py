@@ -27,7 +27,7 @@ from gyrfalcon.protocol.chat import ChatRenderer, ChatRendering
 from gyrfalcon.protocol.endpoints import DETOKENIZE, TOKENIZE, Endpoint, Prompts, endpoint_of
 from gyrfalcon.protocol.requests import ServingRequest, ToolUse, WireNames
 from gyrfalcon.protocol.responses import as_chat, input_items, refuse_unsupported
-from gyrfalcon.protocol.rules import RequestFields, check_rules
+from gyrfalcon.protocol.rules import RequestFields, check_stated_rules
 from gyrfalcon.protocol.tools import structured_constraint, tool_constraint, tool_use
 from gyrfalcon.openapi.limits import ServedLimits, largest_object, limits_of, longest_array, walk_schemas
 from gyrfalcon.openapi.served import fields_stating, spec_max
@@ -113,6 +113,7 @@ class Translator:
             sent["extensions"] = self._check_extensions(raw_extensions)
         if not endpoint.as_chat:
             return self._translate(endpoint, sent, body, header_request_id)
+        check_stated_rules(endpoint, sent)  # its own, as written; chat's on the chat request it becomes
         refuse_unsupported(sent)
         chat, names = as_chat(sent, history or [])
         raw, _ = as_chat(body, history or [])
@@ -131,7 +132,7 @@ class Translator:
     def _translate(self, endpoint: Endpoint, sent: dict[str, Any], body: dict[str, Any],
                    header_request_id: str | None) -> ServingRequest:  # fmt: skip
         fields = RequestFields.from_body(endpoint, sent)
-        check_rules(fields)
+        check_stated_rules(endpoint, sent, as_sent=not endpoint.as_chat)
         check_supported(fields, endpoint.defaults, self.info.capabilities)
         model = self._model_name(fields.get("model"))
         self._check_limits(fields)

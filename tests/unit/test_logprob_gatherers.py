@@ -110,7 +110,6 @@ def test_whole_vocabulary_count_when_uncapped():
         (SamplingParams(prompt_logprobs=6), "prompt_logprobs"),
         (SamplingParams(prompt_logprobs=-1), "prompt_logprobs"),
         (SamplingParams(logprobs=1, logprob_token_ids=[]), "logprob_token_ids"),
-        (SamplingParams(logprob_token_ids=[1]), "logprob_token_ids"),
         (SamplingParams(logprobs=1, logprob_token_ids=[1, 1]), "logprob_token_ids"),
         (SamplingParams(logprobs=1, logprob_token_ids=[V]), "logprob_token_ids"),
         (SamplingParams(logprobs=1, logprob_token_ids=[-1]), "logprob_token_ids"),
@@ -123,6 +122,17 @@ def test_validation(params, param):
         for gatherer in builtin_gatherers(info):
             gatherer.validate(params, {}, info)
     assert err.value.param == param and err.value.type == Kind.INVALID
+
+
+def test_ids_without_a_count_are_served_by_the_engine():
+    """"logprob_token_ids requires logprobs" is the wire's rule, stated once in the documents (each
+    endpoint asks for logprobs its own way); an engine request that names ids without a count gets
+    exactly those ids' logprobs (the gatherer no longer refuses it a second time)."""
+    params = SamplingParams(logprob_token_ids=[1])
+    for gatherer in builtin_gatherers(INFO):
+        gatherer.validate(params, {}, INFO)
+    wanted = [g.name for g in builtin_gatherers(INFO) if g.wants(params, {})]
+    assert wanted == ["logprob_token_ids"]
 
 
 def _big_vocab() -> EngineInfo:
