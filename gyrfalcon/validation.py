@@ -70,9 +70,15 @@ class RequestValidator:
         """The validator of an engine of ``info`` served with the plugins of ``pm``."""
         return cls(info, *policies(pm, info), hook=pm.hook.gyrfalcon_validate_request)
 
-    def check(self, request: EngineRequest, endpoint: str | None = None) -> None:
+    def check(self, request: EngineRequest, endpoint: str | None = None, submitted: bool = True) -> None:
         """Raise :class:`RequestError` (naming the engine request's field) for anything the engine
-        cannot serve; ``endpoint``: the name the plugins' hook is told (None: the hook does not run)."""
+        cannot serve; ``endpoint``: the name the plugins' hook is told (None: the hook does not run).
+        ``submitted`` False: a request the API side answers from its prompt alone (an echo that
+        generates nothing): only that its prompt fits the context, ``min_tokens``, and the hook."""
+        if not submitted:
+            self._check_context(request, prompt_only=True)
+            self.check_hook(request, endpoint)
+            return
         info = self.info
         params = request.sampling
         for name in sorted(params.asked_fields() - info.capabilities):
@@ -98,6 +104,23 @@ class RequestValidator:
         if self.hook is not None and endpoint is not None:
             self.hook(endpoint=endpoint, request=request, info=self.info)
 
+    def _check_context(self, request: EngineRequest, prompt_only: bool) -> None:
+        """The prompt and ``max_tokens`` fit the context and ``min_tokens`` fits ``max_tokens``
+        (``engine_api/lengths.py``); ``prompt_only``: nothing is generated."""
+        params, prompt_len, context = request.sampling, len(request.prompt_token_ids), self.info.max_model_len
+        # a request that must generate asks for at least one token, whatever max_tokens it gave
+        asked = params.max_tokens if prompt_only else max(params.max_tokens, 1)
+        overflow = context_overflow(prompt_len, asked, context)
+        if overflow == "prompt":
+            raise RequestError(context_message(overflow, prompt_len, asked, context), "prompt")
+        if params.max_tokens < 1 and not prompt_only:
+            raise RequestError("max_tokens must be at least 1 (0 only with prompt_logprobs)", "max_tokens")
+        if overflow is not None:
+            raise RequestError(context_message(overflow, prompt_len, params.max_tokens, context), "max_tokens")
+        problem = min_tokens_problem(params.min_tokens, params.max_tokens)
+        if problem is not None:
+            raise RequestError(problem, "min_tokens")
+
     def _check_lengths(self, request: EngineRequest) -> None:
         info, params, prompt = self.info, request.sampling, request.prompt_token_ids
         if not prompt:
@@ -108,18 +131,7 @@ class RequestValidator:
                 raise RequestError(outside_vocabulary(bad, name, info.vocab_size), name)
         if not 1 <= params.n <= info.max_request_seqs:
             raise RequestError(f"n must be between 1 and {info.max_request_seqs}", "n")
-        prompt_only = params.max_tokens == 0 and params.prompt_logprobs is not None  # logprob path: prefill only
-        # a request that must generate asks for at least one token, whatever max_tokens it gave
-        asked = params.max_tokens if prompt_only else max(params.max_tokens, 1)
-        overflow = context_overflow(len(prompt), asked, info.max_model_len)
-        if overflow == "prompt":
-            raise RequestError(context_message(overflow, len(prompt), asked, info.max_model_len), "prompt")
-        if params.max_tokens < 1 and not prompt_only:
-            raise RequestError("max_tokens must be at least 1 (0 only with prompt_logprobs)", "max_tokens")
-        if overflow is not None:
-            raise RequestError(context_message(overflow, len(prompt), params.max_tokens, info.max_model_len), "max_tokens")
-        problem = min_tokens_problem(params.min_tokens, params.max_tokens)
-        if problem is not None:
-            raise RequestError(problem, "min_tokens")
+        # the logprob path: a prefill only
+        self._check_context(request, prompt_only=params.max_tokens == 0 and params.prompt_logprobs is not None)
         if any(not s for s in params.stop):
             raise RequestError("stop strings must not be empty", "stop")

@@ -2,9 +2,10 @@
 ``min_tokens`` fits ``max_tokens``, and the whole request's work (prompts × ``n`` × ``max_tokens``)
 fits ``--max-request-tokens``.
 
-The translation checks them with the resolved ``max_tokens`` and names the field as the client
-wrote it; the engine checks them again at submit for callers that come without a translation (the
-Python API, Ray). Both ask here, so the two verdicts and their messages cannot drift apart.
+:class:`gyrfalcon.validation.RequestValidator` decides the first two, once, for every engine
+request — the translator's (whose ``max_tokens`` it resolved, and which names the field as the
+client wrote it) and those of callers without a translation; the translator decides the third over
+a request's prompts.
 """
 
 from __future__ import annotations

@@ -37,10 +37,16 @@ class WireNames:
     constraint: str | None = None
     #: a request turned into a chat request: chat's field names → the client's (None: the same)
     names: Callable[[str | None], str | None] | None = None
+    #: the field that set ``max_tokens`` (``max_completion_tokens`` on chat wins); None: the
+    #: server chose it from what the prompt leaves, and a refusal of it names the prompt, which is
+    #: what the client sent
+    max_tokens: str | None = "max_tokens"
 
     def __call__(self, param: str | None) -> str | None:
         if param is None:
             return None
+        if param == "max_tokens":
+            param = self.max_tokens or "prompt"
         if self.constraint is not None and param.partition(".")[0] == "structured_outputs":
             schema = self.constraint == "response_format" and param == "structured_outputs.json"
             param = "response_format.json_schema.schema" if schema else self.constraint

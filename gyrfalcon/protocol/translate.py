@@ -2,12 +2,14 @@
 
 ``Translator.translate(endpoint, body, header_request_id)`` (an :class:`Endpoint` of
 :mod:`gyrfalcon.protocol.endpoints`, or its name) runs, in order: strict schema validation (the
-generated model; the plugins' extensions by their schemas), the cross-field rules, the "not
-supported" check, the model name, the deployment's limits, the tools, the prompts (rendered by
-:mod:`gyrfalcon.protocol.chat` on the chat endpoints), the sampling parameters and constraint, one
-engine request per prompt with its ``max_tokens``, then :class:`gyrfalcon.validation.RequestValidator`
-(the policies' own parameters, the plugins' ``gyrfalcon_validate_request``).
-Every refusal is a :class:`RequestError` naming its ``param`` as the client wrote it.
+generated model; the plugins' extensions by their schemas), the documents' cross-field rules, the
+"not supported" check, the model name, the deployment's limits, the tools, the prompts (rendered
+by :mod:`gyrfalcon.protocol.chat` on the chat endpoints), the sampling parameters and constraint,
+one engine request per prompt with its ``max_tokens`` resolved, then
+:class:`gyrfalcon.validation.RequestValidator`, which decides whether each fits the context (and
+``min_tokens``, the policies' own parameters, the plugins' ``gyrfalcon_validate_request``).
+Every refusal is a :class:`RequestError` naming its ``param`` as the client wrote it
+(:class:`~gyrfalcon.protocol.requests.WireNames`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import jsonschema
 
 from gyrfalcon.engine_api.interface import Engine
-from gyrfalcon.engine_api.lengths import context_message, context_overflow, min_tokens_problem, sampling_work, work_message
+from gyrfalcon.engine_api.lengths import sampling_work, work_message
 from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind, SamplingParams
 from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.protocol.capabilities import check_supported
@@ -149,22 +151,22 @@ class Translator:
                 "n", f"{len(prompts)} prompts x n={sampling.n} asks for more than the {self.max_seqs} sequences one request may have"
             )
         names = wire_names(fields)
-        requests = self._engine_requests(fields, response_id, prompts, prompt_param, sampling, names)
+        requests = self._engine_requests(fields, response_id, prompts, sampling, names)
         self._check_work(fields, requests, prompt_param)
         serving = self._serving_request(fields, model, response_id, requests, prompt_texts, tools, names)
         if endpoint.stored and external_id:
             serving.recorded["request_id"] = external_id
         return serving
 
-    def _engine_requests(self, fields: RequestFields, response_id: str, prompts: list[list[int]], prompt_param: str,
-                         sampling: SamplingParams, names: WireNames) -> list[EngineRequest]:  # fmt: skip
+    def _engine_requests(self, fields: RequestFields, response_id: str, prompts: list[list[int]], sampling: SamplingParams,
+                         names: WireNames) -> list[EngineRequest]:  # fmt: skip
         """One engine request per prompt, each with its own ``max_tokens``, checked by the validator."""
         kind = OutputKind.DELTA if fields.get("stream", False) else OutputKind.FINAL_ONLY
         requests = [
             EngineRequest(
                 request_id=f"{response_id}-{i}-{uuid.uuid4().hex[:8]}",
                 prompt_token_ids=prompt,
-                sampling=self._with_max_tokens(fields, sampling, len(prompt), prompt_param),
+                sampling=self._with_max_tokens(fields, sampling, len(prompt)),
                 output_kind=kind,
                 extensions=dict(fields.get("extensions") or {}),
                 cache_salt=fields.get("cache_salt"),
@@ -174,10 +176,8 @@ class Translator:
         ]
         try:
             for request in requests:
-                if _answered_without_the_engine(fields, request.sampling):  # the plugins' checks only
-                    self.validator.check_hook(request, fields.endpoint.name)
-                else:
-                    self.validator.check(request, fields.endpoint.name)
+                submitted = not _answered_without_the_engine(fields, request.sampling)
+                self.validator.check(request, fields.endpoint.name, submitted=submitted)
         except RequestError as exc:
             exc.param = names(exc.param)
             raise
@@ -190,8 +190,7 @@ class Translator:
             return
         work = sum(sampling_work(r.sampling) for r in requests)
         if work > self.max_work:
-            param = next((name for name in ("max_completion_tokens", "max_tokens") if f.has(name)), None)
-            param = param or ("n" if requests[0].sampling.n > 1 else prompt_param)
+            param = max_tokens_field(f) or ("n" if requests[0].sampling.n > 1 else prompt_param)
             raise RequestError(work_message(work, self.max_work), f.param(param))
 
     def _serving_request(self, fields: RequestFields, model: str, response_id: str, requests: list[EngineRequest],
@@ -357,29 +356,28 @@ class Translator:
                 params.prompt_logprobs = max(logprobs, params.prompt_logprobs or 0)
         return params
 
-    def _with_max_tokens(self, f: RequestFields, sampling: SamplingParams, prompt_len: int, prompt_param: str) -> SamplingParams:
-        """Resolve ``max_tokens`` for one prompt and check that prompt + max_tokens fit the context
-        (naming the wire's token field) and that ``min_tokens`` fits it: here for every request, the
-        echoes answered without the engine included, which the validator's length checks skip."""
-        context = self.info.max_model_len
-        if f.has("max_completion_tokens"):
-            name, max_tokens = "max_completion_tokens", f.get("max_completion_tokens")
-        elif f.get("max_tokens") is not None:
-            name, max_tokens = "max_tokens", f.get("max_tokens")
+    def _with_max_tokens(self, f: RequestFields, sampling: SamplingParams, prompt_len: int) -> SamplingParams:
+        """``sampling`` with ``max_tokens`` resolved for one prompt: the client's (see
+        :func:`max_tokens_field`), else the endpoint's default, else what the context leaves after the
+        prompt, capped by the model's own ``max_new_tokens``. Whether it fits is the validator's."""
+        name = max_tokens_field(f)
+        if name is not None:
+            max_tokens = f.get(name)
         elif f.endpoint.default_max_tokens is not None:
-            name, max_tokens = None, f.endpoint.default_max_tokens
+            max_tokens = f.endpoint.default_max_tokens
         else:
-            name, max_tokens = None, context - prompt_len
+            max_tokens = self.info.max_model_len - prompt_len
         if name is None and "max_tokens" in self.info.default_sampling:  # the model's max_new_tokens caps it
             max_tokens = min(max_tokens, self.info.default_sampling["max_tokens"])
-        overflow = context_overflow(prompt_len, max_tokens, context)
-        if overflow is not None:
-            param = prompt_param if overflow == "prompt" or name is None else name
-            raise RequestError(context_message(overflow, prompt_len, max_tokens, context), f.param(param))
-        problem = min_tokens_problem(sampling.min_tokens, max_tokens)
-        if problem is not None:
-            raise f.error("min_tokens", problem)
         return dataclasses.replace(sampling, max_tokens=max_tokens)
+
+
+def max_tokens_field(f: RequestFields) -> str | None:
+    """The field that sets ``max_tokens`` (chat's ``max_completion_tokens`` wins over its
+    ``max_tokens``), or None when the client set neither."""
+    if f.has("max_completion_tokens"):
+        return "max_completion_tokens"
+    return "max_tokens" if f.get("max_tokens") is not None else None
 
 
 def _answered_without_the_engine(f: RequestFields, sampling: SamplingParams) -> bool:
@@ -397,4 +395,4 @@ def wire_names(f: RequestFields) -> WireNames:
         constraint = "tools"  # the calls' grammar: a tool's parameters schema does not compile
     elif (f.get("response_format") or {"type": "text"})["type"] != "text":
         constraint = "response_format"
-    return WireNames(f.endpoint, constraint)
+    return WireNames(f.endpoint, constraint, max_tokens=max_tokens_field(f))
