@@ -103,11 +103,13 @@ def worker_engine(settings: Settings, pm: pluggy.PluginManager) -> Engine:
     return client
 
 
-def app(settings: Settings, engine: Engine, pm: pluggy.PluginManager) -> Any:
-    """The served ASGI app over ``engine``, with the plugins' start-up and shut-down hooks."""
+def app(settings: Settings, engine: Engine, pm: pluggy.PluginManager | None = None, *, lifespan: bool = True) -> Any:
+    """The served ASGI app over ``engine``, its translator and served spec built now when the engine
+    is ready; with ``lifespan`` (a server's) the plugins' start-up and shut-down hooks run and the
+    engine is shut down with the app. Tests build their apps here too, without the lifespan."""
     from gyrfalcon.api.app import create_app
 
-    return create_app(engine, settings, pm, lifespan=True)
+    return create_app(engine, settings, pm or plugins(settings), lifespan=lifespan, prepare=True)
 
 
 def asgi_app() -> Any:

@@ -11,6 +11,15 @@ from typing import Any
 import falcon.testing
 
 
+def served_app(engine: Any, settings: Any, pm: Any = None) -> Any:
+    """The app over ``engine`` as a server's workers build it, through the composition root
+    (``compose.app``: the settings' plugins unless ``pm`` is given, the translator and served spec
+    built at once), without the ASGI lifespan: the test owns the engine."""
+    from gyrfalcon import compose
+
+    return compose.app(settings, engine, pm, lifespan=False)
+
+
 class WaitingClient:
     """ASGI middleware for in-process tests: the client waits for its whole answer.
 

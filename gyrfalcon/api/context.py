@@ -75,7 +75,8 @@ LARGE_BODY_REST = 3.0
 
 
 class ServerContext:
-    """Holds the engine and builds, once the model is ready, the translator and the served spec."""
+    """Holds the engine and, once the model is ready, the translator and the served spec
+    (:meth:`prepare`)."""
 
     def __init__(self, engine: Engine, settings: Settings, pm: pluggy.PluginManager) -> None:
         self.engine = engine
@@ -138,6 +139,15 @@ class ServerContext:
                     threading.Thread(target=_purge_every, args=(self._store, PURGE_INTERVAL_S), daemon=True,
                                      name="gyrfalcon-responses-purge").start()  # fmt: skip
         return self._store
+
+    def prepare(self) -> None:
+        """Build the translator and the served spec now, from an engine that is ready: the
+        composition root's start-up (:func:`gyrfalcon.compose.app`), so that no request pays for
+        them and what they hold is among the worker's long-lived objects when it freezes them. With
+        an engine still loading, each is built on first use instead (until then a request gets 503).
+        The stored responses open on first use: a server that stores none makes no file."""
+        self.translator()
+        self.served_spec_bytes()
 
     def ready_info(self) -> EngineInfo:
         """The engine's info, or a 503 while the model is still loading."""

@@ -7,18 +7,16 @@ import time
 import falcon.testing
 import pytest
 
-from gyrfalcon.api.app import create_app
 from gyrfalcon.config import Settings
-from gyrfalcon.plugins import plugin_manager
 from gyrfalcon.plugins.engines import create_transformers_engine
 from tests.conftest import tiny_settings
-from tests.helpers import api_client
+from tests.helpers import api_client, served_app
 
 
 @pytest.fixture(scope="session")
 def app(tiny_engine, tiny_model_dir):
     settings = Settings(model=str(tiny_model_dir), served_model_name=["tiny"], max_body_bytes=64 * 1024)
-    return create_app(tiny_engine, settings, plugin_manager())
+    return served_app(tiny_engine, settings)
 
 
 @pytest.fixture

@@ -8,10 +8,8 @@ import json
 import threading
 import time
 
-from gyrfalcon.api.app import create_app
 from gyrfalcon.config import Settings
-from gyrfalcon.plugins import plugin_manager
-from tests.helpers import api_client
+from tests.helpers import api_client, served_app
 
 
 def http_scope(path: str, body: bytes) -> dict:
@@ -24,7 +22,7 @@ def http_scope(path: str, body: bytes) -> dict:
 
 def test_stream_disconnect_frees_the_sequences(slow_engine, tiny_model_dir):
     engine = slow_engine
-    app = create_app(engine, Settings(model=tiny_model_dir, served_model_name=["tiny"]), plugin_manager())
+    app = served_app(engine, Settings(model=tiny_model_dir, served_model_name=["tiny"]))
     client = api_client(app)
     body = json.dumps({"prompt": "The quick brown fox", "max_tokens": 150, "temperature": 1.0, "n": 3,
                        "ignore_eos": True, "stream": True}).encode()  # fmt: skip

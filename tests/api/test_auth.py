@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from gyrfalcon.api.app import create_app
 from gyrfalcon.config import Settings
-from gyrfalcon.plugins import plugin_manager
-from tests.helpers import api_client
+from tests.helpers import api_client, served_app
 
 
 def test_api_key_required(tiny_engine, tiny_model_dir):
-    app = create_app(tiny_engine, Settings(model=tiny_model_dir, api_keys=["s3cret"]), plugin_manager())
+    app = served_app(tiny_engine, Settings(model=tiny_model_dir, api_keys=["s3cret"]))
     client = api_client(app)
     body = {"prompt": "x", "max_tokens": 1}
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "s3cret"}, {"Authorization": "Basic s3cret"},
@@ -26,7 +24,7 @@ def test_api_key_required(tiny_engine, tiny_model_dir):
 
 def test_metrics_may_ask_for_a_key(tiny_engine, tiny_model_dir):
     settings = Settings(model=tiny_model_dir, api_keys=["s3cret"], metrics_require_key=True)
-    client = api_client(create_app(tiny_engine, settings, plugin_manager()))
+    client = api_client(served_app(tiny_engine, settings))
     assert client.simulate_get("/metrics").status_code == 401
     assert client.simulate_get("/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert client.simulate_get("/health").status_code == 200
@@ -34,7 +32,7 @@ def test_metrics_may_ask_for_a_key(tiny_engine, tiny_model_dir):
 
 def test_cors_for_the_allowed_origins_and_preflights_need_no_key(tiny_engine, tiny_model_dir):
     settings = Settings(model=tiny_model_dir, api_keys=["s3cret"], allowed_origins=["https://ui.example"])
-    client = api_client(create_app(tiny_engine, settings, plugin_manager()))
+    client = api_client(served_app(tiny_engine, settings))
     preflight = client.simulate_options("/v1/completions", headers={
         "Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization, content-type"})  # fmt: skip
@@ -47,5 +45,5 @@ def test_cors_for_the_allowed_origins_and_preflights_need_no_key(tiny_engine, ti
     assert "X-Request-Id" in r.headers["access-control-expose-headers"]
     other = client.simulate_post("/v1/completions", json=body, headers={"Origin": "https://evil.example", "Authorization": "Bearer s3cret"})
     assert "access-control-allow-origin" not in other.headers
-    plain = api_client(create_app(tiny_engine, Settings(model=tiny_model_dir), plugin_manager()))
+    plain = api_client(served_app(tiny_engine, Settings(model=tiny_model_dir)))
     assert "access-control-allow-origin" not in plain.simulate_get("/v1/models", headers={"Origin": "https://ui.example"}).headers

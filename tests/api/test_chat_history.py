@@ -9,12 +9,11 @@ import shutil
 
 import pytest
 
-from gyrfalcon.api.app import create_app
 from gyrfalcon.models.tiny import CHATML_TEMPLATE
 from gyrfalcon.plugins import plugin_manager
 from gyrfalcon.plugins.engines import create_transformers_engine
 from tests.conftest import tiny_settings
-from tests.helpers import api_client, chat_delta_text, sse_events, stream_by_choice
+from tests.helpers import api_client, chat_delta_text, sse_events, stream_by_choice, served_app
 
 
 CHAT = "/v1/chat/completions"
@@ -83,7 +82,7 @@ def test_tool_turns_a_template_drops_are_refused(tiny_model_dir, tmp_path):
     engine = create_transformers_engine(settings, pm)
     try:
         assert engine.wait_ready(60).ready
-        client = api_client(create_app(engine, settings, pm))
+        client = api_client(served_app(engine, settings, pm))
         assert "tool" not in client.simulate_get("/openapi.json").json["components"]["schemas"]["ChatMessage"][
             "properties"]["role"]["enum"]  # fmt: skip
         r = client.simulate_post(CHAT, json={"messages": [HISTORY[0], HISTORY[2]], "max_tokens": 1})
@@ -104,7 +103,7 @@ def tool_client(tiny_model_dir, tmp_path_factory):
     pm = plugin_manager()
     engine = create_transformers_engine(settings, pm)
     assert engine.wait_ready(60).ready
-    yield engine, api_client(create_app(engine, settings, pm))
+    yield engine, api_client(served_app(engine, settings, pm))
     engine.shutdown(0)
 
 

@@ -9,11 +9,9 @@ import time
 
 import pytest
 
-from gyrfalcon.api.app import create_app
 from gyrfalcon.api.protocol import ConnectionLimits, GuardedHttpProtocol
 from gyrfalcon.config import Settings
-from gyrfalcon.plugins import plugin_manager
-from tests.helpers import ServedInThread
+from tests.helpers import ServedInThread, served_app
 
 
 LIMITS = ConnectionLimits(header_timeout=0.5, send_timeout=0.5, max_head_bytes=4096, max_url_bytes=1024)
@@ -106,7 +104,7 @@ class SmallBuffers(GuardedHttpProtocol):
 @pytest.mark.parametrize("slow_engine", [0.02], indirect=True)
 def test_a_stream_nobody_reads_is_dropped_and_its_request_aborted(slow_engine, tiny_model_dir):
     tiny_engine = slow_engine  # 120 steps of 20 ms: the request outlives the send timeout
-    app = create_app(slow_engine, Settings(model=tiny_model_dir, served_model_name=["tiny"]), plugin_manager())
+    app = served_app(slow_engine, Settings(model=tiny_model_dir, served_model_name=["tiny"]))
     with ServedInThread(app, LIMITS, SmallBuffers) as url:
         never_read(int(url.rsplit(":", 1)[1]), tiny_engine)
 

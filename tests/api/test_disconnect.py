@@ -10,16 +10,14 @@ import time
 
 import pytest
 
-from gyrfalcon.api.app import create_app
 from gyrfalcon.api.connection import Connection
 from gyrfalcon.api.errors import http_status
 from gyrfalcon.api.protocol import ConnectionLimits
 from gyrfalcon.config import Settings
 from gyrfalcon.errors import Kind, RequestError
-from gyrfalcon.plugins import plugin_manager
 from gyrfalcon.protocol.translate import Translator
 from gyrfalcon.serving.runner import complete, submit_all
-from tests.helpers import ServedInThread
+from tests.helpers import ServedInThread, served_app
 
 
 def receiver(*messages, then_wait: asyncio.Event | None = None):
@@ -117,7 +115,7 @@ def test_a_half_closed_client_still_gets_its_answer(served):
 
 @pytest.mark.parametrize("slow_engine", [0.02], indirect=True)
 def test_a_client_that_closes_its_socket_aborts_its_non_streaming_request(slow_engine, tiny_model_dir):
-    app = create_app(slow_engine, Settings(model=tiny_model_dir, served_model_name=["tiny"]), plugin_manager())
+    app = served_app(slow_engine, Settings(model=tiny_model_dir, served_model_name=["tiny"]))
     with ServedInThread(app, ConnectionLimits(probe_interval=0.2)) as url:
         port = int(url.rsplit(":", 1)[1])
         before = slow_engine.stats()["requests_aborted"]

@@ -9,10 +9,8 @@ import time
 import pytest
 import requests
 
-from gyrfalcon.api.app import create_app
 from gyrfalcon.config import Settings
-from gyrfalcon.plugins import plugin_manager
-from tests.helpers import ServedInThread, sse_events
+from tests.helpers import ServedInThread, sse_events, served_app
 
 LONG = {"prompt": "Hello", "max_tokens": 120, "temperature": 1.0, "seed": 3, "ignore_eos": True}
 
@@ -39,7 +37,7 @@ def wait_running(engine, running, waiting):
 @pytest.mark.parametrize("slow_engine", [0.02], indirect=True)
 def test_drain_serves_the_running_and_refuses_the_rest(slow_engine, tiny_model_dir):
     settings = Settings(model=tiny_model_dir, served_model_name=["tiny"], drain_timeout=30)
-    app = create_app(slow_engine, settings, plugin_manager())
+    app = served_app(slow_engine, settings)
     # the tiny engine runs 8 sequences: two requests of n=4 fill it, two more wait in the queue
     bodies = [{**LONG, "n": 4}, {**LONG, "n": 4, "stream": True}, {**LONG, "n": 4}, {**LONG, "n": 4, "stream": True}]
     with ServedInThread(app) as url:
@@ -66,7 +64,7 @@ def test_drain_serves_the_running_and_refuses_the_rest(slow_engine, tiny_model_d
 @pytest.mark.parametrize("slow_engine", [0.02], indirect=True)
 def test_what_outlives_the_drain_ends_with_a_503_event(slow_engine, tiny_model_dir):
     settings = Settings(model=tiny_model_dir, served_model_name=["tiny"], drain_timeout=0.3)
-    app = create_app(slow_engine, settings, plugin_manager())
+    app = served_app(slow_engine, settings)
     with ServedInThread(app) as url:
         results, threads = run_in_threads(url, [{**LONG, "n": 4}, {**LONG, "n": 4, "stream": True}])
         wait_running(slow_engine, 2, 0)

@@ -10,12 +10,11 @@ from typing import Any
 
 import pytest
 
-from gyrfalcon.api.app import create_app
 from gyrfalcon.openapi import FIELD_LIMITS
 from gyrfalcon.plugins import plugin_manager
 from gyrfalcon.plugins.engines import create_transformers_engine
 from tests.conftest import TINY_MAX_MODEL_LEN, tiny_settings
-from tests.helpers import api_client
+from tests.helpers import api_client, served_app
 
 
 MSG = {"role": "user", "content": "hi"}
@@ -39,7 +38,7 @@ def small(tiny_model_dir):
     pm = plugin_manager()
     engine = create_transformers_engine(settings, pm)
     assert engine.wait_ready(60).ready
-    client = api_client(create_app(engine, settings, pm))
+    client = api_client(served_app(engine, settings, pm))
     yield client, client.simulate_get("/openapi.json").json
     engine.shutdown(0)
 

@@ -8,11 +8,10 @@ import shutil
 
 import pytest
 
-from gyrfalcon.api.app import create_app
 from gyrfalcon.plugins import plugin_manager
 from gyrfalcon.plugins.engines import create_transformers_engine
 from tests.conftest import tiny_settings
-from tests.helpers import api_client
+from tests.helpers import api_client, served_app
 
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -33,7 +32,7 @@ def _client(model_dir, mode):
     pm = plugin_manager()
     engine = create_transformers_engine(settings, pm)
     assert engine.wait_ready(60).ready
-    return engine, api_client(create_app(engine, settings, pm))
+    return engine, api_client(served_app(engine, settings, pm))
 
 
 def test_the_models_defaults_fill_what_the_client_leaves_unset(model_with_defaults):

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from gyrfalcon.api.app import create_app
 from gyrfalcon.plugins import plugin_manager
 from gyrfalcon.plugins.engines import create_transformers_engine
 from tests.conftest import tiny_settings
-from tests.helpers import api_client
+from tests.helpers import api_client, served_app
 
 
 def test_503_until_ready_then_200(tiny_model_dir):
     settings = tiny_settings(tiny_model_dir)
     pm = plugin_manager()
     engine = create_transformers_engine(settings, pm, start=False)
-    client = api_client(create_app(engine, settings, pm))
+    client = api_client(served_app(engine, settings, pm))
     try:
         for method, path, body in [("GET", "/health", None), ("GET", "/openapi.json", None), ("GET", "/v1/models", None),
                                    ("POST", "/v1/completions", {"prompt": "x"})]:  # fmt: skip

@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import ServedInThread
+from tests.helpers import ServedInThread, served_app
 
 
 COMPLETIONS = "/v1/completions"
@@ -161,7 +161,6 @@ def test_an_int4_servers_loglikelihoods_equal_the_same_quantised_model_in_proces
     within 1e-4 with the model's own (fp32) KV cache; the default beside int4 layers is an fp16
     cache (llama.cpp's for a GGUF), whose keys and values are rounded to 11 bits where the plain
     forward keeps fp32: within 1e-3 (1.3e-4 measured on these sums), the same greedy flags."""
-    from gyrfalcon.api.app import create_app
     from gyrfalcon.models.loading import load_weights
     from gyrfalcon.plugins import plugin_manager
     from gyrfalcon.plugins.engines import create_transformers_engine
@@ -178,7 +177,7 @@ def test_an_int4_servers_loglikelihoods_equal_the_same_quantised_model_in_proces
         quantised = load_weights(tiny_model_dir, "float32", "cpu", "int4")[0]
         contexts, ctxlens, continuations = requests_for(engine, quantised)
         prompts = [ctx + cont for ctx, cont in zip(contexts, continuations)]
-        r = api_client(create_app(engine, settings, pm)).simulate_post(COMPLETIONS, json={
+        r = api_client(served_app(engine, settings, pm)).simulate_post(COMPLETIONS, json={
             "model": "tiny", "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "echo": True})  # fmt: skip
         assert r.status_code == 200, r.text
         got = parse_like_the_harness(r.json, ctxlens, drop_last=True)

@@ -3,13 +3,11 @@ become HTTP answers in the API layer only)."""
 
 from __future__ import annotations
 
-from gyrfalcon.api.app import create_app
 from gyrfalcon.config import Settings
 from gyrfalcon.plugins.engines import create_transformers_engine
 from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
-from gyrfalcon.plugins import plugin_manager
 from tests.conftest import tiny_settings
-from tests.helpers import api_client
+from tests.helpers import api_client, served_app
 
 
 def test_a_full_queue_is_503_with_retry_after(tiny_model_dir):
@@ -18,7 +16,7 @@ def test_a_full_queue_is_503_with_retry_after(tiny_model_dir):
     try:
         # the first takes the one free seat at the next step, the second waits: the queue is full
         fillers = [engine.submit(EngineRequest(f"filler-{i}", [1, 2, 3], SamplingParams(max_tokens=2))) for i in range(2)]
-        app = create_app(engine, Settings(model=tiny_model_dir, served_model_name=["tiny"]), plugin_manager())
+        app = served_app(engine, Settings(model=tiny_model_dir, served_model_name=["tiny"]))
         client = api_client(app)
         r = client.simulate_post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"

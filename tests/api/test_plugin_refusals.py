@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 
 from gyrfalcon import hookimpl
-from gyrfalcon.api.app import create_app
 from gyrfalcon.api.errors import http_status
 from gyrfalcon.config import Settings
 from gyrfalcon.engine_api.types import EngineError
 from gyrfalcon.errors import RequestError
 from gyrfalcon.plugins import plugin_manager
-from tests.helpers import api_client
+from tests.helpers import api_client, served_app
 
 
 class HouseRules:
@@ -31,7 +30,7 @@ def client(tiny_engine, tiny_model_dir):
     pm = plugin_manager()
     pm.register(HouseRules(), name="house-rules")
     settings = Settings(model=str(tiny_model_dir), served_model_name=["tiny"])
-    return api_client(create_app(tiny_engine, settings, pm))
+    return api_client(served_app(tiny_engine, settings, pm))
 
 
 @pytest.mark.parametrize(

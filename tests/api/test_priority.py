@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from gyrfalcon.api.app import create_app
 from gyrfalcon.plugins import plugin_manager
 from gyrfalcon.plugins.engines import create_transformers_engine
 from tests.conftest import tiny_settings
-from tests.helpers import api_client
+from tests.helpers import api_client, served_app
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +18,7 @@ def priority_client(tiny_model_dir):
     pm = plugin_manager()
     engine = create_transformers_engine(settings, pm)
     assert engine.wait_ready(60).ready
-    yield api_client(create_app(engine, settings, pm))
+    yield api_client(served_app(engine, settings, pm))
     engine.shutdown(0)
 
 

@@ -8,10 +8,8 @@ import time
 
 import pytest
 
-from gyrfalcon.api.app import create_app
 from gyrfalcon.config import Settings
-from gyrfalcon.plugins import plugin_manager
-from tests.helpers import api_client
+from tests.helpers import api_client, served_app
 
 PATH = "/v1/responses"
 TOOL = {"type": "function", "name": "get_weather", "parameters": {
@@ -22,7 +20,7 @@ TOOL = {"type": "function", "name": "get_weather", "parameters": {
 def _client(engine, model_dir, tmp_path, **settings):
     values = dict(model=str(model_dir), served_model_name=["tiny"], cache_dir=str(tmp_path))
     values.update(settings)
-    return api_client(create_app(engine, Settings(**values), plugin_manager()))
+    return api_client(served_app(engine, Settings(**values)))
 
 
 @pytest.fixture

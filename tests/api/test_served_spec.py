@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from gyrfalcon.api.app import create_app
 from gyrfalcon.plugins import plugin_manager
 from gyrfalcon.plugins.engines import create_transformers_engine
 from tests.conftest import tiny_settings
-from tests.helpers import api_client
+from tests.helpers import api_client, served_app
 
 
 NAMED_TEMPLATE = (
@@ -36,7 +35,7 @@ def client_for_template(tiny_model_dir, folder: Path, template: str | None):
     pm = plugin_manager()
     engine = create_transformers_engine(settings, pm)
     assert engine.wait_ready(60).ready
-    return engine, api_client(create_app(engine, settings, pm))
+    return engine, api_client(served_app(engine, settings, pm))
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +100,22 @@ def test_no_chat_template_means_no_responses_api_in_the_spec(base_model_client):
     assert "/v1/responses" not in spec["paths"]
     r = base_model_client.simulate_post("/v1/responses", json={"input": "x", "max_output_tokens": 16})
     assert r.status_code == 400 and r.json["error"]["param"] == "input", r.text
+
+
+def test_the_composition_root_builds_the_translator_and_spec_at_start_up(tiny_engine, tiny_model_dir, monkeypatch):
+    """An app built through ``compose.app`` over a ready engine has its translator and served spec
+    before its first request: no request pays for them, and a worker freezes them with the rest of
+    what it holds (``gunicorn_conf.post_worker_init``)."""
+    import gyrfalcon.api.context as context
+    from gyrfalcon.config import Settings
+
+    client = api_client(served_app(tiny_engine, Settings(model=tiny_model_dir, served_model_name=["tiny"])))
+
+    def built_late(*args, **kwargs):
+        raise AssertionError("built on a request")
+
+    monkeypatch.setattr(context, "Translator", built_late)
+    monkeypatch.setattr(context, "deployment_spec", built_late)
+    assert client.simulate_get("/openapi.json").status_code == 200
+    r = client.simulate_post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 200, r.text

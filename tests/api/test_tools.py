@@ -9,12 +9,10 @@ import json
 import jsonschema
 import pytest
 
-from gyrfalcon.api.app import create_app
 from gyrfalcon.config import Settings
-from gyrfalcon.plugins import plugin_manager
 from gyrfalcon.plugins.engines import create_transformers_engine
 from tests.conftest import tiny_settings
-from tests.helpers import api_client, sse_events
+from tests.helpers import api_client, sse_events, served_app
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -36,7 +34,7 @@ def client(tmp_path_factory):
     engine = create_transformers_engine(tiny_settings(model, max_model_len=2048, max_num_seqs=4))
     assert engine.wait_ready(120).ready
     settings = Settings(model=model, served_model_name=["tiny"])
-    yield api_client(create_app(engine, settings, plugin_manager()))
+    yield api_client(served_app(engine, settings))
     engine.shutdown(0)
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gyrfalcon.api.app import create_app
 from gyrfalcon.plugins import plugin_manager
 from gyrfalcon.plugins.engines import create_transformers_engine
+from tests.helpers import served_app
 from tests.conftest import tiny_settings
 
 #: small limits keep every valid request fast and deterministic under fuzzing
@@ -20,5 +20,5 @@ def fuzz_app(tiny_model_dir, tmp_path_factory):
     pm = plugin_manager()
     engine = create_transformers_engine(settings, pm)
     assert engine.wait_ready(timeout=120).ready
-    yield create_app(engine, settings, pm)
+    yield served_app(engine, settings, pm)
     engine.shutdown(grace=1.0)

@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 
-from tests.helpers import api_client, sse_events
+from tests.helpers import api_client, sse_events, served_app
 from tests.live_server import start_server, stop_server
 
 pytest.importorskip("ray.serve", reason="the Ray Serve extra: pip install -e '.[ray]'")
@@ -31,12 +31,10 @@ RAY_ARGS = ["--ray", "--served-model-name", "tiny", "--max-model-len", "256", "-
 @pytest.fixture(scope="module")
 def client(tiny_engine, tiny_model_dir):
     """The same model in one process (the in-process app of the API tests)."""
-    from gyrfalcon.api.app import create_app
     from gyrfalcon.config import Settings
-    from gyrfalcon.plugins import plugin_manager
 
     settings = Settings(model=str(tiny_model_dir), served_model_name=["tiny"])
-    return api_client(create_app(tiny_engine, settings, plugin_manager()))
+    return api_client(served_app(tiny_engine, settings))
 
 
 @pytest.fixture(scope="module")

@@ -16,18 +16,17 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gyrfalcon-example-
 PROBE = textwrap.dedent(
     """
     import json, sys
-    from gyrfalcon.api.app import create_app
     from gyrfalcon.config import Settings
     from gyrfalcon.plugins import plugin_manager
     from gyrfalcon.plugins.engines import create_transformers_engine
-    from tests.helpers import api_client
+    from tests.helpers import api_client, served_app
 
     pm = plugin_manager()
     assert pm.has_plugin("suppress_tokens"), [pm.get_name(p) for p in pm.get_plugins()]
     settings = Settings(model=sys.argv[1], max_model_len=64, served_model_name=["tiny"], enforce_eager=True)
     engine = create_transformers_engine(settings, pm)
     assert engine.wait_ready(60).ready
-    client = api_client(create_app(engine, settings, pm))
+    client = api_client(served_app(engine, settings, pm))
     body = {"token_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_tokens": 3, "ignore_eos": True}}
     plain = client.simulate_post("/inference/v1/generate", json=body).json["choices"][0]["token_ids"]
     body["extensions"] = {"suppress_token_ids": [plain[0]]}
