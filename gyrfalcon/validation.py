@@ -42,6 +42,21 @@ NATIVE_CAPABILITIES = frozenset(
 )
 
 
+#: what a deployment needs to honour a refused field, when it is a setting
+UNSUPPORTED_HINT: dict[str, str] = {
+    "priority": ": only priority 0 runs without --scheduling-policy priority",
+}
+
+
+def not_supported(name: str, param: str | None = None) -> RequestError:
+    """The refusal of a field (or ``extensions.NAME``) the engine cannot honour, naming ``param``
+    (default: ``name``): its one text, for the validator and the wire's check
+    (:mod:`gyrfalcon.protocol.capabilities`) alike."""
+    if name.startswith("extensions."):
+        return RequestError(f"Extension '{name.partition('.')[2]}' is not supported by this server's engine", name)
+    return RequestError(f"'{name}' is not supported by this server{UNSUPPORTED_HINT.get(name, '')}", param or name)
+
+
 def policies(pm: Any, info: EngineInfo) -> tuple[list[LogitsProcessor], list[LogprobGatherer]]:
     """The logits processors and logprob gatherers the plugins of ``pm`` give an engine of ``info``
     (the same hooks an engine builds its own from; their ``validate`` needs no torch)."""
@@ -82,13 +97,13 @@ class RequestValidator:
         info = self.info
         params = request.sampling
         for name in sorted(params.asked_fields() - info.capabilities):
-            raise RequestError(f"'{name}' is not supported by this server", name)
+            raise not_supported(name)
         if request.cache_salt is not None and "cache_salt" not in info.capabilities:
-            raise RequestError("'cache_salt' is not supported by this server", "cache_salt")
+            raise not_supported("cache_salt")
         if request.priority != 0 and "priority" not in info.capabilities:
-            raise RequestError("a non-zero priority needs the priority scheduling policy (--scheduling-policy priority)", "priority")
+            raise not_supported("priority")
         for name in sorted(set(request.extensions) - info.capabilities):
-            raise RequestError(f"Extension '{name}' is not supported by this server's engine", f"extensions.{name}")
+            raise not_supported(f"extensions.{name}")
         try:
             OutputKind(request.output_kind)
         except ValueError:

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from gyrfalcon.engine_api.types import SamplingParams
-from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.rules import RequestFields
+from gyrfalcon.validation import not_supported
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -38,11 +38,6 @@ WIRE_CAPABILITY: dict[str, str] = {
 
 #: values of wire fields without a documented default that ask for nothing (any engine honours them)
 NEUTRAL_VALUES: dict[str, Any] = {"response_format": {"type": "text"}}
-
-#: what a deployment needs to honour a refused field, when it is a setting
-UNSUPPORTED_HINT: dict[str, str] = {
-    "priority": ": only priority 0 runs without --scheduling-policy priority",
-}
 
 
 def capability_of(wire_field: str) -> str | None:
@@ -69,12 +64,11 @@ def check_supported(fields: RequestFields, defaults: dict[str, Any], capabilitie
         if name == "extensions":
             for ext in value or {}:
                 if ext not in capabilities:
-                    raise RequestError(f"Extension '{ext}' is not supported by this server's engine", f"extensions.{ext}")
+                    raise not_supported(f"extensions.{ext}")
             continue
         cap = capability_of(name)
         if cap is None or cap in capabilities:
             continue
         if (name in defaults and value == defaults[name]) or (name in NEUTRAL_VALUES and value == NEUTRAL_VALUES[name]):
             continue
-        hint = UNSUPPORTED_HINT.get(name, "")
-        raise fields.error(name, f"'{name}' is not supported by this server{hint}")
+        raise not_supported(name, fields.param(name))
