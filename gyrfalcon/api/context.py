@@ -122,9 +122,13 @@ class ServerContext:
         first use (the tokenizer's threads), whose threads would otherwise inherit the lane's
         priority for good, then lower the lane's (:data:`LARGE_BODY_NICE`). Threads it starts later
         (the stored responses' purge) run at its priority, as befits their work."""
-        if not self.engine.health().ready:
+        try:
+            if not self.engine.health().ready:
+                return
+            self.engine.tokenize("start the tokenizer's thread pool " * 64)
+        except Exception:  # noqa: BLE001 - the body's own work says what is wrong; the next body tries again
+            log.debug("the large-body lane keeps its priority for now", exc_info=True)
             return
-        self.engine.tokenize("start the tokenizer's thread pool " * 64)
         _yield_the_cpu()
         self._lane_yields = True
 
