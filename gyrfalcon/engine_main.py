@@ -8,9 +8,9 @@ its own, so a signal to the server's process group (Ctrl-C in a terminal) never 
 launcher signals it. It stays in the launcher's session, so that the kernel's autogroup scheduling
 weighs its threads against the API workers' one by one (``nice`` included) rather than as two
 equal groups; as a background group of that session it ignores SIGTTOU (a terminal set to
-``tostop`` would otherwise stop it at its first log line). SIGUSR1 drains the engine (health 503, queued requests end with a 503, running
-ones have ``--drain-timeout``) while the workers finish their streams; SIGTERM, or the launcher's
-death, stops it. An engine whose model cannot load exits with status 1 (its launcher then stops
+``tostop`` would otherwise stop it at its first log line). SIGUSR1 drains the engine (health 503,
+queued requests end with a 503, running ones have ``--drain-timeout``) while the workers finish
+their streams; SIGTERM, or the launcher's death, stops it. An engine whose model cannot load exits with status 1 (its launcher then stops
 the server, so that a supervisor sees the failure).
 """
 

@@ -2,8 +2,8 @@
 
 This process imports neither torch nor the app; it starts the engine as a fresh interpreter
 (spawned, never forked, in a process group of its own so that a signal to the server's process
-group reaches only the API side; in the same session, see :mod:`gyrfalcon.engine_main`), waits until it listens, then runs gunicorn with the engine's address in
-the workers' environment.
+group reaches only the API side; in the same session, see :mod:`gyrfalcon.engine_main`), waits
+until it listens, then runs gunicorn with the engine's address in the workers' environment.
 
 - SIGTERM (SIGINT, SIGQUIT likewise): the engine drains first (queued requests get a 503 at once),
   gunicorn (sent SIGTERM, its graceful stop) lets its workers finish their streams; once gunicorn

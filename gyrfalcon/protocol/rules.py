@@ -17,7 +17,7 @@ from typing import Any
 import jsonschema
 
 from gyrfalcon.errors import RequestError
-from gyrfalcon.openapi.served import bundle
+from gyrfalcon.openapi.served import bundle, x_rules
 from gyrfalcon.protocol.endpoints import CHAT, Endpoint, endpoint_of
 from gyrfalcon.protocol.runtime_rules import translation_rule_ids
 
@@ -106,8 +106,6 @@ TRANSLATION_RULES = translation_rule_ids()
 
 def stated_rule_ids() -> list[str]:
     """Every ``x-rule`` id of the documents, once each, in the order they are first stated."""
-    from gyrfalcon.openapi.served import x_rules
-
     return list(dict.fromkeys(rule for _, rule in x_rules(bundle())))
 
 
