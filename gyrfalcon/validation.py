@@ -5,15 +5,17 @@ fields as the client wrote them); callers that build engine requests themselves 
 run the same check. An engine's ``submit`` trusts what it is given and checks only what only it
 knows: that its KV cache can ever hold the request, and its queue.
 
-The checks, in order: what the request asks against the engine's capabilities, the output kind, the
-prompt (not empty; ids inside the vocabulary), ``n``, the context (``engine_api/lengths.py``),
-``max_tokens``, ``min_tokens``, the stop strings, each policy's own parameters (its ``validate``),
-then the plugins' ``gyrfalcon_validate_request``.
+The checks, in order: what the request asks against the engine's capabilities
+(:meth:`RequestValidator.check_supported`, the one place that decides "not supported"; the API side
+runs it first on the wire fields, which name what the client asked as it wrote it), the output
+kind, the prompt (not empty; ids inside the vocabulary), ``n``, the context
+(``engine_api/lengths.py``), ``max_tokens``, ``min_tokens``, the stop strings, each policy's own
+parameters (its ``validate``), then the plugins' ``gyrfalcon_validate_request``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from gyrfalcon.engine_api.lengths import context_message, context_overflow, min_tokens_problem
@@ -48,13 +50,27 @@ UNSUPPORTED_HINT: dict[str, str] = {
 }
 
 
-def not_supported(name: str, param: str | None = None) -> RequestError:
-    """The refusal of a field (or ``extensions.NAME``) the engine cannot honour, naming ``param``
-    (default: ``name``): its one text, for the validator and the wire's check
-    (:mod:`gyrfalcon.protocol.capabilities`) alike."""
+def _not_supported(name: str, param: str) -> RequestError:
+    """The refusal of a field (or ``extensions.NAME``) the engine cannot honour, naming ``param``."""
     if name.startswith("extensions."):
         return RequestError(f"Extension '{name.partition('.')[2]}' is not supported by this server's engine", name)
-    return RequestError(f"'{name}' is not supported by this server{UNSUPPORTED_HINT.get(name, '')}", param or name)
+    return RequestError(f"'{name}' is not supported by this server{UNSUPPORTED_HINT.get(name, '')}", param)
+
+
+#: one thing a request asks for: (the capability it needs, the field as refused, the param named)
+Ask = tuple[str, str, str]
+
+
+def engine_asks(request: EngineRequest) -> list[Ask]:
+    """What an engine request asks beyond the defaults: its ``SamplingParams`` fields set to
+    something other than their default, a ``cache_salt``, a non-zero ``priority``, its extensions."""
+    asks: list[Ask] = [(name, name, name) for name in sorted(request.sampling.asked_fields())]
+    if request.cache_salt is not None:
+        asks.append(("cache_salt", "cache_salt", "cache_salt"))
+    if request.priority != 0:
+        asks.append(("priority", "priority", "priority"))
+    asks += [(name, f"extensions.{name}", f"extensions.{name}") for name in sorted(request.extensions)]
+    return asks
 
 
 def policies(pm: Any, info: EngineInfo) -> tuple[list[LogitsProcessor], list[LogprobGatherer]]:
@@ -96,14 +112,7 @@ class RequestValidator:
             return
         info = self.info
         params = request.sampling
-        for name in sorted(params.asked_fields() - info.capabilities):
-            raise not_supported(name)
-        if request.cache_salt is not None and "cache_salt" not in info.capabilities:
-            raise not_supported("cache_salt")
-        if request.priority != 0 and "priority" not in info.capabilities:
-            raise not_supported("priority")
-        for name in sorted(set(request.extensions) - info.capabilities):
-            raise not_supported(f"extensions.{name}")
+        self.check_supported(engine_asks(request))
         try:
             OutputKind(request.output_kind)
         except ValueError:
@@ -118,6 +127,14 @@ class RequestValidator:
         without the engine, such as an echo that generates nothing)."""
         if self.hook is not None and endpoint is not None:
             self.hook(endpoint=endpoint, request=request, info=self.info)
+
+    def check_supported(self, asks: Iterable[Ask]) -> None:
+        """Refuse the first ask whose capability this engine lacks, naming its field: the one
+        decision of "not supported", for the engine request's fields (:func:`engine_asks`) and the
+        wire's (:func:`gyrfalcon.protocol.capabilities.wire_asks`) alike."""
+        for capability, name, param in asks:
+            if capability not in self.info.capabilities:
+                raise _not_supported(name, param)
 
     def _check_context(self, request: EngineRequest, prompt_only: bool) -> None:
         """The prompt and ``max_tokens`` fit the context and ``min_tokens`` fits ``max_tokens``

@@ -1,8 +1,9 @@
-"""Which request fields this deployment can honour: the rest are refused with 400, never ignored.
+"""Which engine capability each wire field needs: what the validator decides "not supported" on.
 
 A wire field maps to the engine capability that honours it: by default the ``SamplingParams`` field
 of the same name; a few wire fields need a capability of another name; fields handled entirely by
-the frontend (prompt, stream, echo, …) need none.
+the frontend (prompt, stream, echo, …) need none. :func:`wire_asks` lists what a request asks;
+:meth:`gyrfalcon.validation.RequestValidator.check_supported` refuses what the engine lacks.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from gyrfalcon.engine_api.types import SamplingParams
 from gyrfalcon.protocol.rules import RequestFields
-from gyrfalcon.validation import not_supported
+from gyrfalcon.validation import Ask
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -54,21 +55,19 @@ def unsupported_fields(wire_fields: Iterable[str], capabilities: frozenset[str])
     return {name for name in wire_fields if (cap := capability_of(name)) is not None and cap not in capabilities}
 
 
-def check_supported(fields: RequestFields, defaults: dict[str, Any], capabilities: frozenset[str]) -> None:
-    """Refuse a field the engine cannot honour, unless the client sent exactly its wire default.
-
-    ``defaults`` maps wire field names to their documented default (absent: no default, so any
-    value counts as asking for it). Extensions are checked by name against the capabilities too.
-    """
+def wire_asks(fields: RequestFields, defaults: dict[str, Any]) -> list[Ask]:
+    """What a request's wire fields ask of the engine, in the body's order: each field that needs a
+    capability and holds something other than its wire default (``defaults``: the documented ones;
+    absent, any value asks) or a value that asks for nothing; each extension by its name."""
+    asks: list[Ask] = []
     for name, value in fields.values.items():
         if name == "extensions":
-            for ext in value or {}:
-                if ext not in capabilities:
-                    raise not_supported(f"extensions.{ext}")
+            asks += [(ext, f"extensions.{ext}", f"extensions.{ext}") for ext in value or {}]
             continue
         cap = capability_of(name)
-        if cap is None or cap in capabilities:
+        if cap is None:
             continue
         if (name in defaults and value == defaults[name]) or (name in NEUTRAL_VALUES and value == NEUTRAL_VALUES[name]):
             continue
-        raise not_supported(name, fields.param(name))
+        asks.append((cap, name, fields.param(name)))
+    return asks

@@ -35,69 +35,80 @@ class RuntimeRule:
         return {"id": self.id, "param": self.param, "description": self.description}
 
 
-#: Every runtime rule, in the order the served spec lists them.
+#: Every runtime rule, in the order a request meets them (the served spec lists them so): the
+#: stored turns it continues, then the API side's translation and validation, the engine's submit,
+#: generation. The deployment's bounds (``FIELD_LIMITS``) are met in the order of the endpoint's
+#: fields.
 RUNTIME_RULES: tuple[RuntimeRule, ...] = (
     RuntimeRule(
-        "min_tokens_le_max_tokens",
-        "min_tokens",
-        "min_tokens must not exceed the effective max_tokens (max_completion_tokens on chat wins over "
-        "max_tokens; completions default 16).",
-        "gyrfalcon.engine_api.lengths:min_tokens_problem",
+        "previous_response_stored",
+        "previous_response_id",
+        "previous_response_id names a response this server stores (stored with store true, not deleted, "
+        "within x-limits responses_store: size and ttl_s); else a 404 naming it, which says when the "
+        "response was evicted.",
+        "gyrfalcon.api.response_store:ResponseStore._row",
+        stage="store",
     ),
     RuntimeRule(
-        "prompt_fits_context",
-        "prompt",
-        "prompt tokens + max_tokens <= max_model_len. param is the prompt field of the endpoint: "
-        "token_ids (generate), prompt (completions), messages (chat, batch chat). An omitted max_tokens "
-        "on chat, batch chat and generate means up to the context, so there the prompt alone must leave "
-        "room for one token.",
-        "gyrfalcon.engine_api.lengths:context_overflow",
+        "extensions_valid",
+        "extensions",
+        "Each extensions property is validated by the plugin that declared it.",
+        "gyrfalcon.protocol.translate:Translator._check_extensions",
     ),
     RuntimeRule(
-        "request_fits_kv_cache",
-        "max_tokens",
-        "n x (prompt + max_tokens), in whole blocks, fits the server's KV cache (x-limits kv_cache), so "
-        "that the request can run even alone; param is the prompt field when the prompt alone does not "
-        "fit.",
-        "gyrfalcon.engine.scheduler:Scheduler.check_fits",
-        stage="engine",
+        "background_stored_not_streamed",
+        "background",
+        "background true needs store true (param background) and stream false (param stream).",
+        "gyrfalcon.protocol.responses:refuse_unsupported",
     ),
     RuntimeRule(
-        "continue_final_message_alone",
-        "continue_final_message",
-        "continue_final_message: true needs add_generation_prompt: false (vLLM's rule).",
-        "gyrfalcon.protocol.chat:ChatRendering.of",
+        "responses_supported",
+        "<field>",
+        "On /v1/responses, reasoning (no reasoning template), truncation auto, hosted tools (param "
+        "tools.<i>.type) and every include but message.output_text.logprobs (param include.<i>) are "
+        "refused.",
+        "gyrfalcon.protocol.responses:refuse_unsupported",
     ),
     RuntimeRule(
-        "request_seqs_le_limit",
-        "n",
-        "prompts (or conversations) x n <= the server's max_request_seqs (x-limits), so that one request "
-        "cannot hold the server for long.",
-        "gyrfalcon.protocol.translate:Translator._translate",
+        "field_supported",
+        "<field>",
+        "A field the engine cannot honour is rejected unless it holds its wire default (const/not in the "
+        "served spec); checked after schema and cross-field rules.",
+        "gyrfalcon.validation:RequestValidator.check_supported",
     ),
     RuntimeRule(
-        "request_tokens_le_limit",
-        "max_tokens",
-        "The sum over prompts of n x max_tokens (the resolved one), each token with logprobs counting "
-        "1 + (top logprobs + logprob_token_ids)/20, is at most the server's max_request_tokens (x-limits; "
-        "default twice max_num_seqs x max_model_len), so that one request cannot hold the server for "
-        "long; param is the token limit the client set, else n (when above 1), else the prompt field.",
-        "gyrfalcon.protocol.translate:Translator._check_work",
+        "model_served",
+        "model",
+        "model, when given, is a served model name (404 otherwise; enum in the served spec).",
+        "gyrfalcon.protocol.translate:Translator._model_name",
     ),
     RuntimeRule(
-        "prompt_not_empty_after_tokenization",
-        "prompt",
-        "A non-empty prompt string must tokenize to at least one token (byte-level tokenizers always do; "
-        "others may drop some text).",
-        "gyrfalcon.protocol.translate:Translator._completion_prompts",
+        "logprobs_le_max_logprobs",
+        "logprobs",
+        "logprobs, top_logprobs and prompt_logprobs <= the server's max_logprobs (stated in the served "
+        "spec as maximum); param names the field.",
+        "gyrfalcon.openapi.limits:FIELD_LIMITS",
     ),
     RuntimeRule(
-        "constraint_compiles",
-        "structured_outputs",
-        "A structured_outputs constraint sets exactly one kind, not together with a response_format other"
-        " than text, and its JSON schema, regex or grammar compiles; param names the field "
-        "(structured_outputs.<kind>, or response_format.json_schema.schema).",
-        "gyrfalcon.structured.grammar:check",
+        "logit_bias_ids_in_vocab",
+        "logit_bias",
+        "Every logit_bias key is a token id below the vocabulary size (the served spec also narrows its "
+        "propertyNames pattern).",
+        "gyrfalcon.openapi.limits:FIELD_LIMITS",
+    ),
+    RuntimeRule(
+        "token_ids_in_vocab",
+        "token_ids",
+        "Every token id (token_ids, prompt ids, stop_token_ids, allowed_token_ids, logprob_token_ids) is "
+        "below the vocabulary size; param names the field. Stated in the served spec as maximum, enforced"
+        " in code because the generated models carry no deployment limits.",
+        "gyrfalcon.openapi.limits:FIELD_LIMITS",
+    ),
+    RuntimeRule(
+        "logprob_token_ids_unique",
+        "logprob_token_ids",
+        "No duplicate ids (uniqueItems in the spec; the generated models do not check it).",
+        "gyrfalcon.protocol.translate:Translator._check_limits",
     ),
     RuntimeRule(
         "tools_consistent",
@@ -110,22 +121,10 @@ RUNTIME_RULES: tuple[RuntimeRule, ...] = (
         "gyrfalcon.protocol.tools:tool_use",
     ),
     RuntimeRule(
-        "constraints_leave_a_token",
-        "structured_outputs",
-        "The request's token-excluding constraints together (structured_outputs, response_format or a "
-        "required tool call; allowed_token_ids; bad_words; min_tokens) leave at least one token at every "
-        "step. Whether they do is known only while generating: a row left with no token ends with a 400 "
-        "naming the most specific of them (in band when it is not the first token). A constraint holding "
-        "a character with a byte no token holds (x-limits unspellable_bytes) may meet this rule.",
-        "gyrfalcon.engine.sample.sampler:excluded_error",
-        stage="generation",
-    ),
-    RuntimeRule(
-        "message_name_rendered",
-        "messages",
-        "A message name is refused when the model's chat template does not render it (it would be "
-        "accepted and ignored).",
-        "gyrfalcon.protocol.chat:ChatRenderer.render",
+        "continue_final_message_alone",
+        "continue_final_message",
+        "continue_final_message: true needs add_generation_prompt: false (vLLM's rule).",
+        "gyrfalcon.protocol.chat:ChatRendering.of",
     ),
     RuntimeRule(
         "message_fields_match_role",
@@ -142,6 +141,19 @@ RUNTIME_RULES: tuple[RuntimeRule, ...] = (
         "gyrfalcon.protocol.chat:_template_tool_call",
     ),
     RuntimeRule(
+        "chat_template_renders",
+        "messages",
+        "The model's chat template renders the conversation (e.g. role order it accepts).",
+        "gyrfalcon.protocol.chat:ChatRenderer.render",
+    ),
+    RuntimeRule(
+        "message_name_rendered",
+        "messages",
+        "A message name is refused when the model's chat template does not render it (it would be "
+        "accepted and ignored).",
+        "gyrfalcon.protocol.chat:ChatRenderer.render",
+    ),
+    RuntimeRule(
         "message_tool_calls_rendered",
         "messages",
         "Assistant tool_calls are refused when the model's chat template does not render them (they would"
@@ -149,80 +161,71 @@ RUNTIME_RULES: tuple[RuntimeRule, ...] = (
         "gyrfalcon.protocol.chat:ChatRenderer.render",
     ),
     RuntimeRule(
-        "logit_bias_ids_in_vocab",
-        "logit_bias",
-        "Every logit_bias key is a token id below the vocabulary size (the served spec also narrows its "
-        "propertyNames pattern).",
-        "gyrfalcon.engine_api.vocabulary:first_outside_vocabulary",
+        "prompt_not_empty_after_tokenization",
+        "prompt",
+        "A non-empty prompt string must tokenize to at least one token (byte-level tokenizers always do; "
+        "others may drop some text).",
+        "gyrfalcon.protocol.translate:Translator._completion_prompts",
     ),
     RuntimeRule(
-        "chat_template_renders",
-        "messages",
-        "The model's chat template renders the conversation (e.g. role order it accepts).",
-        "gyrfalcon.protocol.chat:ChatRenderer.render",
+        "request_seqs_le_limit",
+        "n",
+        "prompts (or conversations) x n <= the server's max_request_seqs (x-limits), so that one request "
+        "cannot hold the server for long.",
+        "gyrfalcon.protocol.translate:Translator._translate",
     ),
     RuntimeRule(
-        "token_ids_in_vocab",
-        "token_ids",
-        "Every token id (token_ids, prompt ids, stop_token_ids, allowed_token_ids, logprob_token_ids) is "
-        "below the vocabulary size; param names the field. Stated in the served spec as maximum, enforced"
-        " in code because the generated models carry no deployment limits.",
-        "gyrfalcon.engine_api.vocabulary:first_outside_vocabulary",
+        "prompt_fits_context",
+        "prompt",
+        "prompt tokens + max_tokens <= max_model_len. param is the prompt field of the endpoint: "
+        "token_ids (generate), prompt (completions), messages (chat, batch chat). An omitted max_tokens "
+        "on chat, batch chat and generate means up to the context, so there the prompt alone must leave "
+        "room for one token.",
+        "gyrfalcon.engine_api.lengths:context_overflow",
     ),
     RuntimeRule(
-        "logprob_token_ids_unique",
-        "logprob_token_ids",
-        "No duplicate ids (uniqueItems in the spec; the generated models do not check it).",
-        "gyrfalcon.protocol.translate:Translator._check_limits",
+        "min_tokens_le_max_tokens",
+        "min_tokens",
+        "min_tokens must not exceed the effective max_tokens (max_completion_tokens on chat wins over "
+        "max_tokens; completions default 16).",
+        "gyrfalcon.engine_api.lengths:min_tokens_problem",
     ),
     RuntimeRule(
-        "logprobs_le_max_logprobs",
-        "logprobs",
-        "logprobs, top_logprobs and prompt_logprobs <= the server's max_logprobs (stated in the served "
-        "spec as maximum); param names the field.",
-        "gyrfalcon.openapi.limits:FIELD_LIMITS",
+        "constraint_compiles",
+        "structured_outputs",
+        "A structured_outputs constraint sets exactly one kind, not together with a response_format other"
+        " than text, and its JSON schema, regex or grammar compiles; param names the field "
+        "(structured_outputs.<kind>, or response_format.json_schema.schema).",
+        "gyrfalcon.structured.grammar:check",
     ),
     RuntimeRule(
-        "model_served",
-        "model",
-        "model, when given, is a served model name (404 otherwise; enum in the served spec).",
-        "gyrfalcon.protocol.translate:Translator._model_name",
+        "request_tokens_le_limit",
+        "max_tokens",
+        "The sum over prompts of n x max_tokens (the resolved one), each token with logprobs counting "
+        "1 + (top logprobs + logprob_token_ids)/20, is at most the server's max_request_tokens (x-limits; "
+        "default twice max_num_seqs x max_model_len), so that one request cannot hold the server for "
+        "long; param is the token limit the client set, else n (when above 1), else the prompt field.",
+        "gyrfalcon.protocol.translate:Translator._check_work",
     ),
     RuntimeRule(
-        "field_supported",
-        "<field>",
-        "A field the engine cannot honour is rejected unless it holds its wire default (const/not in the "
-        "served spec); checked after schema and cross-field rules.",
-        "gyrfalcon.protocol.capabilities:check_supported",
+        "request_fits_kv_cache",
+        "max_tokens",
+        "n x (prompt + max_tokens), in whole blocks, fits the server's KV cache (x-limits kv_cache), so "
+        "that the request can run even alone; param is the prompt field when the prompt alone does not "
+        "fit.",
+        "gyrfalcon.engine.scheduler:Scheduler.check_fits",
+        stage="engine",
     ),
     RuntimeRule(
-        "extensions_valid",
-        "extensions",
-        "Each extensions property is validated by the plugin that declared it.",
-        "gyrfalcon.protocol.translate:Translator._check_extensions",
-    ),
-    RuntimeRule(
-        "previous_response_stored",
-        "previous_response_id",
-        "previous_response_id names a response this server stores (stored with store true, not deleted, "
-        "within x-limits responses_store: size and ttl_s); else a 404 naming it, which says when the "
-        "response was evicted.",
-        "gyrfalcon.api.response_store:ResponseStore._row",
-        stage="store",
-    ),
-    RuntimeRule(
-        "background_stored_not_streamed",
-        "background",
-        "background true needs store true (param background) and stream false (param stream).",
-        "gyrfalcon.protocol.responses:refuse_unsupported",
-    ),
-    RuntimeRule(
-        "responses_supported",
-        "<field>",
-        "On /v1/responses, reasoning (no reasoning template), truncation auto, hosted tools (param "
-        "tools.<i>.type) and every include but message.output_text.logprobs (param include.<i>) are "
-        "refused.",
-        "gyrfalcon.protocol.responses:refuse_unsupported",
+        "constraints_leave_a_token",
+        "structured_outputs",
+        "The request's token-excluding constraints together (structured_outputs, response_format or a "
+        "required tool call; allowed_token_ids; bad_words; min_tokens) leave at least one token at every "
+        "step. Whether they do is known only while generating: a row left with no token ends with a 400 "
+        "naming the most specific of them (in band when it is not the first token). A constraint holding "
+        "a character with a byte no token holds (x-limits unspellable_bytes) may meet this rule.",
+        "gyrfalcon.engine.sample.sampler:excluded_error",
+        stage="generation",
     ),
 )
 

@@ -24,7 +24,7 @@ from gyrfalcon.engine_api.interface import Engine
 from gyrfalcon.engine_api.lengths import sampling_work, work_message
 from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind, SamplingParams
 from gyrfalcon.errors import Kind, RequestError
-from gyrfalcon.protocol.capabilities import check_supported
+from gyrfalcon.protocol.capabilities import wire_asks
 from gyrfalcon.protocol.chat import ChatRenderer, ChatRendering
 from gyrfalcon.protocol.endpoints import DETOKENIZE, TOKENIZE, Endpoint, Prompts, endpoint_of
 from gyrfalcon.protocol.requests import ServingRequest, ToolUse, WireNames
@@ -135,7 +135,7 @@ class Translator:
                    header_request_id: str | None) -> ServingRequest:  # fmt: skip
         fields = RequestFields.from_body(endpoint, sent)
         check_stated_rules(endpoint, sent, as_sent=not endpoint.as_chat)
-        check_supported(fields, endpoint.defaults, self.info.capabilities)
+        self.validator.check_supported(wire_asks(fields, endpoint.defaults))
         model = self._model_name(fields.get("model"))
         self._check_limits(fields)
         external_id = header_request_id or fields.get("request_id")

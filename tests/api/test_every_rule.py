@@ -86,3 +86,32 @@ def test_a_request_breaking_the_rule_is_refused_naming_its_field(client, rule):
     error = answer.json["error"]
     assert error["param"] == param, (rule, error)
     assert error["message"]
+
+
+def _merged(first: str, second: str) -> tuple[str, dict] | None:
+    """One body breaking both rules' cases, or None where their cases cannot share one (another
+    endpoint, or a field both set differently)."""
+    (path, body, _, _), (other_path, other_body, _, _) = CASES[first], CASES[second]
+    if path != other_path or any(body[k] != other_body[k] for k in body.keys() & other_body.keys()):
+        return None
+    return path, {**body, **other_body}
+
+
+def test_a_request_breaking_two_runtime_rules_is_refused_for_the_one_the_registry_lists_first(client):
+    """The served table lists the runtime rules in the order a request meets them: wherever one body
+    breaks two of them, the refusal is the first's (known by its text for that rule's case alone).
+    Two rules of one home (the deployment's bounds) are met in the order of the endpoint's fields."""
+    order = [rule.id for rule in RUNTIME_RULES if rule.id in CASES]
+    home = {rule.id: rule.home for rule in RUNTIME_RULES}
+    text = {rule: client.simulate_post(CASES[rule][0], json=CASES[rule][1]).json["error"]["message"] for rule in order}
+    checked = []
+    for i, first in enumerate(order):
+        for second in order[i + 1:]:
+            merged = _merged(first, second)
+            if merged is None or text[first] == text[second] or home[first] == home[second]:
+                continue
+            error = client.simulate_post(merged[0], json=merged[1]).json.get("error") or {}
+            if error.get("message") in (text[first], text[second]):
+                assert error["message"] == text[first], (first, second, error)
+                checked.append((first, second))
+    assert len(checked) >= 20, checked
