@@ -104,8 +104,8 @@ def worker_engine(settings: Settings, pm: pluggy.PluginManager) -> Engine:
 
 
 def app(settings: Settings, engine: Engine, pm: pluggy.PluginManager | None = None, *, lifespan: bool = True) -> Any:
-    """The served ASGI app over ``engine``, its translator and served spec built now when the engine
-    is ready; with ``lifespan`` (a server's) the plugins' start-up and shut-down hooks run and the
+    """The served ASGI app over ``engine``, its stored responses opened now and its translator and
+    served spec built now when the engine is ready; with ``lifespan`` (a server's) the plugins' start-up and shut-down hooks run and the
     engine is shut down with the app. Tests build their apps here too, without the lifespan."""
     from gyrfalcon.api.app import create_app
 

@@ -103,10 +103,10 @@ def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager, *, 
                prepare: bool = False) -> WatchedApp:  # fmt: skip
     """An ASGI app serving ``engine``; plugins may add routes. With ``lifespan`` the ASGI server's
     start-up and shut-down run the plugins' hooks and shut the engine down; with ``prepare`` the
-    translator and the served spec are built now if the engine is ready
-    (:meth:`ServerContext.prepare`). Build it through :func:`gyrfalcon.compose.app`."""
+    stored responses are opened now, and the translator and the served spec built if the engine is
+    ready (:meth:`ServerContext.prepare`). Build it through :func:`gyrfalcon.compose.app`."""
     ctx = ServerContext(engine, settings, pm)
-    if prepare and engine.health().ready:
+    if prepare:
         ctx.prepare()
     public = PUBLIC_ROUTES - {"/metrics"} if settings.metrics_require_key else PUBLIC_ROUTES
     middleware: list[object] = [APIKeyMiddleware(settings.api_keys, preflights=bool(settings.allowed_origins), public=public)]

@@ -76,8 +76,8 @@ LARGE_BODY_REST = 3.0
 
 
 class ServerContext:
-    """Holds the engine and, once the model is ready, the translator and the served spec
-    (:meth:`prepare`)."""
+    """Holds the engine, the stored responses and, once the model is ready, the translator and the
+    served spec (:meth:`prepare`)."""
 
     def __init__(self, engine: Engine, settings: Settings, pm: pluggy.PluginManager) -> None:
         self.engine = engine
@@ -146,13 +146,15 @@ class ServerContext:
         return self._store
 
     def prepare(self) -> None:
-        """Build the translator and the served spec now, from an engine that is ready: the
-        composition root's start-up (:func:`gyrfalcon.compose.app`), so that no request pays for
-        them and what they hold is among the worker's long-lived objects when it freezes them. With
-        an engine still loading, each is built on first use instead (until then a request gets 503).
-        The stored responses open on first use: a server that stores none makes no file."""
-        self.translator()
-        self.served_spec_bytes()
+        """Open the stored responses, and build the translator and the served spec if the engine is
+        ready: the composition root's start-up (:func:`gyrfalcon.compose.app`), so that no request
+        pays for them and what they hold is among the worker's long-lived objects when it freezes
+        them. With an engine still loading, the translator and spec are built on first use instead
+        (until then a request gets 503)."""
+        self.response_store()
+        if self.engine.health().ready:
+            self.translator()
+            self.served_spec_bytes()
 
     def ready_info(self) -> EngineInfo:
         """The engine's info, or a 503 while the model is still loading."""

@@ -91,7 +91,11 @@ class ResponseStore:
                                     ("responses", "alive", "REAL NOT NULL DEFAULT 0")):  # fmt: skip
             # a file from before owners (its rows are nobody's) or leases (its running ones are orphans)
             if column not in [row[1] for row in self._db.execute(f"PRAGMA table_info({table})")]:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+                try:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+                except sqlite3.OperationalError:  # another worker, starting beside this one, added it
+                    if column not in [row[1] for row in self._db.execute(f"PRAGMA table_info({table})")]:
+                        raise
 
     def put(self, response: dict[str, Any], input_items: list[dict[str, Any]], conversation: list[dict[str, Any]],
             owner: str = "", update: bool = False) -> bool:  # fmt: skip

@@ -102,10 +102,10 @@ def test_no_chat_template_means_no_responses_api_in_the_spec(base_model_client):
     assert r.status_code == 400 and r.json["error"]["param"] == "input", r.text
 
 
-def test_the_composition_root_builds_the_translator_and_spec_at_start_up(tiny_engine, tiny_model_dir, monkeypatch):
-    """An app built through ``compose.app`` over a ready engine has its translator and served spec
-    before its first request: no request pays for them, and a worker freezes them with the rest of
-    what it holds (``gunicorn_conf.post_worker_init``)."""
+def test_the_composition_root_builds_the_translator_spec_and_store_at_start_up(tiny_engine, tiny_model_dir, monkeypatch):
+    """An app built through ``compose.app`` over a ready engine has its translator, served spec and
+    stored responses before its first request: no request pays for them, and a worker freezes them
+    with the rest of what it holds (``gunicorn_conf.post_worker_init``)."""
     import gyrfalcon.api.context as context
     from gyrfalcon.config import Settings
 
@@ -116,6 +116,10 @@ def test_the_composition_root_builds_the_translator_and_spec_at_start_up(tiny_en
 
     monkeypatch.setattr(context, "Translator", built_late)
     monkeypatch.setattr(context, "deployment_spec", built_late)
+    monkeypatch.setattr(context, "ResponseStore", built_late)
     assert client.simulate_get("/openapi.json").status_code == 200
     r = client.simulate_post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
     assert r.status_code == 200, r.text
+    r = client.simulate_post("/v1/responses", json={"input": "hi", "max_output_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert client.simulate_get(f"/v1/responses/{r.json['id']}").status_code == 200
