@@ -10,6 +10,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from gyrfalcon.kernels.quant import QUANTIZATIONS
+from gyrfalcon.engine_api.config import LOGPROBS_MODES
 from gyrfalcon.engine_api.lengths import default_request_tokens
 
 #: Environment variable through which `gyrfalcon serve` hands its settings to gunicorn workers.
@@ -82,6 +83,9 @@ class Settings:
                                             "a token with logprobs counting 1 + entries/20 (default: twice "
                                             "--max-num-seqs x the context)", type=int)  # fmt: skip
     max_logprobs: int = option(20, "most top logprobs a request may ask for")
+    logprobs_mode: str = option("raw_logprobs", "what every returned logprob holds (sampled token, top, "
+                                "logprob_token_ids, prompt): " + "; ".join(f"{k}: {v}" for k, v in LOGPROBS_MODES.items()),
+                                choices=tuple(LOGPROBS_MODES), checked=True)  # fmt: skip
     seed: int = option(0, "the engine's seed (unseeded requests draw theirs from it)")
     dtype: str = option("auto", "the model's dtype (auto: bfloat16 on cuda, float32 on cpu)", choices=DTYPES, checked=True)
     #: vLLM's --quantization

@@ -6,6 +6,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from gyrfalcon.engine_api.config import LOGPROBS_MODES
 from gyrfalcon.engine_api.interface import Engine
 from gyrfalcon.engine_api.types import EngineInfo
 from gyrfalcon.openapi.limits import ServedLimits, largest_object, longest_array, walk_schemas
@@ -188,4 +189,6 @@ def deployment_spec(
     }
     if responses_store is not None:  # the Responses API's stored responses: how many, how long
         spec["x-limits"]["responses_store"] = responses_store
+    # what every logprob this server returns holds (--logprobs-mode)
+    spec["x-logprobs-mode"] = {"mode": info.logprobs_mode, "description": LOGPROBS_MODES[info.logprobs_mode]}
     return spec

@@ -85,6 +85,7 @@ class TransformersEngine(EngineCore):
             dtype=str(self.dtype).removeprefix("torch."),
             device=self.device,
             quantization=self.quantization,
+            logprobs_mode=cfg.logprobs_mode,
         )
         self.processors, self.gatherers = policies(pm, base)
         capabilities = set(NATIVE_CAPABILITIES)
@@ -97,7 +98,7 @@ class TransformersEngine(EngineCore):
 
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._seeds = torch.Generator().manual_seed(cfg.seed)  # seeds of unseeded choices (CPU)
-        self.sampler = Sampler(self.processors, self.gatherers, self.eos_token_ids, self.generator)
+        self.sampler = Sampler(self.processors, self.gatherers, self.eos_token_ids, self.generator, cfg.logprobs_mode)
         self.scheduler = Scheduler(cfg.max_queue_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    PREFILL_CHUNK_TOKENS, policy=cfg.scheduling_policy)  # fmt: skip
         self.runner: ModelRunner | None = None

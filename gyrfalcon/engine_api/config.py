@@ -7,6 +7,16 @@ from dataclasses import dataclass
 from typing import Any
 
 
+#: what every logprob the server returns holds (vLLM's ``--logprobs-mode``), each value's meaning
+LOGPROBS_MODES: dict[str, str] = {
+    "raw_logprobs": "the log-softmax of the model's logits, before any sampling parameter touches them",
+    "processed_logprobs": "the log-softmax of the logits the token is drawn from: after penalties, bans, "
+    "logit_bias, temperature, top-k, top-p and min-p (a token they exclude has the floor, -9999)",
+    "raw_logits": "the model's logits themselves",
+    "processed_logits": "the logits the token is drawn from, after every sampling parameter",
+}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's configuration, with vLLM's names; defaults live in the server's ``Settings``.
@@ -47,6 +57,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     #: ``auto``, ``float32`` or ``int8``: how the CPU's int4 layers read their inputs
     matmul_inputs: str = "auto"
+    #: what the logprobs returned hold (:data:`LOGPROBS_MODES`)
+    logprobs_mode: str = "raw_logprobs"
 
     @classmethod
     def from_settings(cls, settings: Any, model: str) -> EngineConfig:

@@ -258,6 +258,8 @@ class EngineInfo:
     #: which path decode steps take and why (``captured (…)``, ``compiled (…)``, ``eager (…)``), as
     #: :class:`EngineHealth` says it; None until the model is loaded and its fast path checked
     decode_path: str | None = None
+    #: what the logprobs it returns hold (``engine_api.config.LOGPROBS_MODES``)
+    logprobs_mode: str = "raw_logprobs"
 
 
 @dataclass

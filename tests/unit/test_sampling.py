@@ -9,6 +9,8 @@ import torch
 
 from gyrfalcon.engine.sample import persistent_batch
 from gyrfalcon.engine.sample.sampler import Sampler
+from gyrfalcon.engine.sample.logprob_reports import LOGPROB_FLOOR
+from gyrfalcon.engine_api.config import LOGPROBS_MODES
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.policies.sampling import (
@@ -19,6 +21,7 @@ from gyrfalcon.policies.sampling import (
     processors as sampling_processors,
 )
 from gyrfalcon.policies import BatchRows, LogprobGatherer
+from gyrfalcon.policies.logprobs import gatherers
 from gyrfalcon.api.errors import http_status
 
 V = 16
@@ -277,3 +280,57 @@ def test_rows_with_no_token_left_get_an_error_not_a_token(temperature):
     lone = make_sampler()
     alone = lone.sample(logits[:1].clone(), rows_for(params[:1], lone, seeds=[1]))
     assert out.token_ids[0] == alone.token_ids[0] and alone.errors == {}
+
+
+def _processed_by_hand(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """A row's logits as the sampler draws from them, by the references above: temperature, top-k, top-p."""
+    if params.greedy:
+        return row
+    row = row / params.temperature
+    if params.top_k > 0:
+        row = ref_top_k(row, params.top_k)
+    if params.top_p < 1.0:
+        row = ref_top_p(row, params.top_p)
+    return row
+
+
+@pytest.mark.parametrize("mode", list(LOGPROBS_MODES))
+def test_each_logprobs_mode_reports_what_it_names(mode):
+    """Every logprob a row reports (the sampled token's and the top ones) is the mode's value: the
+    raw or processed logits, or their log-softmax; processed = after temperature, top-k and top-p,
+    what the token is drawn from (a token they exclude reports the floor)."""
+    params = [SamplingParams(temperature=0.7, top_k=5, logprobs=4, seed=1), SamplingParams(temperature=0.0, logprobs=3),
+              SamplingParams(temperature=1.3, top_p=0.6, logprobs=2, seed=2)]  # fmt: skip
+    sampler = Sampler(sampling_processors(INFO), gatherers(INFO), [2], seeded(0), logprobs_mode=mode)
+    logits = known_logits(3)
+    out = sampler.sample(logits.clone(), rows_for(params, sampler, seeds=[1, 0, 2]))
+    for i, p in enumerate(params):
+        values = _processed_by_hand(logits[i], p) if mode.startswith("processed") else logits[i]
+        if mode.endswith("_logprobs"):
+            values = values.log_softmax(-1)
+        values = values.clamp_min(LOGPROB_FLOOR)
+        report = out.logprobs[i]
+        assert report.token_ids == [out.token_ids[i]]
+        assert report.logprobs[0] == pytest.approx(values[out.token_ids[i]].item(), abs=1e-5), (mode, i)
+        top = values.topk(p.logprobs)
+        assert report.top_token_ids[0] == top.indices.tolist(), (mode, i)
+        assert report.top_logprobs[0] == pytest.approx(top.values.tolist(), abs=1e-5), (mode, i)
+
+
+def test_processed_logprobs_are_the_probabilities_the_tokens_are_drawn_with():
+    """Under ``processed_logprobs`` a sampled token's logprob is the log of the probability the
+    sampler drew it with: over many seeds each token comes up that often, and the tokens top-k
+    leaves hold all the probability."""
+    params = SamplingParams(temperature=0.8, top_k=4, logprobs=4)
+    sampler = Sampler(sampling_processors(INFO), gatherers(INFO), [2], seeded(0), logprobs_mode="processed_logprobs")
+    logits = known_logits(1)
+    counts, reported, trials = torch.zeros(V), {}, 3000
+    for seed in range(trials):
+        out = sampler.sample(logits.clone(), rows_for([params], sampler, seeds=[seed]))
+        token, report = out.token_ids[0], out.logprobs[0]
+        counts[token] += 1
+        reported[token] = report.logprobs[0]
+        assert math.fsum(math.exp(v) for v in report.top_logprobs[0]) == pytest.approx(1.0, abs=1e-5)
+    assert len(reported) == 4
+    for token, logprob in reported.items():
+        assert counts[token].item() / trials == pytest.approx(math.exp(logprob), abs=0.03), token

@@ -26,7 +26,8 @@ from gyrfalcon.policies import BatchRows, LogprobGatherer
 
 @torch.inference_mode()
 def compute_prompt_logprobs(
-    logits: torch.Tensor, request: EngineRequest, gatherers: Sequence[LogprobGatherer], start: int = 0
+    logits: torch.Tensor, request: EngineRequest, gatherers: Sequence[LogprobGatherer], start: int = 0,
+    as_logits: bool = False,
 ) -> TokenLogprobs:
     """The prompt's :class:`TokenLogprobs`: ``L`` positions, the first with ``None``.
 
@@ -37,13 +38,15 @@ def compute_prompt_logprobs(
     Chunk by chunk: with ``start > 0``, ``logits`` row ``j`` is prompt position ``start + j`` and
     the result holds only the prompt tokens ``start + 1 ..`` those rows predict (a row past the
     prompt's end is not read); the chunks' results, joined in order, equal the whole prompt's.
+    ``as_logits``: report the logits themselves (the ``*_logits`` logprobs modes; no sampling
+    parameter applies at a prompt position, so the ``processed`` modes report what the raw ones do).
     """
     prompt = list(request.prompt_token_ids)
     result = TokenLogprobs([prompt[0]], [None], [[]], [[]], [None], [[]]) if start == 0 else TokenLogprobs()
     positions = min(int(logits.shape[0]), len(prompt) - 1 - start)
     if positions <= 0:
         return result
-    raw = logits[:positions].float().log_softmax(dim=-1)
+    raw = logits[:positions].float() if as_logits else logits[:positions].float().log_softmax(dim=-1)
     tokens = torch.tensor(prompt[start + 1 : start + 1 + positions], dtype=torch.long, device=raw.device)
     rows = BatchRows(
         params=[request.sampling] * positions,

@@ -4,9 +4,10 @@ One ``[B, V]`` pass per step, over rows that come from the persistent batch
 (:mod:`gyrfalcon.engine.sample.persistent_batch`: which rows want which policy was decided when
 each sequence joined):
 
-1. the raw log-softmax (before any processor) goes to the logprob gatherers — the single hook
-   point :meth:`Sampler.gather_logprobs`, which also receives the sampled ids; their results stay
-   on the device;
+1. the values the logprob gatherers read — the single hook point :meth:`Sampler.gather_logprobs`,
+   which also receives the sampled ids; their results stay on the device — are what the engine's
+   logprobs mode names (``engine_api.config.LOGPROBS_MODES``): by default the raw log-softmax,
+   before any processor; the ``processed`` modes read the logits step 4 draws from;
 2. ``min_tokens``: stop token ids (and eos unless ``ignore_eos``) are masked until enough tokens
    have been generated (vLLM's rule, :mod:`gyrfalcon.engine.sample.min_tokens`), on the rows that
    asked for it; the engine's rows carry the banned pairs, sent with the step's inputs;
@@ -94,6 +95,7 @@ class Sampler:
         gatherers: list[LogprobGatherer],
         eos_token_ids: list[int],
         default_generator: torch.Generator,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.processors = sorted(processors, key=lambda p: p.order)
         # logprob path: generated-position gatherers run each step, prompt-position ones after a prefill
@@ -101,6 +103,8 @@ class Sampler:
         self.prompt_gatherers = [g for g in gatherers if getattr(g, "positions", "generated") == "prompt"]
         self.eos_token_ids = list(eos_token_ids)
         self.default_generator = default_generator
+        #: what the gatherers read (``engine_api.config.LOGPROBS_MODES``)
+        self.logprobs_mode = logprobs_mode
 
     def _selected(self, policy, rows: BatchRows) -> list[int]:
         if rows.selected is not None:
@@ -179,7 +183,8 @@ class Sampler:
     def gather_prompt_logprobs(self, logits: torch.Tensor, request: EngineRequest, start: int = 0) -> TokenLogprobs:
         """Prompt logprobs from a prefill chunk's ``[c, V]`` logits, prompt positions ``start ..``
         (row j predicts prompt token start + j + 1); see :func:`compute_prompt_logprobs`."""
-        return compute_prompt_logprobs(logits, request, self.prompt_gatherers, start)
+        return compute_prompt_logprobs(logits, request, self.prompt_gatherers, start,
+                                       as_logits=self.logprobs_mode.endswith("_logits"))
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: BatchRows, heads: StepHeads | None = None) -> SamplerOutput:
@@ -190,19 +195,26 @@ class Sampler:
         applied = [(p, selected) for p in self.processors if (selected := self._selected(p, rows))]
         banned = self._min_tokens_bans(rows, logits.device)
         reduced = heads if heads is not None and heads.reduced else None
-        raw_logprobs = None
-        if any(gathered):
-            raw_logprobs = reduced.logprobs if reduced is not None else logits.float().log_softmax(dim=-1)
+        mode = self.logprobs_mode
+        read = None  # what the gatherers read
+        if any(gathered) and mode == "raw_logprobs":
+            read = reduced.logprobs if reduced is not None else logits.float().log_softmax(dim=-1)
+        elif any(gathered) and mode == "raw_logits":
+            read = logits.float()
         if applied or banned is not None:
             reduced, logits = None, logits.clone()  # the caller's logits serve again if this batch fails
             if banned is not None:
                 logits[banned[0], banned[1]] = -math.inf
             for processor, selected in applied:
                 logits = processor(logits, rows, selected)
+        if any(gathered) and mode == "processed_logprobs":
+            read = reduced.logprobs if reduced is not None else logits.float().log_softmax(dim=-1)
+        elif any(gathered) and mode == "processed_logits":
+            read = logits.float()
         top = logits.amax(dim=-1) if reduced is None else reduced.amax
         sampled = self.choose(logits, rows, None if reduced is None else reduced.argmax)
-        own = reduced.own if reduced is not None and sampled is reduced.argmax else None
-        pending = self.gather_logprobs(raw_logprobs, sampled, rows, gathered, own)
+        own = reduced.own if reduced is not None and sampled is reduced.argmax and mode.endswith("_logprobs") else None
+        pending = self.gather_logprobs(read, sampled, rows, gathered, own)
         # the step's one host transfer: ids, each row's largest logit and the gathered logprobs
         host = to_host([sampled, top, *(pending.tensors if pending is not None else ())])
         ids, tops = host[0], host[1]
