@@ -14,7 +14,7 @@ from gyrfalcon.client.detokenizer import IncrementalDetokenizer, NoText
 from gyrfalcon.client.metrics import RequestTimer, serving_metrics
 from gyrfalcon.engine_api.interface import Engine, EngineCore, OutputStream
 from gyrfalcon.client.aggregator import OutputAggregator
-from gyrfalcon.engine_api.types import EngineHealth, EngineInfo, EngineRequest, OutputKind, RequestOutput
+from gyrfalcon.engine_api.types import EngineHealth, EngineInfo, EngineRequest, OutputKind, PauseState, RequestOutput
 
 
 class ClientStream(OutputStream):
@@ -140,6 +140,18 @@ class EngineClient(Engine):
 
     def drain(self, timeout: float) -> None:
         self.core.drain(timeout)
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> PauseState:
+        return self.core.pause(mode, clear_cache)
+
+    def resume(self) -> PauseState:
+        return self.core.resume()
+
+    def pause_state(self) -> PauseState:
+        return self.core.pause_state()
+
+    def abort_requests(self, group_ids: list[str] | None = None) -> int:
+        return self.core.abort_requests(group_ids)
 
     def wait_ready(self, timeout: float = 60.0, poll_s: float = 0.01) -> EngineHealth:
         """Block until the core is ready (or ``timeout`` seconds); returns its health."""

@@ -99,13 +99,14 @@ class Scheduler:
 
     # ----------------------------------------------------------------- the queue (any thread)
 
-    def add(self, state: RequestState) -> None:
+    def add(self, state: RequestState, counted: bool = False) -> None:
         """Enqueue, or raise :class:`QueueFull` (a 503 with ``Retry-After``) when the queue is full:
         when ``max_queue_len`` requests wait beyond those the free running seats will take at the
         next step (requests sent at once, or right after others were answered, reach the queue
-        before the engine admits them: up to ``max_num_seqs`` of them are not queued but about to run)."""
+        before the engine admits them: up to ``max_num_seqs`` of them are not queued but about to run).
+        ``counted``: a request whose place was counted when it came (held through a pause)."""
         with self._cond:
-            if self._queued() >= self.max_queue_len:
+            if not counted and self._queued() >= self.max_queue_len:
                 raise QueueFull(f"the server is busy: {self.max_queue_len} requests are already waiting")
             state.arrival = next(self._arrivals)
             bisect.insort(self._waiting, state, key=self.order)

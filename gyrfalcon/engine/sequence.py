@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from gyrfalcon.engine.stopping import StopChecker
 from gyrfalcon.engine_api.outputs import ChoiceProgress
-from gyrfalcon.engine_api.types import SamplingParams, TokenLogprobs
+from gyrfalcon.engine_api.types import EngineRequest, SamplingParams, TokenLogprobs
 
 
 class Sequence(ChoiceProgress):
@@ -60,3 +62,18 @@ class Sequence(ChoiceProgress):
             self.finish(*token_stop)
         elif self.stopper.check_length(count):
             self.finish("length")
+
+
+def choices_of(request: EngineRequest, eos_token_ids: list[int], max_model_len: int,
+               seeds: torch.Generator) -> list[Sequence]:  # fmt: skip
+    """The ``n`` sequences of ``request``, each with its seed: the request's child seed, or for an
+    unseeded choice one drawn from ``seeds``, so that a recomputed choice draws the same tokens."""
+    params = request.sampling
+    sequences = []
+    for index in range(params.n):
+        seed = params.child_seed(index)
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=seeds))
+        stopper = StopChecker(params, eos_token_ids, len(request.prompt_token_ids), max_model_len)
+        sequences.append(Sequence(index, params, request.prompt_token_ids, stopper, seed))
+    return sequences

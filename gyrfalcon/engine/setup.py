@@ -20,9 +20,11 @@ from gyrfalcon.engine.model.fast_check import DecodePath
 from gyrfalcon.engine.model.runner import ModelRunner
 from gyrfalcon.engine.model.work import Work
 from gyrfalcon.engine_api.config import EngineConfig
+from gyrfalcon.engine_api.types import EngineInfo
 from gyrfalcon.models.default import cache_root
 from gyrfalcon.heap import release_freed_memory
 from gyrfalcon.models.loading import load_tokenizer, load_weights, resolve_dtype
+from gyrfalcon.validation import NATIVE_CAPABILITIES, policies
 
 log = logging.getLogger("gyrfalcon.engine.transformers_engine")
 
@@ -71,6 +73,36 @@ def read_model(path: str, cfg: EngineConfig) -> ModelFacts:
     defaults = _sampling_defaults(generation) if cfg.generation_config == "auto" else {}
     return ModelFacts(config, _eos_ids(generation, tokenizer), min(cfg.max_model_len or model_max, model_max),
                       defaults)  # fmt: skip
+
+
+def engine_info(cfg: EngineConfig, facts: ModelFacts, dtype: torch.dtype, device: str, quantization: str,
+                pm: Any) -> tuple[EngineInfo, list[Any], list[Any]]:  # fmt: skip
+    """What an engine of ``cfg`` serving the model of ``facts`` serves and can honour, with the
+    logits processors and logprob gatherers the plugins of ``pm`` give it (their fields are among
+    its capabilities)."""
+    info = EngineInfo(
+        model_path=str(cfg.model),
+        vocab_size=int(facts.config.vocab_size),
+        max_model_len=facts.max_model_len,
+        eos_token_ids=facts.eos_token_ids,
+        max_logprobs=cfg.max_logprobs,
+        max_num_seqs=cfg.max_num_seqs,
+        capabilities=NATIVE_CAPABILITIES,
+        max_request_seqs=cfg.max_request_seqs,
+        default_sampling=facts.sampling_defaults,
+        dtype=str(dtype).removeprefix("torch."),
+        device=device,
+        quantization=quantization,
+        logprobs_mode=cfg.logprobs_mode,
+    )
+    processors, gatherers = policies(pm, info)
+    capabilities = set(NATIVE_CAPABILITIES)
+    if cfg.scheduling_policy == "priority":
+        capabilities.add("priority")
+    for policy in [*processors, *gatherers]:
+        capabilities |= set(policy.fields)
+    info.capabilities = frozenset(capabilities)
+    return info, processors, gatherers
 
 
 def _sampling_defaults(generation: Any) -> dict[str, Any]:

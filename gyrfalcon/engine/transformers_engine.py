@@ -26,21 +26,20 @@ from gyrfalcon.engine.batcher import Batcher
 from gyrfalcon.engine_api.interface import EngineCore, OutputStream
 from gyrfalcon.engine.model.fast_check import DecodePath
 from gyrfalcon.engine.model.runner import ModelRunner
+from gyrfalcon.engine.pause import PauseGate
 from gyrfalcon.engine.request_state import RequestState
 from gyrfalcon.engine.sample.sampler import Sampler
 from gyrfalcon.engine.scheduler import Scheduler
-from gyrfalcon.engine.setup import capture_mode, load_runner, read_model
-from gyrfalcon.engine.sequence import Sequence
+from gyrfalcon.engine.setup import capture_mode, engine_info, load_runner, read_model
+from gyrfalcon.engine.sequence import choices_of
 from gyrfalcon.engine.step_health import StepFailures
-from gyrfalcon.engine.stopping import StopChecker
 from gyrfalcon.engine_api.streams import CoalescingOutputStream
-from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind, TokenLogprobs
+from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind, PauseState
 from gyrfalcon.engine_api.config import EngineConfig
 from gyrfalcon.engine_api.errors import SHUTTING_DOWN, ShuttingDown
 from gyrfalcon.errors import RequestError
 from gyrfalcon.heap import QuietTrimmer
 from gyrfalcon.models.loading import resolve_device, resolve_dtype, resolve_quantization
-from gyrfalcon.validation import NATIVE_CAPABILITIES, policies
 
 log = logging.getLogger(__name__)
 
@@ -72,29 +71,7 @@ class TransformersEngine(EngineCore):
         self.capture = capture_mode(cfg, self.device)
         facts = read_model(self.model_path, cfg)
         self.config, self.eos_token_ids = facts.config, facts.eos_token_ids
-        base = EngineInfo(
-            model_path=self.model_path,
-            vocab_size=int(self.config.vocab_size),
-            max_model_len=facts.max_model_len,
-            eos_token_ids=self.eos_token_ids,
-            max_logprobs=cfg.max_logprobs,
-            max_num_seqs=cfg.max_num_seqs,
-            capabilities=NATIVE_CAPABILITIES,
-            max_request_seqs=cfg.max_request_seqs,
-            default_sampling=facts.sampling_defaults,
-            dtype=str(self.dtype).removeprefix("torch."),
-            device=self.device,
-            quantization=self.quantization,
-            logprobs_mode=cfg.logprobs_mode,
-        )
-        self.processors, self.gatherers = policies(pm, base)
-        capabilities = set(NATIVE_CAPABILITIES)
-        if cfg.scheduling_policy == "priority":
-            capabilities.add("priority")
-        for policy in [*self.processors, *self.gatherers]:
-            capabilities |= set(policy.fields)
-        base.capabilities = frozenset(capabilities)
-        self._info = base
+        self._info, self.processors, self.gatherers = engine_info(cfg, facts, self.dtype, self.device, self.quantization, pm)
 
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._seeds = torch.Generator().manual_seed(cfg.seed)  # seeds of unseeded choices (CPU)
@@ -109,6 +86,7 @@ class TransformersEngine(EngineCore):
         self._lock = threading.Lock()
         self._live: dict[str, RequestState] = {}
         self._accepting = True
+        self._gate = PauseGate()
         #: monotonic time at which running requests are cut short (drain); None: not draining
         self._cut_at: float | None = None
         self._stop = threading.Event()
@@ -155,14 +133,15 @@ class TransformersEngine(EngineCore):
             if processor.wants(params, request.extensions):
                 processor.prepare(params, request.extensions)
         stream = CoalescingOutputStream(request.request_id, request.output_kind, on_close=self.abort)
-        state = RequestState(request, stream, self._make_sequences(request))
+        state = RequestState(request, stream, choices_of(request, self.eos_token_ids, self._info.max_model_len, self._seeds))
         with self._lock:
             if not self._accepting:
                 why = self._health.message or "the engine is shutting down"
                 raise ShuttingDown(why)
             if request.request_id in self._live:
                 raise RequestError(f"request id {request.request_id!r} is already running", "request_id")
-            self.scheduler.add(state)
+            if not self._gate.hold(state, self.scheduler.max_queue_len - len(self.scheduler) - len(self._gate.held)):
+                self.scheduler.add(state)
             self._live[request.request_id] = state
             self._counters["requests_submitted"] += 1
         return stream
@@ -173,10 +152,38 @@ class TransformersEngine(EngineCore):
             if state is None:
                 return
             state.abort_requested = True
-            waiting = self.scheduler.remove(request_id)
+            waiting = self._gate.release(request_id) or self.scheduler.remove(request_id)
         if waiting is not None:
             waiting.abort()
             self._emit(waiting)
+
+    def abort_requests(self, group_ids: list[str] | None = None) -> int:
+        with self._lock:
+            ids = [i for i, s in self._live.items() if group_ids is None or s.request.group_id in group_ids]
+        for request_id in ids:
+            self.abort(request_id)
+        return len(ids)
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> PauseState:
+        with self._lock:
+            self._gate.pause(mode, clear_cache)
+            held = {id(s) for s in self._gate.held}
+            cut = [i for i, s in self._live.items() if id(s) not in held] if mode == "abort" else []
+        for request_id in cut:
+            self.abort(request_id)
+        self.scheduler.wake()
+        return self.pause_state()
+
+    def resume(self) -> PauseState:
+        with self._lock:
+            for state in self._gate.resume():
+                self.scheduler.add(state, counted=True)
+        self.scheduler.wake()
+        return self.pause_state()
+
+    def pause_state(self) -> PauseState:
+        with self._lock:
+            return self._gate.state(len(self._live) - len(self._gate.held))
 
     def finish_choice(self, request_id: str, index: int, stop_reason: str | int | None = None) -> None:
         with self._lock:
@@ -192,13 +199,8 @@ class TransformersEngine(EngineCore):
         stats["running"] = 0 if batcher is None else batcher.running_requests()
         stats["running_sequences"] = 0 if batcher is None else batcher.running_sequences
         stats["prefilling"] = 0 if batcher is None else batcher.prefilling_requests()
-        pool = self.scheduler.pool
-        if pool is not None:
-            stats["kv_blocks_total"] = pool.usable_blocks
-            stats["kv_block_size"] = pool.block_size
-            stats["kv_blocks_free"] = pool.num_free
-            stats["prefix_cache_queries"] = pool.queries
-            stats["prefix_cache_hits"] = pool.hits
+        if self.scheduler.pool is not None:
+            stats.update(self.scheduler.pool.stats())
         stats["preemptions"] = self.scheduler.preemptions
         stats["decode_path"] = self.decode_path.describe()
         stats["pid"] = os.getpid()  # the worker process, for memory checks (bench reads its /proc status)
@@ -230,22 +232,12 @@ class TransformersEngine(EngineCore):
             self._accepting = False
             self._health = EngineHealth(ready=False, message="the server is shutting down")
             self._cut_at = time.monotonic() + max(timeout, 0.0)
-        for state in self.scheduler.drain():
+            held, self._gate.held = self._gate.held, []
+        for state in [*held, *self.scheduler.drain()]:
             self._fail(state, SHUTTING_DOWN)
         self.scheduler.wake()
 
     # ------------------------------------------------------------------ internals
-
-    def _make_sequences(self, request: EngineRequest) -> list[Sequence]:
-        params = request.sampling
-        sequences = []
-        for index in range(params.n):
-            seed = params.child_seed(index)
-            if seed is None:  # unseeded: a seed of its own, so a recomputed choice draws the same tokens
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-            stopper = StopChecker(params, self.eos_token_ids, len(request.prompt_token_ids), self._info.max_model_len)
-            sequences.append(Sequence(index, params, request.prompt_token_ids, stopper, seed))
-        return sequences
 
     def _emit_step(self, states: list[RequestState]) -> None:
         """Send what a step produced, for every request it changed."""
@@ -295,8 +287,10 @@ class TransformersEngine(EngineCore):
                 self._fail(state, f"model failed to load: {exc}")
             return False
         assert self.runner is not None
+        # looked up at each call: a test replaces the sampler's method
+        prompt_logprobs = lambda request, logits, start: self.sampler.gather_prompt_logprobs(logits, request, start)  # noqa: E731
         self.batcher = Batcher(self.runner, self.sampler, self.scheduler, self._emit_step, self._count, self._fail,
-                               self._prompt_logprobs)  # fmt: skip
+                               prompt_logprobs)  # fmt: skip
         self._health = EngineHealth(ready=True, message="", decode_path=self.decode_path.describe())
         return True
 
@@ -313,6 +307,9 @@ class TransformersEngine(EngineCore):
                         for state in self.scheduler.drain():  # preempted ones, requeued meanwhile
                             self._fail(state, SHUTTING_DOWN)
                     self._adopt_decode_path()
+                    if not self._may_step():
+                        self.scheduler.wait(timeout=0.05)
+                        continue
                     self._step_started = time.monotonic()
                     progress = self._progress()
                     self._failures.step_started()
@@ -335,6 +332,17 @@ class TransformersEngine(EngineCore):
             return
         self.batcher.abort_all()
 
+    def _may_step(self) -> bool:
+        """Between two steps: False while a ``keep`` pause holds the loop still; a pause that asked
+        for it clears the prefix cache once nothing runs."""
+        with self._lock:
+            may = self._gate.may_step()
+            clear = self._gate.clear_cache and len(self._live) == len(self._gate.held)
+            self._gate.clear_cache &= not clear
+        if clear and self.scheduler.pool is not None:
+            self.scheduler.pool.forget_prefixes()
+        return may
+
     def _adopt_decode_path(self) -> None:
         """Between two steps: take the decode path a background compile has just settled."""
         steps = self.runner.decode_steps if self.runner is not None else None
@@ -353,15 +361,6 @@ class TransformersEngine(EngineCore):
             live = list(self._live.values())
         for state in live:
             self._fail(state, message)
-
-    def _prompt_logprobs(self, request: EngineRequest, logits: torch.Tensor, start: int) -> TokenLogprobs:
-        """Hook point for prompt logprobs, called once per prefill chunk: ``logits`` is ``[c, V]``
-        for prompt positions ``start .. start + c - 1`` (row j predicts prompt token start + j + 1).
-
-        The batcher joins the chunks' :class:`TokenLogprobs`; the whole reaches every output of the
-        request as ``prompt_logprobs``.
-        """
-        return self.sampler.gather_prompt_logprobs(logits, request, start)
 
     def _fail_running(self, message: EngineError | str) -> None:
         """Fail every request in the batch and the prefill (their KV state is unknown after a failed

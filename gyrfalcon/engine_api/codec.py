@@ -21,6 +21,7 @@ from gyrfalcon.engine_api.types import (
     EngineInfo,
     EngineRequest,
     OutputKind,
+    PauseState,
     RequestOutput,
     SamplingParams,
     TokenLogprobs,
@@ -46,15 +47,16 @@ def unpack(data: bytes) -> Any:
 def encode_request(request: EngineRequest) -> list[Any]:
     sampling = request.sampling
     return [request.request_id, request.prompt_token_ids, [getattr(sampling, name) for name in _SAMPLING_FIELDS],
-            request.output_kind.value, request.extensions, request.cache_salt, request.priority]  # fmt: skip
+            request.output_kind.value, request.extensions, request.cache_salt, request.priority,
+            request.group_id]  # fmt: skip
 
 
 def decode_request(data: list[Any], request_id: str | None = None) -> EngineRequest:
     """The request of :func:`encode_request`; ``request_id`` replaces its id (the engine's prefix)."""
-    rid, prompt, sampling, kind, extensions, salt, priority = data
+    rid, prompt, sampling, kind, extensions, salt, priority, group = data
     return EngineRequest(request_id if request_id is not None else rid, prompt,
                          SamplingParams(**dict(zip(_SAMPLING_FIELDS, sampling))), OutputKind(kind), extensions,
-                         salt, priority)  # fmt: skip
+                         salt, priority, group)  # fmt: skip
 
 
 # ---------------------------------------------------------------- outputs
@@ -112,6 +114,20 @@ def encode_health(health: EngineHealth) -> list[Any]:
 
 def decode_health(data: list[Any]) -> EngineHealth:
     return EngineHealth(*data)
+
+
+#: the core's methods an API worker calls by name (``call`` messages); their results travel as
+#: :func:`encode_result` makes them
+CORE_CALLS = frozenset({"stats", "pause", "resume", "pause_state", "abort_requests"})
+
+
+def encode_result(value: Any) -> Any:
+    """A core call's result as msgpack carries it (a :class:`PauseState` as a list)."""
+    return [value.mode, value.settled, value.held] if isinstance(value, PauseState) else value
+
+
+def decode_pause(data: list[Any]) -> PauseState:
+    return PauseState(*data)
 
 
 def encode_refusal(exc: BaseException) -> list[Any]:

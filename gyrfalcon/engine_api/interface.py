@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gyrfalcon.engine_api.types import EngineHealth, EngineInfo, EngineRequest, RequestOutput
+from gyrfalcon.engine_api.types import EngineHealth, EngineInfo, EngineRequest, PauseState, RequestOutput
 from gyrfalcon.errors import RequestError
 
 __all__ = ["Engine", "EngineCore", "OutputStream", "RequestError"]
@@ -139,6 +139,27 @@ class EngineCore(abc.ABC):
     @abc.abstractmethod
     def shutdown(self, grace: float = 5.0) -> None:
         """Stop accepting, let running requests finish for up to ``grace`` seconds, abort the rest."""
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> PauseState:
+        """Pause generation (returns at once; :meth:`pause_state` says when it has settled): requests
+        submitted from now on wait for :meth:`resume` (counted against the queue's capacity), and
+        those submitted before are treated as ``mode`` says (``types.PAUSE_MODES``). ``clear_cache``
+        (not with ``keep``): the prefix cache forgets every block once nothing runs. Default: a 400,
+        this engine cannot pause."""
+        raise RequestError("pausing is not supported by this server's engine", None)
+
+    def resume(self) -> PauseState:
+        """Generation continues: what a ``keep`` pause froze, then what was held, in order."""
+        raise RequestError("pausing is not supported by this server's engine", None)
+
+    def pause_state(self) -> PauseState:
+        """Whether generation is paused, and whether that has settled (:class:`PauseState`)."""
+        return PauseState()
+
+    def abort_requests(self, group_ids: list[str] | None = None) -> int:
+        """Abort every running or waiting request whose ``group_id`` is one of ``group_ids`` (None:
+        every request), its choices ending with ``"abort"``; the number of requests aborted."""
+        raise RequestError("aborting requests by id is not supported by this server's engine", None)
 
     def drain(self, timeout: float) -> None:
         """The server is stopping (SIGTERM): return at once, having stopped admitting — health turns

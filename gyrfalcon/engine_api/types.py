@@ -106,7 +106,9 @@ class EngineRequest:
     ``extensions`` holds plugin-declared fields (already validated by the frontend) by name.
     ``cache_salt`` isolates the request's prefix-cache entries: only requests with the same salt
     share cached prompt blocks. ``priority``: lower runs earlier under the engine's ``priority``
-    scheduling policy (vLLM's rule); only 0 is accepted otherwise.
+    scheduling policy (vLLM's rule); only 0 is accepted otherwise. ``group_id``: the id of what a
+    client sent, shared by the engine requests it made (one per prompt): what
+    :meth:`~gyrfalcon.engine_api.interface.EngineCore.abort_requests` names.
     """
 
     request_id: str
@@ -116,6 +118,7 @@ class EngineRequest:
     extensions: dict[str, Any] = field(default_factory=dict)
     cache_salt: str | None = None
     priority: int = 0
+    group_id: str | None = None
 
 
 @dataclass
@@ -260,6 +263,26 @@ class EngineInfo:
     decode_path: str | None = None
     #: what the logprobs it returns hold (``engine_api.config.LOGPROBS_MODES``)
     logprobs_mode: str = "raw_logprobs"
+
+
+#: how :meth:`~gyrfalcon.engine_api.interface.EngineCore.pause` treats what runs (vLLM's modes)
+PAUSE_MODES: dict[str, str] = {
+    "abort": "what was submitted before the pause ends at once, its choices with finish_reason abort",
+    "wait": "what was submitted before the pause runs to its end",
+    "keep": "what was submitted before the pause stays where it is and continues after the resume",
+}
+
+
+@dataclass
+class PauseState:
+    """Whether generation is paused (``mode``: one of :data:`PAUSE_MODES`, None when it runs),
+    whether the pause has taken full effect (``settled``: nothing submitted before it runs any more,
+    or with ``keep`` the step loop has stopped), and how many requests submitted since wait for the
+    resume (``held``)."""
+
+    mode: str | None = None
+    settled: bool = False
+    held: int = 0
 
 
 @dataclass

@@ -29,7 +29,7 @@ from gyrfalcon.engine_api import codec
 from gyrfalcon.engine_api.errors import SHUTTING_DOWN, EngineUnavailable, ShuttingDown
 from gyrfalcon.engine_api.interface import EngineCore, OutputStream
 from gyrfalcon.engine_api.streams import CoalescingOutputStream
-from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, RequestOutput
+from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, PauseState, RequestOutput
 from gyrfalcon.engine_process import BEAT_S, SILENCE_S
 from gyrfalcon.engine_process.wakeup import PollWakeup
 from gyrfalcon.errors import RequestError
@@ -149,6 +149,28 @@ class RemoteEngineCore(EngineCore):
         except EngineUnavailable:
             return {}
         return stats if error is None else {}
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> PauseState:
+        return codec.decode_pause(self._core_call("pause", mode, clear_cache))
+
+    def resume(self) -> PauseState:
+        return codec.decode_pause(self._core_call("resume"))
+
+    def pause_state(self) -> PauseState:
+        return codec.decode_pause(self._core_call("pause_state"))
+
+    def abort_requests(self, group_ids: list[str] | None = None) -> int:
+        return int(self._core_call("abort_requests", group_ids))
+
+    def _core_call(self, name: str, *arguments: Any) -> Any:
+        """The core's ``name(*arguments)`` in the engine process (:data:`codec.CORE_CALLS`): its
+        result, or what it raised."""
+        if self._gone is not None:
+            raise ShuttingDown(self._gone)
+        error, value = self._call(b"call", name, list(arguments))
+        if error is not None:
+            codec.raise_refusal(error)
+        return value
 
     def drain(self, timeout: float) -> None:
         """This worker stops (the engine drains on its own signal, see ``gyrfalcon.engine_process``):

@@ -172,9 +172,14 @@ class EngineServer:
             request_id, index, stop_reason = data
             self._call(self.core.finish_choice, self._engine_id(worker.identity, request_id), index, stop_reason)
         elif kind == b"call":
-            call_id, name, _args = data
-            if name == "stats":
-                self._send(worker.identity, b"reply", [call_id, [None, self.core.stats()]])
+            call_id, name, args = data
+            try:
+                if name not in codec.CORE_CALLS:
+                    raise RuntimeError(f"no core call {name!r}")
+                reply = [None, codec.encode_result(getattr(self.core, name)(*args))]
+            except Exception as exc:  # noqa: BLE001 - the refusal travels back to the caller
+                reply = [codec.encode_refusal(exc), None]
+            self._send(worker.identity, b"reply", [call_id, reply])
         elif kind == b"hello":
             info = self.core.info()
             self._send(worker.identity, b"info", [codec.encode_info(info), codec.encode_health(self.core.health()),

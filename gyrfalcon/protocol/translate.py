@@ -171,6 +171,7 @@ class Translator:
                 extensions=dict(fields.get("extensions") or {}),
                 cache_salt=fields.get("cache_salt"),
                 priority=fields.get("priority", 0),
+                group_id=response_id,
             )
             for i, prompt in enumerate(prompts)
         ]

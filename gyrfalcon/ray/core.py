@@ -18,6 +18,8 @@ callers — the API's executor threads — never touch Ray's loops.
   is a 503 with ``Retry-After``.
 - ``health`` is ready while any replica is (polled every half second); ``stats`` adds the
   replicas' counters up.
+- The control calls (``pause``, ``resume``, ``pause_state``, ``abort_requests``) go to every
+  replica and answer once each has applied them (a pause has settled once it has on every one).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 from gyrfalcon.engine_api.errors import SHUTTING_DOWN, EngineUnavailable, QueueFull, ShuttingDown
 from gyrfalcon.engine_api.interface import EngineCore, OutputStream
 from gyrfalcon.engine_api.streams import CoalescingOutputStream
-from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, RequestOutput
+from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, PauseState, RequestOutput
 from gyrfalcon.engine_api import codec
 from gyrfalcon.logtext import loggable
 
@@ -110,6 +112,18 @@ class RayEngineCore(EngineCore):
         except Exception:  # noqa: BLE001 - /metrics then shows the request metrics alone
             return {}
         return add_stats([a for a in answers if isinstance(a, dict)])
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> PauseState:
+        return _joined(self._run(self._gather("pause", mode, clear_cache), BROADCAST_TIMEOUT_S))
+
+    def resume(self) -> PauseState:
+        return _joined(self._run(self._gather("resume"), BROADCAST_TIMEOUT_S))
+
+    def pause_state(self) -> PauseState:
+        return _joined(self._run(self._gather("pause_state"), BROADCAST_TIMEOUT_S))
+
+    def abort_requests(self, group_ids: list[str] | None = None) -> int:
+        return sum(_answered(self._run(self._gather("abort_requests", group_ids), BROADCAST_TIMEOUT_S)))
 
     def drain(self, timeout: float) -> None:
         """This ingress stops: new requests are refused, and those still open after ``timeout``
@@ -227,9 +241,9 @@ class RayEngineCore(EngineCore):
                     self._health = EngineHealth(ready=False, message=why)
             await asyncio.sleep(HEALTH_POLL_S)
 
-    async def _gather(self, method: str) -> list[Any]:
-        """Every replica's answer to ``method`` (an exception for one that failed)."""
-        response = self._handle.broadcast(method)
+    async def _gather(self, method: str, *args: Any) -> list[Any]:
+        """Every replica's answer to ``method(*args)`` (an exception for one that failed)."""
+        response = self._handle.broadcast(method, *args)
         return await response.results_async(timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True)
 
 
@@ -239,6 +253,21 @@ def _unavailable(exc: BaseException) -> EngineUnavailable:
     if name == "BackPressureError":
         return QueueFull(f"every engine replica is busy and Ray Serve's queue is full ({name})", retry_after=1.0)
     return ShuttingDown(f"no engine replica could take the request ({name}: {exc})", retry_after=1.0)
+
+
+def _answered(answers: list[Any]) -> list[Any]:
+    """Every replica's answer to a control call, or the first failure raised: the change has
+    reached every replica, or the caller hears that it has not."""
+    for answer in answers:
+        if isinstance(answer, BaseException):
+            raise ShuttingDown(f"an engine replica did not apply the change ({type(answer).__name__}: {answer})")
+    return answers
+
+
+def _joined(answers: list[Any]) -> PauseState:
+    """The replicas' pause states as one: settled once every replica has settled."""
+    states = [codec.decode_pause(a) for a in _answered(answers)]
+    return PauseState(states[0].mode, all(s.settled for s in states), sum(s.held for s in states))
 
 
 def add_stats(answers: list[dict[str, Any]]) -> dict[str, Any]:

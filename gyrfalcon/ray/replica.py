@@ -79,6 +79,18 @@ class EngineReplica:
     def finish_choice(self, request_id: str, index: int, stop_reason: str | int | None = None) -> None:
         self.core.finish_choice(request_id, index, stop_reason)
 
+    def pause(self, mode: str, clear_cache: bool) -> list[Any]:
+        return codec.encode_result(self.core.pause(mode, clear_cache))
+
+    def resume(self) -> list[Any]:
+        return codec.encode_result(self.core.resume())
+
+    def pause_state(self) -> list[Any]:
+        return codec.encode_result(self.core.pause_state())
+
+    def abort_requests(self, group_ids: list[str] | None) -> int:
+        return self.core.abort_requests(group_ids)
+
     def __del__(self) -> None:
         core = getattr(self, "core", None)
         if core is not None:

@@ -61,6 +61,11 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def stats(self) -> dict[str, int]:
+        """The pool's figures for the engine's stats (``/metrics``)."""
+        return {"kv_blocks_total": self.usable_blocks, "kv_block_size": self.block_size, "kv_blocks_free": self.num_free,
+                "prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits}  # fmt: skip
+
     def allocate(self) -> int:
         """A block for new KV (reference count 1); a cached free block loses its hash."""
         if not self._free:
@@ -108,6 +113,12 @@ class BlockPool:
         self.queries += len(keys)
         self.hits += len(found)
         return found
+
+    def forget_prefixes(self) -> None:
+        """No block is findable by its prefix any more (the weights that computed them may change):
+        blocks in use stay their holders'; free ones are plain free blocks."""
+        for block in range(self.num_blocks):
+            self._forget_hash(block)
 
     def _forget_hash(self, block: int) -> None:
         key = self._hash_of[block]
