@@ -14,6 +14,7 @@ import falcon.asgi
 import pluggy
 
 from gyrfalcon.api import errors
+from gyrfalcon.api.control import CONTROL_RESOURCES
 from gyrfalcon.api.connection import WatchedApp
 from gyrfalcon.api.context import ServerContext
 from gyrfalcon.api.response_store import owner_of
@@ -130,5 +131,8 @@ def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager, *, 
     app.add_route("/v1/responses/{response_id}/cancel", CancelResponseResource(ctx))
     app.add_route(TOKENIZE.route, TokenizeResource(ctx))
     app.add_route(DETOKENIZE.route, DetokenizeResource(ctx))
+    if settings.enable_rl_endpoints:
+        for route, resource in CONTROL_RESOURCES.items():
+            app.add_route(route, resource(ctx))
     pm.hook.gyrfalcon_add_routes(app=app, engine=engine, settings=settings)
     return WatchedApp(app, drain=lambda: engine.drain(settings.drain_timeout))

@@ -209,6 +209,7 @@ class ServerContext:
                 responses_store={"size": self.settings.responses_store_size, "ttl_s": self.settings.responses_ttl},
                 max_text_chars=self.translator().max_text_chars,
                 max_request_tokens=self.translator().max_work,
+                control_routes=self.settings.enable_rl_endpoints,
             )
             self._spec = orjson.dumps(spec)
         return self._spec

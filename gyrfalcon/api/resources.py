@@ -49,7 +49,8 @@ def owner_of_request(req: falcon.Request) -> str:
     return getattr(req.context, "owner", "")
 
 
-def _json(resp: falcon.Response, body: object, status: int = 200) -> None:
+def json_response(resp: falcon.Response, body: object, status: int = 200) -> None:
+    """``body`` as the JSON answer, with ``status``."""
     resp.status = falcon.code_to_http_status(status)
     resp.content_type = falcon.MEDIA_JSON
     resp.data = orjson.dumps(body)
@@ -63,12 +64,12 @@ class HealthResource:
         health = self.ctx.engine.health()
         if not health.ready:
             raise RequestError(health.message or "The model is loading", type=Kind.NOT_READY, retry_after=1)
-        _json(resp, {"status": "ok", **({"decode_path": health.decode_path} if health.decode_path else {})})
+        json_response(resp, {"status": "ok", **({"decode_path": health.decode_path} if health.decode_path else {})})
 
 
 class VersionResource:
     async def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        _json(resp, {"version": __version__})
+        json_response(resp, {"version": __version__})
 
 
 class ModelsResource:
@@ -87,7 +88,7 @@ class ModelsResource:
              "max_model_len": info.max_model_len, "permission": [{"id": f"modelperm-{name}", **permission}]}  # fmt: skip
             for name in self.ctx.served_model_names
         ]
-        _json(resp, {"object": "list", "data": data})
+        json_response(resp, {"object": "list", "data": data})
 
 
 class OpenAPIResource:
@@ -282,11 +283,11 @@ class StoredResponseResource:
         self.ctx = ctx
 
     async def on_get(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
-        _json(resp, await offload(self.ctx.response_store().response, response_id, None, owner_of_request(req)))
+        json_response(resp, await offload(self.ctx.response_store().response, response_id, None, owner_of_request(req)))
 
     async def on_delete(self, req: falcon.Request, resp: falcon.Response, response_id: str) -> None:
         await offload(self.ctx.response_store().delete, response_id, owner_of_request(req))
-        _json(resp, {"id": response_id, "object": "response", "deleted": True})
+        json_response(resp, {"id": response_id, "object": "response", "deleted": True})
 
 
 class ResponseInputItemsResource:
@@ -310,7 +311,7 @@ class ResponseInputItemsResource:
                 raise RequestError(f"No input item of this response has the id '{after}'", "after")
             items = items[ids.index(after) + 1:]
         page = items[:limit]
-        _json(resp, {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+        json_response(resp, {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                      "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})  # fmt: skip
 
 
@@ -327,7 +328,7 @@ class CancelResponseResource:
         owner = owner_of_request(req)
         if not (await offload(store.response, response_id, None, owner)).get("background"):
             raise RequestError("Only a background response can be cancelled", "response_id")
-        _json(resp, await offload(store.cancel, response_id, owner))
+        json_response(resp, await offload(store.cancel, response_id, owner))
 
 
 class TokenizeResource:
@@ -337,7 +338,7 @@ class TokenizeResource:
     async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         raw = await self.ctx.read_body(req)
         tokens, strings = await self.ctx.in_body_lane(raw, lambda: self.ctx.translator().tokenize(self.ctx.parse_body(raw)))
-        _json(resp, {"count": len(tokens), "max_model_len": self.ctx.engine.info().max_model_len, "tokens": tokens,
+        json_response(resp, {"count": len(tokens), "max_model_len": self.ctx.engine.info().max_model_len, "tokens": tokens,
                      "token_strs": strings})  # fmt: skip
 
 
@@ -347,7 +348,7 @@ class DetokenizeResource:
 
     async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         raw = await self.ctx.read_body(req)
-        _json(resp, {"prompt": await self.ctx.in_body_lane(raw, lambda: self.ctx.translator().detokenize(self.ctx.parse_body(raw)))})
+        json_response(resp, {"prompt": await self.ctx.in_body_lane(raw, lambda: self.ctx.translator().detokenize(self.ctx.parse_body(raw)))})
 
 
 class MetricsResource:

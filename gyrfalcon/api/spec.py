@@ -12,7 +12,7 @@ from gyrfalcon.engine_api.types import EngineInfo
 from gyrfalcon.openapi.limits import ServedLimits, largest_object, longest_array, walk_schemas
 from gyrfalcon.openapi.served import bundle, request_field_names, served_spec
 from gyrfalcon.protocol.capabilities import unsupported_fields
-from gyrfalcon.protocol.endpoints import ENDPOINTS
+from gyrfalcon.protocol.endpoints import CONTROL_ROUTES, ENDPOINTS
 from gyrfalcon.protocol.runtime_rules import served_table
 from gyrfalcon.protocol.translate import SPEC_MAX_ITEMS, SPEC_MAX_PROPERTIES
 from gyrfalcon.protocol.wire import MAX_DEPTH
@@ -146,12 +146,14 @@ def deployment_spec(
     responses_store: dict[str, float] | None = None,
     max_text_chars: int | None = None,
     max_request_tokens: int | None = None,
+    control_routes: bool = False,
 ) -> dict[str, Any]:
     """The spec served at ``/openapi.json``: what is valid there is valid for this server.
 
     ``x-limits`` publishes the bounds a fuzzer needs to keep clear of the runtime-only rules
     (``gyrfalcon.contract``); ``chat`` is :func:`chat_template_overhead`, ``unspellable``
-    :func:`unspellable_bytes`.
+    :func:`unspellable_bytes`; ``control_routes``: the RL control routes are served
+    (``--enable-rl-endpoints``).
     """
     unsupported = unsupported_fields(request_field_names(bundle()), info.capabilities)
     limits = ServedLimits(
@@ -165,6 +167,9 @@ def deployment_spec(
         max_prompts=max_prompts,
     )
     spec = served_spec(limits, served_table())
+    if not control_routes:
+        for route in CONTROL_ROUTES:
+            spec["paths"].pop(route, None)
     if chat is None:
         _without_chat(spec)
     if chat is not None:

@@ -10,6 +10,55 @@ from typing_extensions import TypeAliasType
 
 from . import common
 
+RequestId = TypeAliasType(
+    "RequestId", Annotated[str, Field(max_length=300, min_length=1)]
+)
+
+
+class AbortRequestsRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    request_ids: Annotated[
+        list[RequestId] | None | MISSING,
+        Field(
+            description="The ids of the requests to abort; none (or empty) aborts every request.",
+            max_length=1024,
+        ),
+    ] = MISSING
+
+
+class AbortRequestsResponse(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    status: Literal["aborted"]
+    aborted: Annotated[
+        int, Field(description="The requests aborted (one per prompt).", ge=0)
+    ]
+
+
+class PauseResponse(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    status: Literal["paused", "resumed"]
+    mode: Annotated[
+        Literal["abort", "wait", "keep"] | None,
+        Field(description="The pause's mode; null when running."),
+    ]
+    held: Annotated[int, Field(description="Requests sent since the pause", ge=0)]
+
+
+class IsPausedResponse(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    is_paused: bool
+    mode: Literal["abort", "wait", "keep"] | None | MISSING = MISSING
+    held: Annotated[int | MISSING, Field(ge=0)] = MISSING
+
+
 TokenId = TypeAliasType("TokenId", Annotated[int, Field(ge=0)])
 
 

@@ -184,6 +184,10 @@ class TokenizerEndpoint:
 
 TOKENIZE = TokenizerEndpoint("/tokenize", generated.TokenizeCompletionRequest, generated.TokenizeChatRequest)
 DETOKENIZE = TokenizerEndpoint("/detokenize", generated.DetokenizeRequest)
+#: the control routes RL trainers use, served only with ``--enable-rl-endpoints``
+CONTROL_ROUTES = ("/pause", "/resume", "/is_paused", "/inference/v1/abort_requests")
+#: the wire model of ``POST /inference/v1/abort_requests``
+ABORT_REQUESTS = generated.AbortRequestsRequest
 
 
 def endpoint_of(endpoint: Endpoint | str) -> Endpoint:

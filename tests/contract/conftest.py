@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gyrfalcon.plugins import plugin_manager
@@ -14,11 +16,26 @@ FUZZ_LIMITS = {"max_model_len": 64, "max_num_seqs": 8, "served_model_name": ["ti
 
 
 @pytest.fixture(scope="session")
-def fuzz_app(tiny_model_dir, tmp_path_factory):
+def fuzz_engine(tiny_model_dir, tmp_path_factory):
+    """The fuzzed apps' engine, its settings and plugins."""
     # the Responses API's store in a folder of its own
     settings = tiny_settings(tiny_model_dir, **FUZZ_LIMITS, cache_dir=str(tmp_path_factory.mktemp("fuzz-cache")))
     pm = plugin_manager()
     engine = create_transformers_engine(settings, pm)
     assert engine.wait_ready(timeout=120).ready
-    yield served_app(engine, settings, pm)
+    yield engine, settings, pm
     engine.shutdown(grace=1.0)
+
+
+@pytest.fixture(scope="session")
+def fuzz_app(fuzz_engine):
+    engine, settings, pm = fuzz_engine
+    return served_app(engine, settings, pm)
+
+
+@pytest.fixture
+def control_app(fuzz_engine):
+    """An app serving the RL control routes over the fuzzed engine; generation runs again after."""
+    engine, settings, pm = fuzz_engine
+    yield served_app(engine, dataclasses.replace(settings, enable_rl_endpoints=True), pm)
+    engine.resume()

@@ -1,0 +1,100 @@
+"""The control routes RL trainers drive a rollout server with (``--enable-rl-endpoints``; vLLM's
+names and answers): pause generation around a weight update and resume it, ask whether it is
+paused, and abort requests by the ids their clients know. Behind the API key like every route but
+the public ones; the served spec lists them only where they are served."""
+
+from __future__ import annotations
+
+import asyncio
+
+import falcon
+
+from gyrfalcon.api.context import ServerContext
+from gyrfalcon.api.resources import json_response, offload
+from gyrfalcon.engine_api.types import PAUSE_MODES, PauseState
+from gyrfalcon.errors import RequestError
+from gyrfalcon.protocol.endpoints import ABORT_REQUESTS, ENDPOINTS
+from gyrfalcon.protocol.wire import sent_fields, validate
+
+#: how often a pause that has not settled yet is looked at again
+SETTLE_POLL_S = 0.01
+
+
+def _pause_body(state: PauseState) -> dict[str, object]:
+    return {"status": "paused" if state.mode is not None else "resumed", "mode": state.mode, "held": state.held}
+
+
+def _query(req: falcon.Request, allowed: tuple[str, ...]) -> None:
+    """A 400 for a query parameter the route does not take (it would be ignored)."""
+    for name in req.params:
+        if name not in allowed:
+            raise RequestError(f"'{name}' is not a parameter of {req.path}", name)
+
+
+class PauseResource:
+    """``POST /pause?mode=…&clear_cache=…``: answered once the pause has taken effect."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        _query(req, ("mode", "clear_cache"))
+        mode = req.get_param("mode", default="abort")
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"'mode' must be one of {', '.join(PAUSE_MODES)}", "mode")
+        raw = req.get_param("clear_cache", default="true")
+        if raw not in ("true", "false"):
+            raise RequestError("'clear_cache' must be true or false", "clear_cache")
+        state = await offload(self.ctx.engine.pause, mode, raw == "true")
+        while state.mode is not None and not state.settled:  # a resume meanwhile ends the wait too
+            await asyncio.sleep(SETTLE_POLL_S)
+            state = await offload(self.ctx.engine.pause_state)
+        json_response(resp, _pause_body(state))
+
+
+class ResumeResource:
+    """``POST /resume``."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        _query(req, ())
+        json_response(resp, _pause_body(await offload(self.ctx.engine.resume)))
+
+
+class IsPausedResource:
+    """``GET /is_paused``."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    async def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        _query(req, ())
+        state = await offload(self.ctx.engine.pause_state)
+        json_response(resp, {"is_paused": state.mode is not None, "mode": state.mode, "held": state.held})
+
+
+class AbortRequestsResource:
+    """``POST /inference/v1/abort_requests``: each id as its client gave it, or as its answer
+    carries it (the endpoint's prefix around it)."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        _query(req, ())
+        body = self.ctx.parse_body(await self.ctx.read_body(req))
+        given = sent_fields(validate(ABORT_REQUESTS, body)).get("request_ids") or []
+        groups = sorted({g for i in given for g in (i, *(e.response_id(i) for e in ENDPOINTS.values()))}) or None
+        aborted = await offload(self.ctx.engine.abort_requests, groups)
+        json_response(resp, {"status": "aborted", "aborted": aborted})
+
+
+#: the resource of each of ``protocol.endpoints.CONTROL_ROUTES``
+CONTROL_RESOURCES = {
+    "/pause": PauseResource,
+    "/resume": ResumeResource,
+    "/is_paused": IsPausedResource,
+    "/inference/v1/abort_requests": AbortRequestsResource,
+}
