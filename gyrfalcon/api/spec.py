@@ -133,6 +133,16 @@ def _without_chat(spec: dict[str, Any]) -> None:
     schemas["TokenizeRequest"] = {"$ref": "#/components/schemas/TokenizeCompletionRequest"}
 
 
+def _without_unserved_routes(spec: dict[str, Any], chat: bool, control_routes: bool) -> None:
+    """Leave out what this server does not serve: the control routes unless they were asked for,
+    and without a chat template the endpoints that render conversations."""
+    if not control_routes:
+        for route in CONTROL_ROUTES:
+            spec["paths"].pop(route, None)
+    if not chat:
+        _without_chat(spec)
+
+
 def deployment_spec(
     info: EngineInfo,
     model_names: list[str],
@@ -167,11 +177,7 @@ def deployment_spec(
         max_prompts=max_prompts,
     )
     spec = served_spec(limits, served_table())
-    if not control_routes:
-        for route in CONTROL_ROUTES:
-            spec["paths"].pop(route, None)
-    if chat is None:
-        _without_chat(spec)
+    _without_unserved_routes(spec, chat is not None, control_routes)
     if chat is not None:
         _limit_messages(spec, template)
     spec["x-limits"] = {

@@ -3,6 +3,8 @@ aborted, a dead engine's clients answered at once, a hung step seen by /health."
 
 from __future__ import annotations
 
+import dataclasses
+import queue
 import subprocess
 import sys
 import textwrap
@@ -60,7 +62,7 @@ def test_codec_round_trips_every_field():
                         [1, 2], lp, 7, EngineError("boom", "t", "p", 1.5), 0.25)  # fmt: skip
     assert codec.decode_output("r", codec.unpack(codec.pack(codec.encode_output(out)))) == out
     request = EngineRequest("id", [1, 2], SamplingParams(n=3, seed=2**63, logit_bias={7: -1.5}, stop=["x"],
-                            logprob_token_ids=[4]), OutputKind.DELTA, {"ext": {"a": [1]}}, "salt", 2)  # fmt: skip
+                            logprob_token_ids=[4]), OutputKind.DELTA, {"ext": {"a": [1]}}, "salt", 2, "group")  # fmt: skip
     assert codec.decode_request(codec.unpack(codec.pack(codec.encode_request(request)))) == request
 
 
@@ -250,3 +252,34 @@ def test_a_request_behind_a_slow_submit_is_not_held_and_an_abort_waits_for_its_s
     outputs = list(slow_stream[0])
     assert outputs[-1].finished and len(outputs) < 200
     assert all(choice.finish_reason == "abort" for choice in outputs[-1].outputs), outputs[-1]
+
+
+def _until_settled(engine) -> None:
+    deadline = time.monotonic() + 10
+    while not engine.pause_state().settled:
+        assert time.monotonic() < deadline, engine.pause_state()
+        time.sleep(0.005)
+
+
+def test_pause_resume_and_abort_by_id_travel_across_the_socket(slow_engine, remote):
+    """The control calls reach the core through the engine process: a keep pause holds a new
+    request until the resume, an abort by group id ends only that group, a bad mode comes back as
+    the same 400."""
+    long = dict(max_tokens=80, ignore_eos=True, temperature=0.0)
+    running = remote.submit(dataclasses.replace(_request(remote, "running", OutputKind.DELTA, **long), group_id="g1"))
+    assert running.get(timeout=10) is not None
+    assert remote.pause("keep").mode == "keep"
+    _until_settled(remote)
+    held = remote.submit(dataclasses.replace(_request(remote, "held", **long), group_id="g2"))
+    assert remote.pause_state().held == 1
+    with pytest.raises(queue.Empty):  # nothing of it runs while paused
+        held.get(timeout=0.2)
+    assert remote.abort_requests(["g1"]) == 1
+    assert remote.resume().mode is None
+    outputs = list(running)
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    (final,) = list(held)
+    assert final.outputs[0].finish_reason == "length" and len(final.outputs[0].token_ids) == 80
+    with pytest.raises(RequestError) as refused:
+        remote.pause("sometimes")
+    assert refused.value.param == "mode" and remote.pause_state().mode is None
