@@ -7,7 +7,9 @@ rollouts through the engine in several batch mixes — one request alone, 8 and 
 different lengths at once, 4 prompts with ``n`` = 8 beside 8 other requests — and compares every
 sampled token's logprob with one forward per rollout of the trainer's model: the same folder loaded
 by ``transformers`` in fp32 without quantisation (a GGUF's weights dequantised). It prints, per mix,
-the rollouts, the tokens and the largest and mean ``|Δ|``. The engine is built as the server builds
+the rollouts, the tokens and the largest and mean ``|Δ|``, and as the baseline of the same run the
+trainer's model against itself: decoding the batch-8 rollouts a token at a time with its KV cache,
+as a server does, against its one forward over each (what fp32 leaves between the two shapes). The engine is built as the server builds
 it (``--quantization`` and ``--dtype`` as given); its requests pass the server's validator.
 """
 
@@ -80,6 +82,20 @@ def trainer_logprobs(model: Any, rollout: Rollout) -> list[float]:
     return [float(logprobs[start + j, token]) for j, token in enumerate(rollout.tokens)]
 
 
+def incremental_logprobs(model: Any, rollout: Rollout) -> list[float]:
+    """The same logprobs from the trainer's model decoding as a server does: the prompt at once,
+    then a token at a time with its KV cache (the floor fp32 leaves between the two ways)."""
+    import torch
+
+    with torch.inference_mode():
+        out = model(torch.tensor([rollout.prompt]), use_cache=True)
+        values = []
+        for token in rollout.tokens:
+            values.append(float(torch.log_softmax(out.logits[0, -1].float(), dim=-1)[token]))
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return values
+
+
 def gaps(model: Any, rollouts: list[Rollout]) -> list[float]:
     """``|served - trainer's|`` for every token of every rollout."""
     return [abs(a - b) for r in rollouts for a, b in zip(r.logprobs, trainer_logprobs(model, r))]
@@ -130,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         delta = gaps(trainer, rollouts)
         print(f"| {name} | {len(rollouts)} | {len(delta)} | {max(delta):.2e} | {sum(delta) / len(delta):.2e} | "
               f"{took:.1f} s |", flush=True)  # fmt: skip
+        if name == "batch 8":  # the baseline: the trainer's model against itself over the same rollouts
+            floor = [abs(a - b) for r in rollouts for a, b in zip(incremental_logprobs(trainer, r),
+                                                                  trainer_logprobs(trainer, r))]  # fmt: skip
+            print(f"| baseline: transformers a token at a time with its KV cache, same 8 rollouts | {len(rollouts)} | "
+                  f"{len(floor)} | {max(floor):.2e} | {sum(floor) / len(floor):.2e} | — |", flush=True)  # fmt: skip
     engine.shutdown(grace=1.0)
     return 0
 
