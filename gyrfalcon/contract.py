@@ -223,6 +223,8 @@ def breaks_runtime_rule(path: str, body: Any, limits: dict[str, Any]) -> bool:
     """True when a schema-valid body may still break a runtime-only rule (context, min_tokens, sequences)."""
     if not isinstance(body, dict):
         return False
+    if path == "/update_weights_from_disk":  # a path that exists here must also hold fitting weights
+        return isinstance(body.get("model_path"), str) and os.path.exists(body["model_path"])
     if path.endswith("/responses"):
         return _responses_break_rule(body, limits)
     context = limits["max_model_len"]

@@ -179,6 +179,7 @@ class ServerContext:
                         max_work=self.settings.request_tokens(self.engine.info().max_model_len),
                         tool_parser=merged_dict(self.pm.hook.gyrfalcon_tool_parsers(), "tool-call parser").get(
                             self.settings.tool_call_parser),
+                        weight_versions=self.settings.enable_rl_endpoints,
                     )
         return self._translator
 

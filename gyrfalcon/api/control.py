@@ -1,6 +1,7 @@
 """The control routes RL trainers drive a rollout server with (``--enable-rl-endpoints``; vLLM's
-names and answers): pause generation around a weight update and resume it, ask whether it is
-paused, and abort requests by the ids their clients know. Behind the API key like every route but
+names and answers, SGLang's for the weights): pause generation around a weight update and resume
+it, ask whether it is paused, abort requests by the ids their clients know, serve new weights from
+a folder and say which version serves. Behind the API key like every route but
 the public ones; the served spec lists them only where they are served."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from gyrfalcon.api.context import ServerContext
 from gyrfalcon.api.resources import json_response, offload
 from gyrfalcon.engine_api.types import PAUSE_MODES, PauseState
 from gyrfalcon.errors import RequestError
-from gyrfalcon.protocol.endpoints import ABORT_REQUESTS, ENDPOINTS
+from gyrfalcon.protocol.endpoints import ABORT_REQUESTS, ENDPOINTS, UPDATE_WEIGHTS
 from gyrfalcon.protocol.wire import sent_fields, validate
 
 #: how often a pause that has not settled yet is looked at again
@@ -91,10 +92,38 @@ class AbortRequestsResource:
         json_response(resp, {"status": "aborted", "aborted": aborted})
 
 
+class UpdateWeightsResource:
+    """``POST /update_weights_from_disk`` (SGLang's route and answer): answered once the new weights serve."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        _query(req, ())
+        body = self.ctx.parse_body(await self.ctx.read_body(req))
+        sent = sent_fields(validate(UPDATE_WEIGHTS, body))
+        version = await offload(self.ctx.engine.update_weights, sent["model_path"], sent.get("weight_version"))
+        json_response(resp, {"success": True, "message": f"the weights of {sent['model_path']} serve as {version}",
+                             "weight_version": version})  # fmt: skip
+
+
+class WeightVersionResource:
+    """``GET /weight_version``."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    async def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        _query(req, ())
+        json_response(resp, {"weight_version": self.ctx.engine.health().weight_version})
+
+
 #: the resource of each of ``protocol.endpoints.CONTROL_ROUTES``
 CONTROL_RESOURCES = {
     "/pause": PauseResource,
     "/resume": ResumeResource,
     "/is_paused": IsPausedResource,
     "/inference/v1/abort_requests": AbortRequestsResource,
+    "/update_weights_from_disk": UpdateWeightsResource,
+    "/weight_version": WeightVersionResource,
 }

@@ -42,6 +42,12 @@ class EngineCollector:
             info = GaugeMetricFamily("gyrfalcon_decode_path", "The path decode steps take (1), and why.", labels=["path", "reason"])
             info.add_metric([name, reason.removesuffix(")")], 1)
             yield info
+        version = self.engine.health().weight_version
+        if version:
+            info = GaugeMetricFamily("gyrfalcon_weight_version", "The version of the weights being served (1).",
+                                     labels=["version"])  # fmt: skip
+            info.add_metric([version], 1)
+            yield info
         for key, value in sorted(stats.items()):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue

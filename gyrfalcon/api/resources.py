@@ -64,7 +64,8 @@ class HealthResource:
         health = self.ctx.engine.health()
         if not health.ready:
             raise RequestError(health.message or "The model is loading", type=Kind.NOT_READY, retry_after=1)
-        json_response(resp, {"status": "ok", **({"decode_path": health.decode_path} if health.decode_path else {})})
+        json_response(resp, {"status": "ok", **({"decode_path": health.decode_path} if health.decode_path else {}),
+                             **({"weight_version": health.weight_version} if health.weight_version else {})})  # fmt: skip
 
 
 class VersionResource:
@@ -88,6 +89,9 @@ class ModelsResource:
              "max_model_len": info.max_model_len, "permission": [{"id": f"modelperm-{name}", **permission}]}  # fmt: skip
             for name in self.ctx.served_model_names
         ]
+        if self.ctx.settings.enable_rl_endpoints:  # a rollout server's weights change: say which serve
+            for card in data:
+                card["weight_version"] = self.ctx.engine.health().weight_version
         json_response(resp, {"object": "list", "data": data})
 
 

@@ -14,7 +14,7 @@ The engine core reports token-id deltas of its own
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from gyrfalcon.engine_api.types import CompletionOutput, EngineError, EngineRequest, OutputKind, RequestOutput, TokenLogprobs
 
@@ -28,6 +28,7 @@ class Choice(Protocol):
     logprobs: TokenLogprobs | None
     finish_reason: str | None
     stop_reason: str | int | None
+    weight_versions: list[list[Any]] | None
 
     @property
     def finished(self) -> bool: ...
@@ -89,6 +90,7 @@ class OutputAggregator:
             logprobs=None if seq.logprobs is None else seq.logprobs.since(0),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
+            weight_versions=seq.weight_versions if seq.finished else None,
         )
 
     def make_output(self) -> RequestOutput | None:
@@ -117,6 +119,7 @@ class OutputAggregator:
                     logprobs=None if seq.logprobs is None else seq.logprobs.since(sent.tokens),
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
+                    weight_versions=seq.weight_versions if seq.finished else None,
                 )
             else:
                 choice = self._full(seq)

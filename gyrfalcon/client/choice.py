@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from gyrfalcon.client.detokenizer import IncrementalDetokenizer, NoText
 from gyrfalcon.client.stop_strings import StopStrings
 from gyrfalcon.engine_api.outputs import ChoiceProgress
@@ -22,6 +24,8 @@ class ChoiceText(ChoiceProgress):
         self.detokenizer = detokenizer
         self.stops = StopStrings(params)
         self.text = ""
+        #: which weights made which tokens, as the engine last said (``CompletionOutput.weight_versions``)
+        self.weight_versions: list[list[Any]] | None = None
 
     def visible_text(self) -> str:
         if self.finished:
@@ -31,6 +35,8 @@ class ChoiceText(ChoiceProgress):
 
     def add(self, delta: CompletionOutput) -> bool:
         """Apply one core delta of this choice; True when a stop string ended the choice now."""
+        if delta.weight_versions is not None:
+            self.weight_versions = delta.weight_versions
         if self.finished:
             return False
         ids = delta.token_ids

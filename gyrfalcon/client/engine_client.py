@@ -153,6 +153,9 @@ class EngineClient(Engine):
     def abort_requests(self, group_ids: list[str] | None = None) -> int:
         return self.core.abort_requests(group_ids)
 
+    def update_weights(self, model_path: str, weight_version: str | None = None) -> str:
+        return self.core.update_weights(model_path, weight_version)
+
     def wait_ready(self, timeout: float = 60.0, poll_s: float = 0.01) -> EngineHealth:
         """Block until the core is ready (or ``timeout`` seconds); returns its health."""
         deadline = time.monotonic() + timeout

@@ -108,7 +108,8 @@ class RequestState:
     def _delta(seq: Sequence, sent: int) -> CompletionOutput:
         return CompletionOutput(index=seq.index, text="", token_ids=seq.token_ids[sent:],
                                 logprobs=None if seq.logprobs is None else seq.logprobs.since(sent),
-                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)  # fmt: skip
+                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                                weight_versions=seq.versions_to_send())  # fmt: skip
 
     def _output(self, choices: list[CompletionOutput], error: EngineError | None = None) -> RequestOutput:
         return RequestOutput(request_id=self.request.request_id, outputs=choices, finished=self.finished,

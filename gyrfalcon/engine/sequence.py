@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from gyrfalcon.engine.stopping import StopChecker
@@ -24,8 +26,11 @@ class Sequence(ChoiceProgress):
     text = ""
 
     def __init__(self, index: int, params: SamplingParams, prompt_token_ids: list[int], stopper: StopChecker,
-                 seed: int = 0) -> None:  # fmt: skip
+                 seed: int = 0, weight_version: str = "") -> None:  # fmt: skip
         super().__init__(index)
+        #: which weights make which tokens: ``[version, first token index]`` pairs, in order
+        self.weight_versions: list[list[Any]] = [[weight_version, 0]]
+        self._versions_sent = 0
         self.params = params
         self.prompt_token_ids = prompt_token_ids
         self.stopper = stopper
@@ -48,6 +53,24 @@ class Sequence(ChoiceProgress):
             return self.token_ids[start - prompt : stop - prompt]
         return [*self.prompt_token_ids[start:], *self.token_ids[: stop - prompt]]
 
+    def weights_replaced(self, version: str) -> None:
+        """The weights are ``version`` from this choice's next token on (a no-op once finished)."""
+        if self.finished:
+            return
+        start = len(self.token_ids)
+        if self.weight_versions[-1][1] == start:  # nothing made by the weights before
+            self.weight_versions[-1][0] = version
+        else:
+            self.weight_versions.append([version, start])
+
+    def versions_to_send(self) -> list[list[Any]] | None:
+        """The weight versions for this choice's next output: all of them when they changed since
+        the last output (the first one included) or the choice has finished, else None."""
+        if not self.finished and self._versions_sent == len(self.weight_versions):
+            return None
+        self._versions_sent = len(self.weight_versions)
+        return [list(span) for span in self.weight_versions]
+
     def visible_text(self) -> str:
         return ""
 
@@ -64,10 +87,11 @@ class Sequence(ChoiceProgress):
             self.finish("length")
 
 
-def choices_of(request: EngineRequest, eos_token_ids: list[int], max_model_len: int,
-               seeds: torch.Generator) -> list[Sequence]:  # fmt: skip
+def choices_of(request: EngineRequest, eos_token_ids: list[int], max_model_len: int, seeds: torch.Generator,
+               weight_version: str = "") -> list[Sequence]:  # fmt: skip
     """The ``n`` sequences of ``request``, each with its seed: the request's child seed, or for an
-    unseeded choice one drawn from ``seeds``, so that a recomputed choice draws the same tokens."""
+    unseeded choice one drawn from ``seeds``, so that a recomputed choice draws the same tokens;
+    ``weight_version``: the weights served now."""
     params = request.sampling
     sequences = []
     for index in range(params.n):
@@ -75,5 +99,5 @@ def choices_of(request: EngineRequest, eos_token_ids: list[int], max_model_len: 
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=seeds))
         stopper = StopChecker(params, eos_token_ids, len(request.prompt_token_ids), max_model_len)
-        sequences.append(Sequence(index, params, request.prompt_token_ids, stopper, seed))
+        sequences.append(Sequence(index, params, request.prompt_token_ids, stopper, seed, weight_version))
     return sequences

@@ -26,7 +26,9 @@ from gyrfalcon.engine.batcher import Batcher
 from gyrfalcon.engine_api.interface import EngineCore, OutputStream
 from gyrfalcon.engine.model.fast_check import DecodePath
 from gyrfalcon.engine.model.runner import ModelRunner
+from gyrfalcon.engine.control import ControlPlane
 from gyrfalcon.engine.pause import PauseGate
+from gyrfalcon.engine.weights import WeightUpdates
 from gyrfalcon.engine.request_state import RequestState
 from gyrfalcon.engine.sample.sampler import Sampler
 from gyrfalcon.engine.scheduler import Scheduler
@@ -34,7 +36,7 @@ from gyrfalcon.engine.setup import capture_mode, engine_info, load_runner, read_
 from gyrfalcon.engine.sequence import choices_of
 from gyrfalcon.engine.step_health import StepFailures
 from gyrfalcon.engine_api.streams import CoalescingOutputStream
-from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind, PauseState
+from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind
 from gyrfalcon.engine_api.config import EngineConfig
 from gyrfalcon.engine_api.errors import SHUTTING_DOWN, ShuttingDown
 from gyrfalcon.errors import RequestError
@@ -52,7 +54,7 @@ PREFILL_CHUNK_TOKENS = 512
 STEP_STALL_S = 60.0
 
 
-class TransformersEngine(EngineCore):
+class TransformersEngine(ControlPlane, EngineCore):
     """An :class:`EngineCore` over a local Hugging Face causal-LM folder (token ids only; the
     factory wraps it in an :class:`gyrfalcon.client.EngineClient` for the frontend).
 
@@ -87,6 +89,7 @@ class TransformersEngine(EngineCore):
         self._live: dict[str, RequestState] = {}
         self._accepting = True
         self._gate = PauseGate()
+        self._weights = WeightUpdates()
         #: monotonic time at which running requests are cut short (drain); None: not draining
         self._cut_at: float | None = None
         self._stop = threading.Event()
@@ -133,7 +136,8 @@ class TransformersEngine(EngineCore):
             if processor.wants(params, request.extensions):
                 processor.prepare(params, request.extensions)
         stream = CoalescingOutputStream(request.request_id, request.output_kind, on_close=self.abort)
-        state = RequestState(request, stream, choices_of(request, self.eos_token_ids, self._info.max_model_len, self._seeds))
+        sequences = choices_of(request, self.eos_token_ids, self._info.max_model_len, self._seeds, self._weights.version)
+        state = RequestState(request, stream, sequences)
         with self._lock:
             if not self._accepting:
                 why = self._health.message or "the engine is shutting down"
@@ -156,34 +160,6 @@ class TransformersEngine(EngineCore):
         if waiting is not None:
             waiting.abort()
             self._emit(waiting)
-
-    def abort_requests(self, group_ids: list[str] | None = None) -> int:
-        with self._lock:
-            ids = [i for i, s in self._live.items() if group_ids is None or s.request.group_id in group_ids]
-        for request_id in ids:
-            self.abort(request_id)
-        return len(ids)
-
-    def pause(self, mode: str = "abort", clear_cache: bool = True) -> PauseState:
-        with self._lock:
-            self._gate.pause(mode, clear_cache)
-            held = {id(s) for s in self._gate.held}
-            cut = [i for i, s in self._live.items() if id(s) not in held] if mode == "abort" else []
-        for request_id in cut:
-            self.abort(request_id)
-        self.scheduler.wake()
-        return self.pause_state()
-
-    def resume(self) -> PauseState:
-        with self._lock:
-            for state in self._gate.resume():
-                self.scheduler.add(state, counted=True)
-        self.scheduler.wake()
-        return self.pause_state()
-
-    def pause_state(self) -> PauseState:
-        with self._lock:
-            return self._gate.state(len(self._live) - len(self._gate.held))
 
     def finish_choice(self, request_id: str, index: int, stop_reason: str | int | None = None) -> None:
         with self._lock:
@@ -291,7 +267,8 @@ class TransformersEngine(EngineCore):
         prompt_logprobs = lambda request, logits, start: self.sampler.gather_prompt_logprobs(logits, request, start)  # noqa: E731
         self.batcher = Batcher(self.runner, self.sampler, self.scheduler, self._emit_step, self._count, self._fail,
                                prompt_logprobs)  # fmt: skip
-        self._health = EngineHealth(ready=True, message="", decode_path=self.decode_path.describe())
+        self._health = EngineHealth(ready=True, message="", decode_path=self.decode_path.describe(),
+                                    weight_version=self._weights.version)
         return True
 
     def _main(self) -> None:
@@ -331,17 +308,6 @@ class TransformersEngine(EngineCore):
             self._died(f"the engine stopped: {exc!r}")
             return
         self.batcher.abort_all()
-
-    def _may_step(self) -> bool:
-        """Between two steps: False while a ``keep`` pause holds the loop still; a pause that asked
-        for it clears the prefix cache once nothing runs."""
-        with self._lock:
-            may = self._gate.may_step()
-            clear = self._gate.clear_cache and len(self._live) == len(self._gate.held)
-            self._gate.clear_cache &= not clear
-        if clear and self.scheduler.pool is not None:
-            self.scheduler.pool.forget_prefixes()
-        return may
 
     def _adopt_decode_path(self) -> None:
         """Between two steps: take the decode path a background compile has just settled."""

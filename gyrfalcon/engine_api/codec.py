@@ -83,16 +83,16 @@ def decode_error(data: list[Any] | None) -> EngineError | None:
 
 
 def encode_output(output: RequestOutput) -> list[Any]:
-    choices = [[c.index, c.text, c.token_ids, _encode_logprobs(c.logprobs), c.finish_reason, c.stop_reason]
-               for c in output.outputs]  # fmt: skip
+    choices = [[c.index, c.text, c.token_ids, _encode_logprobs(c.logprobs), c.finish_reason, c.stop_reason,
+                c.weight_versions] for c in output.outputs]  # fmt: skip
     return [choices, output.finished, output.prompt_token_ids, _encode_logprobs(output.prompt_logprobs),
             output.num_generated_tokens, encode_error(output.error), output.queue_time]  # fmt: skip
 
 
 def decode_output(request_id: str, data: list[Any]) -> RequestOutput:
     choices, finished, prompt_ids, prompt_lp, generated, error, queue_time = data
-    outputs = [CompletionOutput(index, text, ids, _decode_logprobs(lp), finish, stop)
-               for index, text, ids, lp, finish, stop in choices]  # fmt: skip
+    outputs = [CompletionOutput(index, text, ids, _decode_logprobs(lp), finish, stop, versions)
+               for index, text, ids, lp, finish, stop, versions in choices]  # fmt: skip
     return RequestOutput(request_id, outputs, finished, prompt_ids, _decode_logprobs(prompt_lp), generated,
                          decode_error(error), queue_time)  # fmt: skip
 
@@ -109,7 +109,7 @@ def decode_info(data: dict[str, Any]) -> EngineInfo:
 
 
 def encode_health(health: EngineHealth) -> list[Any]:
-    return [health.ready, health.message, health.decode_path]
+    return [health.ready, health.message, health.decode_path, health.weight_version]
 
 
 def decode_health(data: list[Any]) -> EngineHealth:
@@ -118,7 +118,7 @@ def decode_health(data: list[Any]) -> EngineHealth:
 
 #: the core's methods an API worker calls by name (``call`` messages); their results travel as
 #: :func:`encode_result` makes them
-CORE_CALLS = frozenset({"stats", "pause", "resume", "pause_state", "abort_requests"})
+CORE_CALLS = frozenset({"stats", "pause", "resume", "pause_state", "abort_requests", "update_weights"})
 
 
 def encode_result(value: Any) -> Any:

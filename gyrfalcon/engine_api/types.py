@@ -181,7 +181,9 @@ class CompletionOutput:
     In a DELTA output ``text``/``token_ids``/``logprobs`` hold only what is new; in CUMULATIVE and
     FINAL_ONLY outputs they hold everything so far. ``finish_reason`` is ``"stop"``, ``"length"``
     or ``"abort"`` once the choice has finished, else None. ``stop_reason`` is the stop string or
-    stop token id that ended it (None for end-of-sequence or length).
+    stop token id that ended it (None for end-of-sequence or length). ``weight_versions``, on the
+    output that finishes the choice: which weights made which of its tokens, as ``[version, first
+    token index]`` pairs in order (more than one when the weights were replaced while it ran).
     """
 
     index: int
@@ -190,6 +192,7 @@ class CompletionOutput:
     logprobs: TokenLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    weight_versions: list[list[Any]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -293,3 +296,5 @@ class EngineHealth:
     ready: bool
     message: str = ""
     decode_path: str = ""
+    #: the version of the weights being served (``engine.weights.FIRST_VERSION`` until an update)
+    weight_version: str = ""

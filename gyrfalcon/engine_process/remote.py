@@ -42,6 +42,8 @@ CONNECT_TIMEOUT_S = 120.0
 CALL_TIMEOUT_S = 30.0
 #: seconds a stats call waits (then /metrics shows the request metrics without the engine's)
 STATS_TIMEOUT_S = 5.0
+#: seconds an update of the weights may take (loading and checking them, then the step loop's copy)
+WEIGHTS_CALL_TIMEOUT_S = 600.0
 
 ENGINE_GONE = "the engine process is gone"
 
@@ -162,12 +164,15 @@ class RemoteEngineCore(EngineCore):
     def abort_requests(self, group_ids: list[str] | None = None) -> int:
         return int(self._core_call("abort_requests", group_ids))
 
-    def _core_call(self, name: str, *arguments: Any) -> Any:
+    def update_weights(self, model_path: str, weight_version: str | None = None) -> str:
+        return str(self._core_call("update_weights", model_path, weight_version, timeout=WEIGHTS_CALL_TIMEOUT_S))
+
+    def _core_call(self, name: str, *arguments: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
         """The core's ``name(*arguments)`` in the engine process (:data:`codec.CORE_CALLS`): its
         result, or what it raised."""
         if self._gone is not None:
             raise ShuttingDown(self._gone)
-        error, value = self._call(b"call", name, list(arguments))
+        error, value = self._call(b"call", name, list(arguments), timeout=timeout)
         if error is not None:
             codec.raise_refusal(error)
         return value

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 #: the wake-up key of a submit the core has answered
 _SUBMITTED = "submitted"
+#: the wake-up key of a core call that has its reply
+_CALLED = "called"
 #: submits validated at once: a request waits behind a slow submit (a large grammar's compile) only
 #: when this many are slow together
 SUBMIT_THREADS = 4
@@ -75,6 +77,8 @@ class EngineServer:
         #: the core's aborts and finishes, in arrival order (None: stop); the submits it answered
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._submitted: queue.SimpleQueue[tuple[bytes, Any, str, Any]] = queue.SimpleQueue()
+        #: the replies of core calls made by name, to send
+        self._called: queue.SimpleQueue[tuple[bytes, Any, Any]] = queue.SimpleQueue()
         self._core_calls = threading.Thread(target=self._run_jobs, name="gyrfalcon-core-calls", daemon=True)
         self._core_calls.start()
         self._submits = concurrent.futures.ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="gyrfalcon-submit")
@@ -173,13 +177,7 @@ class EngineServer:
             self._call(self.core.finish_choice, self._engine_id(worker.identity, request_id), index, stop_reason)
         elif kind == b"call":
             call_id, name, args = data
-            try:
-                if name not in codec.CORE_CALLS:
-                    raise RuntimeError(f"no core call {name!r}")
-                reply = [None, codec.encode_result(getattr(self.core, name)(*args))]
-            except Exception as exc:  # noqa: BLE001 - the refusal travels back to the caller
-                reply = [codec.encode_refusal(exc), None]
-            self._send(worker.identity, b"reply", [call_id, reply])
+            self._submits.submit(self._run_call, worker.identity, call_id, name, args)
         elif kind == b"hello":
             info = self.core.info()
             self._send(worker.identity, b"info", [codec.encode_info(info), codec.encode_health(self.core.health()),
@@ -229,6 +227,18 @@ class EngineServer:
         self._submitted.put((identity, call_id, local_id, result))
         self._ready.notify(_SUBMITTED)
 
+    def _run_call(self, identity: bytes, call_id: Any, name: str, args: list[Any]) -> None:
+        """The core's ``name(*args)`` (a submitter thread: new weights take seconds to load, and the
+        socket's thread sends the heartbeats); the socket's thread sends the reply."""
+        try:
+            if name not in codec.CORE_CALLS:
+                raise RuntimeError(f"no core call {name!r}")
+            reply = [None, codec.encode_result(getattr(self.core, name)(*args))]
+        except Exception as exc:  # noqa: BLE001 - the refusal travels back to the caller
+            reply = [codec.encode_refusal(exc), None]
+        self._called.put((identity, call_id, reply))
+        self._ready.notify(_CALLED)
+
     def _answer(self) -> None:
         """Reply to the submits the core has taken or refused; an accepted one's stream is the
         worker's from now on (its outputs flushed as they come), or aborted if the worker is gone."""
@@ -255,9 +265,13 @@ class EngineServer:
         """Answer the submits done meanwhile, then send every ready stream's outputs, one message per worker."""
         if _SUBMITTED in keys:
             self._answer()
+        if _CALLED in keys:
+            while not self._called.empty():
+                identity, call_id, reply = self._called.get_nowait()
+                self._send(identity, b"reply", [call_id, reply])
         batches: dict[bytes, list[Any]] = {}
         for key in set(keys):
-            if key is None or key == _SUBMITTED:
+            if key is None or key in (_SUBMITTED, _CALLED):
                 continue
             identity, local_id = key
             worker = self._workers.get(identity)

@@ -61,6 +61,9 @@ from gyrfalcon.generated.generate import (
     GenerateTopLogprob,
     IsPausedResponse,
     PauseResponse,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsResponse,
+    WeightVersionResponse,
 )
 from gyrfalcon.generated.openai import (
     BatchChatCompletionRequest,
@@ -178,6 +181,9 @@ __all__ = [
     "TokenizeChatRequest",
     "TokenizeCompletionRequest",
     "TokenizeResponse",
+    "UpdateWeightsFromDiskRequest",
+    "UpdateWeightsResponse",
     "Usage",
     "VersionResponse",
+    "WeightVersionResponse",
 ]

@@ -197,6 +197,14 @@ class PromptLogprob(BaseModel):
     ]
 
 
+class WeightVersion(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    version: str
+    start: Annotated[int, Field(ge=0)]
+
+
 class ServerSentEvent(BaseModel):
     event: str | MISSING = MISSING
     data: str

@@ -10,6 +10,41 @@ from typing_extensions import TypeAliasType
 
 from . import common
 
+
+class UpdateWeightsFromDiskRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    model_path: Annotated[
+        str,
+        Field(
+            description="A folder or .gguf file on the server.",
+            max_length=4096,
+            min_length=1,
+        ),
+    ]
+    weight_version: Annotated[
+        str | None | MISSING,
+        Field(description="The new weights' version.", max_length=256, min_length=1),
+    ] = MISSING
+
+
+class UpdateWeightsResponse(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    success: bool
+    message: str
+    weight_version: str
+
+
+class WeightVersionResponse(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    weight_version: str
+
+
 RequestId = TypeAliasType(
     "RequestId", Annotated[str, Field(max_length=300, min_length=1)]
 )
@@ -221,6 +256,12 @@ class GenerateLogprobs(BaseModel):
 
 
 class GenerateChoice(BaseModel):
+    weight_versions: Annotated[
+        list[common.WeightVersion] | MISSING,
+        Field(
+            description="On a finished choice, with --enable-rl-endpoints: each version of the weights that made its tokens (more than one when the weights were replaced while it ran), with the index of the first generated token it made."
+        ),
+    ] = MISSING
     index: Annotated[int, Field(ge=0)]
     token_ids: Annotated[
         list[TokenId],

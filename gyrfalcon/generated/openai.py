@@ -921,6 +921,12 @@ FinishReason = TypeAliasType("FinishReason", Literal["stop", "length", "abort", 
 
 
 class CompletionChoice(BaseModel):
+    weight_versions: Annotated[
+        list[common.WeightVersion] | MISSING,
+        Field(
+            description="On a finished choice, with --enable-rl-endpoints: each version of the weights that made its tokens (more than one when the weights were replaced while it ran), with the index of the first generated token it made."
+        ),
+    ] = MISSING
     index: Annotated[int, Field(ge=0)]
     text: str
     logprobs: CompletionLogprobs | None
@@ -1011,6 +1017,12 @@ class ChatResponseMessage(BaseModel):
 
 
 class ChatCompletionChoice(BaseModel):
+    weight_versions: Annotated[
+        list[common.WeightVersion] | MISSING,
+        Field(
+            description="On a finished choice, with --enable-rl-endpoints: each version of the weights that made its tokens (more than one when the weights were replaced while it ran), with the index of the first generated token it made."
+        ),
+    ] = MISSING
     index: Annotated[int, Field(ge=0)]
     message: ChatResponseMessage
     token_ids: Annotated[
@@ -1067,6 +1079,12 @@ class ChatDelta(BaseModel):
 
 
 class ChatCompletionStreamChoice(BaseModel):
+    weight_versions: Annotated[
+        list[common.WeightVersion] | MISSING,
+        Field(
+            description="On a finished choice, with --enable-rl-endpoints: each version of the weights that made its tokens (more than one when the weights were replaced while it ran), with the index of the first generated token it made."
+        ),
+    ] = MISSING
     index: Annotated[int, Field(ge=0)]
     delta: ChatDelta
     token_ids: Annotated[
@@ -1590,6 +1608,12 @@ class HealthResponse(BaseModel):
             description='Which path the engine\'s decode steps take, and why: "compiled (...)", "captured (...)" or "eager (...)" (a fast path serves only after matching the eager step at start-up).'
         ),
     ] = MISSING
+    weight_version: Annotated[
+        str | MISSING,
+        Field(
+            description="The version of the weights being served (`default` until POST /update_weights_from_disk)."
+        ),
+    ] = MISSING
 
 
 class VersionResponse(BaseModel):
@@ -1604,6 +1628,9 @@ class ModelCard(BaseModel):
     root: Annotated[str, Field(description="The model this name serves.")]
     parent: Annotated[str | None, Field(description="Null (no adapters).")]
     max_model_len: Annotated[int, Field(ge=1)]
+    weight_version: Annotated[
+        str | MISSING, Field(description="The version of the weights this name serves.")
+    ] = MISSING
     permission: list[ModelPermission]
 
 

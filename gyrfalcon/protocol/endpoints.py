@@ -185,9 +185,11 @@ class TokenizerEndpoint:
 TOKENIZE = TokenizerEndpoint("/tokenize", generated.TokenizeCompletionRequest, generated.TokenizeChatRequest)
 DETOKENIZE = TokenizerEndpoint("/detokenize", generated.DetokenizeRequest)
 #: the control routes RL trainers use, served only with ``--enable-rl-endpoints``
-CONTROL_ROUTES = ("/pause", "/resume", "/is_paused", "/inference/v1/abort_requests")
-#: the wire model of ``POST /inference/v1/abort_requests``
+CONTROL_ROUTES = ("/pause", "/resume", "/is_paused", "/inference/v1/abort_requests", "/update_weights_from_disk",
+                  "/weight_version")  # fmt: skip
+#: the wire models of ``POST /inference/v1/abort_requests`` and ``POST /update_weights_from_disk``
 ABORT_REQUESTS = generated.AbortRequestsRequest
+UPDATE_WEIGHTS = generated.UpdateWeightsFromDiskRequest
 
 
 def endpoint_of(endpoint: Endpoint | str) -> Endpoint:

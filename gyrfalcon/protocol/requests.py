@@ -8,6 +8,7 @@ from typing import Any
 
 from gyrfalcon.engine_api.types import EngineRequest
 from gyrfalcon.protocol.endpoints import Endpoint, endpoint_of
+from gyrfalcon.protocol.rules import RequestFields
 
 
 @dataclass
@@ -55,6 +56,25 @@ class WireNames:
         return self.names(param) if self.names is not None else param
 
 
+def max_tokens_field(f: RequestFields) -> str | None:
+    """The field that sets ``max_tokens`` (chat's ``max_completion_tokens`` wins over its
+    ``max_tokens``), or None when the client set neither."""
+    if f.has("max_completion_tokens"):
+        return "max_completion_tokens"
+    return "max_tokens" if f.get("max_tokens") is not None else None
+
+
+def wire_names(f: RequestFields) -> WireNames:
+    """Where the request's fields are on the wire; a constraint is named after the field it came
+    from: the tools when the request forces a call, else a response_format other than text."""
+    constraint = None
+    if f.has("tools") and f.get("tool_choice") not in (None, "none", "auto"):
+        constraint = "tools"  # the calls' grammar: a tool's parameters schema does not compile
+    elif (f.get("response_format") or {"type": "text"})["type"] != "text":
+        constraint = "response_format"
+    return WireNames(f.endpoint, constraint, max_tokens=max_tokens_field(f))
+
+
 @dataclass
 class ServingRequest:
     """One HTTP request, translated: its engine requests and how to present their outputs.
@@ -85,6 +105,9 @@ class ServingRequest:
     prompt_only: bool = False
     #: the wire ``prompt_logprobs`` count (None: not asked); the engine may gather more for echo
     prompt_logprobs: int | None = None
+    #: each finished choice says which weights made which tokens (``weight_versions``; a server
+    #: with ``--enable-rl-endpoints``, whose weights may be replaced while it runs)
+    weight_versions: bool = False
     #: the client's end-user id (OpenAI's ``user``): recorded in the access log, never used for sampling
     user: str | None = None
     #: fields that change nothing in the output, recorded in the access log (``metadata``,

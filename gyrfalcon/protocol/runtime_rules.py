@@ -208,6 +208,15 @@ RUNTIME_RULES: tuple[RuntimeRule, ...] = (
         "gyrfalcon.protocol.translate:Translator._check_work",
     ),
     RuntimeRule(
+        "model_path_fits",
+        "model_path",
+        "POST /update_weights_from_disk: model_path is a model folder (or .gguf file) on the server whose weights "
+        "have the served model's tensors, each of the same name, shape and dtype (404 for a path that does not "
+        "exist).",
+        "gyrfalcon.engine.weights:stage",
+        "engine",
+    ),
+    RuntimeRule(
         "request_fits_kv_cache",
         "max_tokens",
         "n x (prompt + max_tokens), in whole blocks, fits the server's KV cache (x-limits kv_cache), so "

@@ -27,7 +27,7 @@ from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.protocol.capabilities import wire_asks
 from gyrfalcon.protocol.chat import ChatRenderer, ChatRendering
 from gyrfalcon.protocol.endpoints import DETOKENIZE, TOKENIZE, Endpoint, Prompts, endpoint_of
-from gyrfalcon.protocol.requests import ServingRequest, ToolUse, WireNames
+from gyrfalcon.protocol.requests import ServingRequest, ToolUse, WireNames, max_tokens_field, wire_names
 from gyrfalcon.protocol.responses import as_chat, input_items, refuse_unsupported
 from gyrfalcon.protocol.rules import RequestFields, check_stated_rules
 from gyrfalcon.protocol.tools import structured_constraint, tool_constraint, tool_use
@@ -71,8 +71,11 @@ class Translator:
         max_seqs: int | None = None,
         tool_parser: Any = None,
         max_work: int | None = None,
+        weight_versions: bool = False,
     ) -> None:
         self.engine = engine
+        #: answers say which weights made which tokens (:attr:`ServingRequest.weight_versions`)
+        self.weight_versions = weight_versions
         #: the convention tool calls are written in (gyrfalcon.tools.parsers), None: no tools
         self.tool_parser = tool_parser
         self.chat = ChatRenderer(engine)
@@ -221,6 +224,7 @@ class Translator:
             prompt_only=_answered_without_the_engine(fields, sampling),
             prompt_logprobs=fields.get("prompt_logprobs"),
             tools=tools,
+            weight_versions=self.weight_versions,
         )
 
     def _check_extensions(self, extensions: Any) -> dict[str, Any]:
@@ -359,8 +363,9 @@ class Translator:
 
     def _with_max_tokens(self, f: RequestFields, sampling: SamplingParams, prompt_len: int) -> SamplingParams:
         """``sampling`` with ``max_tokens`` resolved for one prompt: the client's (see
-        :func:`max_tokens_field`), else the endpoint's default, else what the context leaves after the
-        prompt, capped by the model's own ``max_new_tokens``. Whether it fits is the validator's."""
+        :func:`~gyrfalcon.protocol.requests.max_tokens_field`), else the endpoint's default, else
+        what the context leaves after the prompt, capped by the model's own ``max_new_tokens``.
+        Whether it fits is the validator's."""
         name = max_tokens_field(f)
         if name is not None:
             max_tokens = f.get(name)
@@ -373,27 +378,8 @@ class Translator:
         return dataclasses.replace(sampling, max_tokens=max_tokens)
 
 
-def max_tokens_field(f: RequestFields) -> str | None:
-    """The field that sets ``max_tokens`` (chat's ``max_completion_tokens`` wins over its
-    ``max_tokens``), or None when the client set neither."""
-    if f.has("max_completion_tokens"):
-        return "max_completion_tokens"
-    return "max_tokens" if f.get("max_tokens") is not None else None
-
-
 def _answered_without_the_engine(f: RequestFields, sampling: SamplingParams) -> bool:
     """A completion that echoes its prompt and generates nothing (``max_tokens: 0``, no prompt
     logprobs): the prompt is the answer, and no engine request is submitted."""
     return bool(f.endpoint.echoes_prompt_alone and f.get("echo", False) and sampling.max_tokens == 0
                 and sampling.prompt_logprobs is None)  # fmt: skip
-
-
-def wire_names(f: RequestFields) -> WireNames:
-    """Where the request's fields are on the wire; a constraint is named after the field it came
-    from: the tools when the request forces a call, else a response_format other than text."""
-    constraint = None
-    if f.has("tools") and f.get("tool_choice") not in (None, "none", "auto"):
-        constraint = "tools"  # the calls' grammar: a tool's parameters schema does not compile
-    elif (f.get("response_format") or {"type": "text"})["type"] != "text":
-        constraint = "response_format"
-    return WireNames(f.endpoint, constraint, max_tokens=max_tokens_field(f))

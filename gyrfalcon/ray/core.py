@@ -46,6 +46,8 @@ CALL_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 600.0
 #: seconds a health or stats broadcast waits
 BROADCAST_TIMEOUT_S = 5.0
+#: seconds every replica has to load new weights and swap them in
+UPDATE_TIMEOUT_S = 600.0
 #: seconds between two polls of the replicas' health
 HEALTH_POLL_S = 0.5
 #: tries to place a request when the chosen replica turns out to be dead (it ran nothing yet)
@@ -121,6 +123,13 @@ class RayEngineCore(EngineCore):
 
     def pause_state(self) -> PauseState:
         return _joined(self._run(self._gather("pause_state"), BROADCAST_TIMEOUT_S))
+
+    def update_weights(self, model_path: str, weight_version: str | None = None) -> str:
+        """Every replica loads and swaps; answered once all have (a replica that refuses, or fails,
+        is the error, and the others may already serve the new weights)."""
+        answers = self._run(self._gather("update_weights", model_path, weight_version, timeout=UPDATE_TIMEOUT_S),
+                            UPDATE_TIMEOUT_S)  # fmt: skip
+        return str(_answered(answers)[0])
 
     def abort_requests(self, group_ids: list[str] | None = None) -> int:
         return sum(_answered(self._run(self._gather("abort_requests", group_ids), BROADCAST_TIMEOUT_S)))
@@ -241,10 +250,10 @@ class RayEngineCore(EngineCore):
                     self._health = EngineHealth(ready=False, message=why)
             await asyncio.sleep(HEALTH_POLL_S)
 
-    async def _gather(self, method: str, *args: Any) -> list[Any]:
+    async def _gather(self, method: str, *args: Any, timeout: float = BROADCAST_TIMEOUT_S) -> list[Any]:
         """Every replica's answer to ``method(*args)`` (an exception for one that failed)."""
         response = self._handle.broadcast(method, *args)
-        return await response.results_async(timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True)
+        return await response.results_async(timeout_s=timeout, return_exceptions=True)
 
 
 def _unavailable(exc: BaseException) -> EngineUnavailable:

@@ -91,6 +91,9 @@ class EngineReplica:
     def abort_requests(self, group_ids: list[str] | None) -> int:
         return self.core.abort_requests(group_ids)
 
+    def update_weights(self, model_path: str, weight_version: str | None) -> str:
+        return self.core.update_weights(model_path, weight_version)
+
     def __del__(self) -> None:
         core = getattr(self, "core", None)
         if core is not None:

@@ -97,7 +97,8 @@ class Formatter:
     # non-streaming ------------------------------------------------------------
     def final(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = [
-            self.final_choice(i, output, choice) for i, output in enumerate(outputs) for choice in sorted(output.outputs, key=lambda c: c.index)
+            self._with_versions(self.final_choice(i, output, choice), choice)
+            for i, output in enumerate(outputs) for choice in sorted(output.outputs, key=lambda c: c.index)
         ]
         body = self.envelope(choices, chunk=False)
         body["usage"] = usage(
@@ -108,6 +109,13 @@ class Formatter:
     def final_choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> dict[str, Any]:
         raise NotImplementedError
 
+    def _with_versions(self, body: dict[str, Any], choice: CompletionOutput) -> dict[str, Any]:
+        """A finished choice's ``weight_versions`` (where the request asks for them): each version
+        of the weights that made its tokens, with the index of the first token it made."""
+        if self.request.weight_versions and choice.finish_reason is not None and choice.weight_versions:
+            body["weight_versions"] = [{"version": version, "start": start} for version, start in choice.weight_versions]
+        return body
+
     # streaming ----------------------------------------------------------------
     def opening_chunks(self) -> list[dict[str, Any]]:
         """Chunks sent before any token (chat: the role of every choice, one chunk each)."""
@@ -117,7 +125,7 @@ class Formatter:
         """One chunk per choice with news (text, tokens or its finish), as OpenAI and vLLM stream:
         clients read ``chunk.choices[0]`` and must see every choice that way."""
         return [
-            self.envelope([self.delta_choice(prompt_index, output, choice)], chunk=True)
+            self.envelope([self._with_versions(self.delta_choice(prompt_index, output, choice), choice)], chunk=True)
             for choice in output.outputs
             if choice.text or choice.token_ids or choice.finish_reason
         ]

@@ -14,7 +14,8 @@ def post(client, path, body, **kw):
 
 
 def test_health_version_models(client):
-    assert client.simulate_get("/health").json == {"status": "ok", "decode_path": "eager (--enforce-eager)"}
+    assert client.simulate_get("/health").json == {"status": "ok", "decode_path": "eager (--enforce-eager)",
+                                                   "weight_version": "default"}  # fmt: skip
     assert "version" in client.simulate_get("/version").json
     models = client.simulate_get("/v1/models").json
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"

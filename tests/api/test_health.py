@@ -22,7 +22,8 @@ def test_503_until_ready_then_200(tiny_model_dir):
         assert client.simulate_get("/version").status_code == 200
         engine.core.start()
         assert engine.wait_ready(60).ready
-        assert client.simulate_get("/health").json == {"status": "ok", "decode_path": "eager (--enforce-eager)"}
+        assert client.simulate_get("/health").json == {"status": "ok", "decode_path": "eager (--enforce-eager)",
+                                                       "weight_version": "default"}  # fmt: skip
         assert client.simulate_post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
     finally:
         engine.shutdown(grace=1.0)

@@ -236,7 +236,7 @@ def test_a_field_is_named_where_the_client_wrote_it():
     """One mapping names every engine-side param: a dotted top-level field stays at the top level on
     generate, and a constraint is named after the field it came from (a text response_format is none)."""
     from gyrfalcon.protocol.rules import RequestFields, wire_param
-    from gyrfalcon.protocol.translate import wire_names
+    from gyrfalcon.protocol.requests import wire_names
 
     assert wire_param("generate", "extensions.demo.x") == "extensions.demo.x"
     assert wire_param("generate", "top_k") == "sampling_params.top_k"

@@ -1,0 +1,151 @@
+"""New weights without a restart, as an RL trainer pushes them (SGLang's ``update_weights_from_disk``).
+
+A folder of the served model's architecture (or a GGUF of its shape) is loaded exactly as the
+served weights were — the same dtype, device, ``--quantization`` and matmul inputs, the same fused
+q/k/v and gate/up layers — into tensors of its own, and every tensor is held against the served
+one (name, shape, dtype) before anything changes: a mismatch is a 400 naming it, and the served
+weights stay as they are. The engine's step loop then copies the staged tensors into the served
+ones between two steps (:meth:`StagedWeights.apply`): in place, so the decode path's compiled step,
+captured graphs and native layer loop, which hold the served tensors' memory, compute with the
+new values at their next call. Until the copy the staged weights take memory of their own (their
+size once more); it is released with them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gyrfalcon.engine_api.config import EngineConfig
+from gyrfalcon.engine_api.errors import EngineUnavailable
+from gyrfalcon.errors import Kind, RequestError
+from gyrfalcon.kernels.quant.layers import fuse_outputs
+from gyrfalcon.models.default import resolve_model
+from gyrfalcon.models.loading import load_weights
+
+#: the weight version of the weights a server starts with (SGLang's)
+FIRST_VERSION = "default"
+
+
+@dataclass
+class StagedWeights:
+    """Loaded and checked weights, each beside the served tensor it replaces, and their version."""
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    version: str
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Copy every staged tensor into the served one (between two steps: the step loop's thread)."""
+        for served, staged in self.pairs:
+            served.copy_(staged)
+        self.pairs = []
+
+
+def served_tensors(model: Any, layers: list[Any]) -> dict[str, torch.Tensor]:
+    """Every tensor the served weights are made of, by name: the model's own, and the fused
+    projections of ``layers`` (the direct forward's, ``engine.model.decoder._Layer``; their parts'
+    tensors may be views of them, but not every kernel's are)."""
+    tensors = dict(model.state_dict(keep_vars=True))
+    for i, layer in enumerate(layers):
+        for name in ("qkv", "gate_up"):
+            fused = getattr(layer, name)
+            if fused is not None:
+                tensors.update({f"fused.{i}.{name}.{key}": t for key, t in fused.state_dict(keep_vars=True).items()})
+    return tensors
+
+
+def _fused_like(model: Any, layers: list[Any]) -> dict[str, torch.Tensor]:
+    """A freshly loaded model's tensors as :func:`served_tensors` names them, its projections fused
+    wherever the served ones are."""
+    tensors = dict(model.state_dict(keep_vars=True))
+    for i, (layer, served) in enumerate(zip(model.model.layers, layers)):
+        parts = {"qkv": [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+                 "gate_up": [layer.mlp.gate_proj, layer.mlp.up_proj]}  # fmt: skip
+        for name, modules in parts.items():
+            if getattr(served, name) is None:
+                continue
+            fused = fuse_outputs(modules)
+            if fused is None:
+                raise RequestError(f"layer {i}'s {name} projections of these weights cannot be fused as the served ones are",
+                                   "model_path")  # fmt: skip
+            tensors.update({f"fused.{i}.{name}.{key}": t for key, t in fused.state_dict(keep_vars=True).items()})
+    return tensors
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+
+
+def stage(served: dict[str, torch.Tensor], path: str, version: str, cfg: EngineConfig, device: str, quantization: str,
+          layers: list[Any]) -> StagedWeights:  # fmt: skip
+    """The weights at ``path`` loaded as the served ones were and checked against ``served``
+    (:func:`served_tensors`); a :class:`RequestError` naming ``model_path`` (the runtime rule
+    ``model_path_fits``) for a path that is not there (a 404), is not a model, does not load, or
+    whose tensors differ from the served ones in name, shape or dtype."""
+    if not os.path.exists(path):
+        raise RequestError(f"'{path}' does not exist on the server", "model_path", type=Kind.NOT_FOUND)
+    if not (os.path.isdir(path) or (path.endswith(".gguf") and os.path.isfile(path))):
+        raise RequestError(f"'{path}' is neither a model folder nor a .gguf file", "model_path")
+    inputs = None if cfg.matmul_inputs == "auto" else getattr(torch, cfg.matmul_inputs)
+    try:
+        model, _ = load_weights(resolve_model(path, cfg.cache_dir), cfg.dtype, device, quantization, cfg.cache_dir, inputs)
+        staged = _fused_like(model, layers) if layers else dict(model.state_dict(keep_vars=True))
+    except RequestError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the folder holds, the client hears why it cannot serve
+        raise RequestError(f"the weights at '{path}' cannot be loaded: {type(exc).__name__}: {exc}", "model_path") from None
+    for name, tensor in served.items():
+        other = staged.get(name)
+        if other is None:
+            raise RequestError(f"the weights at '{path}' have no tensor {name}", "model_path")
+        if other.shape != tensor.shape or other.dtype != tensor.dtype:
+            raise RequestError(f"tensor {name} is {_describe(other)} in the weights at '{path}', {_describe(tensor)} "
+                               "in the served ones", "model_path")  # fmt: skip
+    extra = sorted(set(staged) - set(served))
+    if extra:
+        raise RequestError(f"the weights at '{path}' have tensors the served model has not: {', '.join(extra[:3])}",
+                           "model_path")  # fmt: skip
+    return StagedWeights([(tensor, staged[name].detach()) for name, tensor in served.items()], version)
+
+
+class WeightUpdates:
+    """The served weights' version, and the update waiting for the step loop: one at a time, its
+    caller waiting until the loop has copied it in (:meth:`push`), the loop taking it between two
+    steps (:meth:`take`, then :meth:`applied`)."""
+
+    def __init__(self) -> None:
+        self.version = FIRST_VERSION
+        self._pending: StagedWeights | None = None
+        self._applied = threading.Event()
+        self._one_at_a_time = threading.Lock()
+        self._updates = 0
+
+    def push(self, stage: Callable[[str], StagedWeights], version: str | None, wake: Callable[[], None],
+             timeout: float) -> str:  # fmt: skip
+        """Stage the weights (``stage(version)``; an unnamed update is ``update-N``) and wait until the
+        step loop has applied them (``wake`` wakes it); their version."""
+        with self._one_at_a_time:
+            self._updates += 1
+            staged = stage(version or f"update-{self._updates}")
+            self._applied.clear()
+            self._pending = staged
+            wake()
+            if not self._applied.wait(timeout):
+                self._pending = None
+                raise EngineUnavailable(f"the step loop did not take the new weights within {timeout:.0f} s")
+            return staged.version
+
+    def take(self) -> StagedWeights | None:
+        """The update waiting to be applied, no longer waiting (the step loop, between two steps)."""
+        staged, self._pending = self._pending, None
+        return staged
+
+    def applied(self, version: str) -> None:
+        self.version = version
+        self._applied.set()

@@ -1,0 +1,88 @@
+"""New weights while serving (``POST /update_weights_from_disk``, ``--enable-rl-endpoints``): the
+engine then computes exactly what an engine started on them computes, cached prefixes included;
+a folder that does not fit is a 400 naming the tensor and changes nothing; a choice that runs
+across the swap says from which token on the new weights made it."""
+
+from __future__ import annotations
+
+import pytest
+
+from gyrfalcon.config import Settings
+from gyrfalcon.models.tiny import build_tiny_model
+from gyrfalcon.plugins.engines import create_transformers_engine
+from tests.api.test_control_routes import GENERATE, LONG, _sent, _until
+from tests.conftest import tiny_settings
+from tests.helpers import api_client, served_app
+
+#: greedy with logprobs: the tokens and the values the weights give them
+PROBE = {"token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+         "sampling_params": {"max_tokens": 12, "temperature": 0, "logprobs": 2, "ignore_eos": True}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def new_weights(tmp_path_factory) -> str:
+    """The tiny model's architecture and tokenizer with other weights."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-new"), seed=1))
+
+
+@pytest.fixture
+def control(slow_engine, tiny_model_dir):
+    settings = Settings(model=tiny_model_dir, served_model_name=["tiny"], enable_rl_endpoints=True)
+    yield api_client(served_app(slow_engine, settings))
+
+
+def _probe(client) -> dict:
+    answer = client.simulate_post(GENERATE, json=PROBE)
+    assert answer.status_code == 200, answer.text
+    choice = answer.json["choices"][0]
+    return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]}
+
+
+def test_new_weights_compute_what_an_engine_started_on_them_computes(control, new_weights, tiny_model_dir):
+    before = _probe(control)  # its prompt's blocks are now in the prefix cache
+    answer = control.simulate_post("/update_weights_from_disk", json={"model_path": new_weights, "weight_version": "v2"})
+    assert answer.status_code == 200 and answer.json["success"] and answer.json["weight_version"] == "v2", answer.text
+    assert control.simulate_get("/weight_version").json == {"weight_version": "v2"}
+    assert control.simulate_get("/health").json["weight_version"] == "v2"
+    assert control.simulate_get("/v1/models").json["data"][0]["weight_version"] == "v2"
+    assert 'gyrfalcon_weight_version{version="v2"} 1.0' in control.simulate_get("/metrics").text
+    after = _probe(control)
+    fresh = create_transformers_engine(tiny_settings(new_weights, max_model_len=256))
+    try:
+        assert fresh.wait_ready(60).ready
+        settings = Settings(model=new_weights, served_model_name=["tiny"], enable_rl_endpoints=True)
+        expected = _probe(api_client(served_app(fresh, settings)))
+    finally:
+        fresh.shutdown(0)
+    assert after == expected and after["tokens"] != before["tokens"]
+    assert control.simulate_post("/update_weights_from_disk", json={"model_path": tiny_model_dir}).json[
+        "weight_version"] == "update-2"  # unnamed: numbered  # fmt: skip
+    assert _probe(control) == before  # the first weights again, computed as at the start
+
+
+def test_weights_that_do_not_fit_are_a_400_naming_the_tensor_and_change_nothing(control, tmp_path):
+    _probe(control)
+    before = _probe(control)  # from the prefix cache, which a refused update leaves as it is
+    other = build_tiny_model(tmp_path / "other", vocab_size=384)
+    answer = control.simulate_post("/update_weights_from_disk", json={"model_path": str(other)})
+    assert answer.status_code == 400 and answer.json["error"]["param"] == "model_path", answer.text
+    assert "model.embed_tokens.weight" in answer.json["error"]["message"]
+    missing = control.simulate_post("/update_weights_from_disk", json={"model_path": str(tmp_path / "none")})
+    assert missing.status_code == 404 and missing.json["error"]["param"] == "model_path", missing.text
+    not_a_model = control.simulate_post("/update_weights_from_disk", json={"model_path": str(tmp_path)})
+    assert not_a_model.status_code == 400 and not_a_model.json["error"]["param"] == "model_path", not_a_model.text
+    assert control.simulate_get("/weight_version").json == {"weight_version": "default"}
+    assert _probe(control) == before
+
+
+def test_a_choice_across_the_swap_says_which_weights_made_which_tokens(control, slow_engine, new_weights):
+    thread, result = _sent(control, LONG)
+    _until(lambda: slow_engine.stats()["running"] == 1, "the request runs")
+    control.simulate_post("/update_weights_from_disk", json={"model_path": new_weights, "weight_version": "v2"})
+    thread.join(20)
+    choice = result["json"]["choices"][0]
+    (first, second) = choice["weight_versions"]
+    assert first == {"version": "default", "start": 0} and second["version"] == "v2"
+    assert 0 < second["start"] < len(choice["token_ids"]) == 60
+    later = control.simulate_post(GENERATE, json=LONG).json["choices"][0]
+    assert later["weight_versions"] == [{"version": "v2", "start": 0}]
