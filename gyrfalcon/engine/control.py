@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from gyrfalcon.engine.weights import StagedWeights, served_tensors, stage
+from gyrfalcon.heap import release_freed_memory
 from gyrfalcon.engine_api.errors import ShuttingDown
 from gyrfalcon.engine_api.types import PauseState
 
@@ -83,6 +84,7 @@ class ControlPlane:
         staged = self._weights.take()
         if staged is not None:
             staged.apply()
+            release_freed_memory()  # the staged copy, gone with the copy in: back to the process's level
             if self.scheduler.pool is not None:
                 self.scheduler.pool.forget_prefixes()
             with self._lock:
