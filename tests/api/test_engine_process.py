@@ -283,3 +283,20 @@ def test_pause_resume_and_abort_by_id_travel_across_the_socket(slow_engine, remo
     with pytest.raises(RequestError) as refused:
         remote.pause("sometimes")
     assert refused.value.param == "mode" and remote.pause_state().mode is None
+
+
+def test_new_weights_travel_across_the_socket_and_a_misfit_comes_back_as_the_400(slow_engine, remote, tmp_path):
+    """An update of the weights is a call of seconds: the engine process runs it off its socket's
+    thread (the heartbeats go on), and its answer or refusal comes back."""
+    from gyrfalcon.models.tiny import build_tiny_model
+
+    assert remote.health().weight_version == "default"
+    assert remote.update_weights(str(build_tiny_model(tmp_path / "new", seed=1)), "v2") == "v2"
+    deadline = time.monotonic() + 5
+    while remote.health().weight_version != "v2":  # the next heartbeat says so
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with pytest.raises(RequestError) as refused:
+        remote.update_weights(str(build_tiny_model(tmp_path / "other", vocab_size=384)))
+    assert refused.value.param == "model_path" and "embed_tokens" in refused.value.message
+    assert slow_engine.health().weight_version == "v2" and remote.health().ready
