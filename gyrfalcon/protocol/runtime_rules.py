@@ -111,6 +111,13 @@ RUNTIME_RULES: tuple[RuntimeRule, ...] = (
         "gyrfalcon.protocol.translate:Translator._check_limits",
     ),
     RuntimeRule(
+        "generate_logprobs_count_ids",
+        "logprob_token_ids",
+        "generate: when sampling_params sets both logprobs and logprob_token_ids, logprobs equals the number of "
+        "ids (vLLM's engine rule; on the other endpoints the ids replace the count).",
+        "gyrfalcon.protocol.translate:_check_logprob_ids",
+    ),
+    RuntimeRule(
         "tools_consistent",
         "tool_choice",
         "tool_choice other than none needs tools; a named function must be among them; tool names are "

@@ -26,7 +26,7 @@ from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind, Sa
 from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.protocol.capabilities import wire_asks
 from gyrfalcon.protocol.chat import ChatRenderer, ChatRendering
-from gyrfalcon.protocol.endpoints import DETOKENIZE, TOKENIZE, Endpoint, Prompts, endpoint_of
+from gyrfalcon.protocol.endpoints import DETOKENIZE, GENERATE, TOKENIZE, Endpoint, Prompts, endpoint_of
 from gyrfalcon.protocol.requests import ServingRequest, ToolUse, WireNames, max_tokens_field, wire_names
 from gyrfalcon.protocol.responses import as_chat, input_items, refuse_unsupported
 from gyrfalcon.protocol.rules import RequestFields, check_stated_rules
@@ -141,6 +141,8 @@ class Translator:
         self.validator.check_supported(wire_asks(fields, endpoint.defaults))
         model = self._model_name(fields.get("model"))
         self._check_limits(fields)
+        if endpoint is GENERATE:
+            _check_logprob_ids(fields)
         external_id = header_request_id or fields.get("request_id")
         # a stored response's id is always the server's: a client's id could name (and so replace)
         # another's stored response; the client's id is recorded (the access log) instead
@@ -376,6 +378,15 @@ class Translator:
         if name is None and "max_tokens" in self.info.default_sampling:  # the model's max_new_tokens caps it
             max_tokens = min(max_tokens, self.info.default_sampling["max_tokens"])
         return dataclasses.replace(sampling, max_tokens=max_tokens)
+
+
+def _check_logprob_ids(f: RequestFields) -> None:
+    """Generate's sampling params as vLLM's engine takes them: with both set, ``logprobs`` must be
+    the number of ``logprob_token_ids`` (elsewhere the ids replace the count)."""
+    ids, count = f.get("logprob_token_ids"), f.get("logprobs")
+    if ids and count is not None and count != len(ids):
+        raise f.error("logprob_token_ids", f"When both logprobs and logprob_token_ids are set, logprobs must equal "
+                                           f"the number of ids: logprobs={count}, {len(ids)} ids")  # fmt: skip
 
 
 def _answered_without_the_engine(f: RequestFields, sampling: SamplingParams) -> bool:

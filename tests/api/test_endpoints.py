@@ -431,3 +431,18 @@ def test_head_answers_like_get_without_a_body(client):
         assert head.status_code == get.status_code == 200, path
         assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"], path
     assert client.simulate_head("/v1/completions").status_code == 405  # POST routes stay POST
+
+
+def test_generate_takes_logprobs_and_logprob_token_ids_as_vllms_engine_does(client):
+    """vLLM's engine rule on generate's sampling params: both set, ``logprobs`` is the number of ids
+    (the ids are what is listed); a different count is a 400, not a count silently dropped."""
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 3, "temperature": 0, "logprobs": 2,
+                                                       "logprob_token_ids": [5, 9]}}  # fmt: skip
+    r = post(client, "/inference/v1/generate", body)
+    assert r.status_code == 200, r.text
+    for entry in r.json["choices"][0]["logprobs"]["content"]:  # the asked ids, beside the sampled token
+        assert {"token_id:5", "token_id:9"} <= {t["token"] for t in entry["top_logprobs"]} <= {
+            "token_id:5", "token_id:9", entry["token"]}  # fmt: skip
+    body["sampling_params"]["logprobs"] = 1
+    r = post(client, "/inference/v1/generate", body)
+    assert r.status_code == 400 and r.json["error"]["param"] == "sampling_params.logprob_token_ids", r.text

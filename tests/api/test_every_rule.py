@@ -54,6 +54,8 @@ CASES: dict[str, tuple[str, dict, int, str]] = {
     "token_ids_in_vocab": (GENERATE, {"token_ids": [10**6]}, 400, "token_ids"),
     "logprob_token_ids_unique": (COMPLETIONS, {"prompt": "hi", "logprobs": 1, "logprob_token_ids": [5, 5]}, 400, "logprob_token_ids"),
     "logprobs_le_max_logprobs": (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    "generate_logprobs_count_ids": (GENERATE, {"token_ids": [5], "sampling_params": {"logprobs": 2, "logprob_token_ids": [5]}},
+                                    400, "sampling_params.logprob_token_ids"),
     "model_served": (COMPLETIONS, {"prompt": "hi", "model": "nobody"}, 404, "model"),
     "field_supported": (COMPLETIONS, {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
     "extensions_valid": (COMPLETIONS, {"prompt": "hi", "extensions": {"nobody": 1}}, 400, "extensions"),
