@@ -243,8 +243,11 @@ class RayEngineCore(EngineCore):
             else:
                 healths = [codec.decode_health(a) for a in answers if not isinstance(a, BaseException)]
                 ready = sum(h.ready for h in healths)
+                # the replicas' weights: one version, or during an update every version still served
+                version = ",".join(sorted({h.weight_version for h in healths if h.ready and h.weight_version}))
                 if ready:
-                    self._health = EngineHealth(ready=True, message=f"{ready} of {len(answers)} engine replicas ready")
+                    self._health = EngineHealth(ready=True, message=f"{ready} of {len(answers)} engine replicas ready",
+                                                weight_version=version)  # fmt: skip
                 else:
                     why = "; ".join(h.message for h in healths if h.message) or "no engine replica answered"
                     self._health = EngineHealth(ready=False, message=why)

@@ -25,7 +25,7 @@ RAY_ARGS = ["--ray", "--served-model-name", "tiny", "--max-model-len", "256", "-
             "--num-threads", "1", "--dtype", "float32", "--replica-cpus", "0.5", "--drain-timeout", "5",
             # autoscaling 1 → 2 by ongoing requests, shortened delays
             "--replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "2", "--upscale-delay-s", "0",
-            "--downscale-delay-s", "4"]  # fmt: skip
+            "--downscale-delay-s", "4", "--enable-rl-endpoints"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +131,22 @@ def test_a_refusal_is_a_400_naming_its_param_before_any_status(ray_server):
                                                                 "stream": True, "allowed_token_ids": [0],
                                                                 "structured_outputs": {"regex": "[0-9]+"}}, timeout=60)  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+
+
+def test_the_control_routes_answer_once_every_replica_has_applied_them(ray_server, tiny_model_dir):
+    """The RL control routes through the Ray ingress: each call goes to every engine replica and
+    answers once all have applied it (a pause settled on each; new weights serving on each)."""
+    url = ray_server.url
+    assert requests.post(url + "/pause", params={"mode": "keep"}, timeout=60).json()["mode"] == "keep"
+    assert requests.get(url + "/is_paused", timeout=60).json()["is_paused"] is True
+    assert requests.post(url + "/resume", timeout=60).json()["status"] == "resumed"
+    answer = requests.post(url + "/update_weights_from_disk", json={"model_path": tiny_model_dir, "weight_version": "v2"},
+                           timeout=300)  # fmt: skip
+    assert answer.status_code == 200 and answer.json()["weight_version"] == "v2", answer.text
+    wait_for(lambda: requests.get(url + "/weight_version", timeout=10).json()["weight_version"] == "v2", 10, "the version")
+    assert requests.post(url + "/inference/v1/abort_requests", json={}, timeout=60).json()["status"] == "aborted"
+    ok = requests.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}, timeout=60)
+    assert ok.status_code == 200, ok.text
 
 
 def test_a_client_that_goes_away_aborts_its_request_on_the_replica(ray_server):
