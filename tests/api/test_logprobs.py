@@ -252,7 +252,7 @@ def test_chat_prompt_logprobs_on_the_response(client, tiny_engine, forward):
 def test_generate_logprobs_prompt_logprobs_and_ids(client, forward):
     forced = 411
     body = ok(client.simulate_post(GENERATE, json={"token_ids": PROMPT, "sampling_params": {
-        "max_tokens": 2, "logprobs": 1, "prompt_logprobs": 1, "logprob_token_ids": IDS,
+        "max_tokens": 2, "logprobs": len(IDS), "prompt_logprobs": 1, "logprob_token_ids": IDS,
         "allowed_token_ids": [forced]}}))  # fmt: skip
     reference = forward(PROMPT + [forced] * 2)
     choice = body["choices"][0]

@@ -10,7 +10,9 @@ Ports:
 vLLM checks chat only; the same properties are checked on every endpoint that takes the field
 (chat, batch chat, completions, /inference/v1/generate), streaming or not, and with n > 1. Our
 contract is stricter than vLLM's first version of the test (which let the last requested id be
-displaced): every position lists exactly the sampled token plus every requested id.
+displaced): every position lists exactly the sampled token plus every requested id. On generate,
+whose sampling params vLLM's engine takes as they come, ``logprobs`` is sent as the number of ids
+(its engine refuses another count with both set, and so does gyrfalcon since issue 43).
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def body_for(endpoint: str, top_k: int | None = None, ids: list[int] | None = No
             fields["return_tokens_as_token_ids"] = True
     if ids is not None:
         fields["logprob_token_ids"] = ids
+        if endpoint == "generate":  # vLLM's engine rule on generate's sampling params: the count is the ids'
+            fields["logprobs"] = len(ids)
     stream = fields.pop("stream", None)
     if endpoint == "generate":
         body = {"token_ids": PROMPT_IDS, "sampling_params": fields}

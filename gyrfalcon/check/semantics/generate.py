@@ -59,7 +59,8 @@ def stream_equals_non_stream(target):
 def logprob_token_ids_exact(target):
     """logprob_token_ids: at every position of every choice exactly the sampled id and the ids asked."""
     watched = server_ids(target).watched
-    r = _generate(target, n=2, temperature=1.0, logprobs=0, logprob_token_ids=watched).json
+    # logprobs = the number of ids: vLLM's engine rule on generate's sampling params (another count is a 400)
+    r = _generate(target, n=2, temperature=1.0, logprobs=len(watched), logprob_token_ids=watched).json
     wanted = {f"token_id:{i}" for i in watched}
     for c in by_index(r, 2).values():
         content = (c.get("logprobs") or {}).get("content")
