@@ -472,3 +472,11 @@ def test_codegen_check_reports_a_stale_copy(tmp_path: Path, capsys: pytest.Captu
     assert codegen.main(["--check", "--input-dir", str(docs), "--output-dir", str(out)]) == 1
     diff = capsys.readouterr().out
     assert diff.startswith("--- generated/common.py") and "+    cached_tokens" in diff
+
+
+def test_the_documents_pause_modes_are_the_engines(spec: dict[str, Any]) -> None:
+    """``/pause``'s ``mode`` enum states the engine's modes (the engine decides; the document tells clients)."""
+    from gyrfalcon.engine_api.types import PAUSE_MODES
+
+    (mode,) = [p for p in spec["paths"]["/pause"]["post"]["parameters"] if p["name"] == "mode"]
+    assert mode["schema"]["enum"] == list(PAUSE_MODES)

@@ -195,11 +195,11 @@ class Sampler:
         applied = [(p, selected) for p in self.processors if (selected := self._selected(p, rows))]
         banned = self._min_tokens_bans(rows, logits.device)
         reduced = heads if heads is not None and heads.reduced else None
-        mode = self.logprobs_mode
+        mode = self.logprobs_mode if any(gathered) else None
         read = None  # what the gatherers read
-        if any(gathered) and mode == "raw_logprobs":
+        if mode == "raw_logprobs":
             read = reduced.logprobs if reduced is not None else logits.float().log_softmax(dim=-1)
-        elif any(gathered) and mode == "raw_logits":
+        elif mode == "raw_logits":
             read = logits.float()
         if applied or banned is not None:
             reduced, logits = None, logits.clone()  # the caller's logits serve again if this batch fails
@@ -207,13 +207,13 @@ class Sampler:
                 logits[banned[0], banned[1]] = -math.inf
             for processor, selected in applied:
                 logits = processor(logits, rows, selected)
-        if any(gathered) and mode == "processed_logprobs":
+        if mode == "processed_logprobs":
             read = reduced.logprobs if reduced is not None else logits.float().log_softmax(dim=-1)
-        elif any(gathered) and mode == "processed_logits":
+        elif mode == "processed_logits":
             read = logits.float()
         top = logits.amax(dim=-1) if reduced is None else reduced.amax
         sampled = self.choose(logits, rows, None if reduced is None else reduced.argmax)
-        own = reduced.own if reduced is not None and sampled is reduced.argmax and mode.endswith("_logprobs") else None
+        own = reduced.own if reduced is not None and sampled is reduced.argmax and mode is not None and mode.endswith("_logprobs") else None
         pending = self.gather_logprobs(read, sampled, rows, gathered, own)
         # the step's one host transfer: ids, each row's largest logit and the gathered logprobs
         host = to_host([sampled, top, *(pending.tensors if pending is not None else ())])
