@@ -84,7 +84,8 @@ class Settings:
                                             "--max-num-seqs x the context)", type=int)  # fmt: skip
     max_logprobs: int = option(20, "most top logprobs a request may ask for")
     enable_rl_endpoints: bool = option(False, "serve the control routes RL trainers use: POST /pause, /resume, "
-                                       "/inference/v1/abort_requests and GET /is_paused (behind the API key)")
+                                       "/inference/v1/abort_requests, /update_weights_from_disk, /sleep, /wake_up "
+                                       "and GET /is_paused, /weight_version, /is_sleeping (behind the API key)")
     logprobs_mode: str = option("raw_logprobs", "what every returned logprob holds (sampled token, top, "
                                 "logprob_token_ids, prompt): " + "; ".join(f"{k}: {v}" for k, v in LOGPROBS_MODES.items()),
                                 choices=tuple(LOGPROBS_MODES), checked=True)  # fmt: skip

@@ -1,7 +1,7 @@
 """The control routes RL trainers drive a rollout server with (``--enable-rl-endpoints``; vLLM's
 names and answers, SGLang's for the weights): pause generation around a weight update and resume
 it, ask whether it is paused, abort requests by the ids their clients know, serve new weights from
-a folder and say which version serves. Behind the API key like every route but
+a folder and say which version serves, sleep between rollout phases and wake up. Behind the API key like every route but
 the public ones; the served spec lists them only where they are served."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import falcon
 
 from gyrfalcon.api.context import ServerContext
 from gyrfalcon.api.resources import json_response, offload
-from gyrfalcon.engine_api.types import PauseState
+from gyrfalcon.engine_api.types import PauseState, SleepState
 from gyrfalcon.errors import RequestError
 from gyrfalcon.protocol.endpoints import ABORT_REQUESTS, ENDPOINTS, UPDATE_WEIGHTS
 from gyrfalcon.protocol.wire import sent_fields, validate
@@ -116,6 +116,50 @@ class WeightVersionResource:
         json_response(resp, {"weight_version": self.ctx.engine.health().weight_version})
 
 
+def _sleep_body(state: SleepState) -> dict[str, object]:
+    return {"is_sleeping": state.level > 0, "level": state.level, "asleep": list(state.asleep)}
+
+
+class SleepResource:
+    """``POST /sleep?level=…``: answered once the memory is handed back."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        _query(req, ("level",))
+        raw = req.get_param("level", default="1")
+        if not raw.isdigit():
+            raise RequestError(f"'level' must be 1 or 2, got {raw!r}", "level")
+        state = await offload(self.ctx.engine.sleep, int(raw))  # the engine's sleep decides which levels it knows
+        while state.level and not state.settled:  # a wake meanwhile ends the wait too
+            await asyncio.sleep(SETTLE_POLL_S)
+            state = await offload(self.ctx.engine.sleep_state)
+        json_response(resp, _sleep_body(state))
+
+
+class WakeUpResource:
+    """``POST /wake_up?tags=…``: answered once the parts named serve again."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        _query(req, ("tags",))
+        json_response(resp, _sleep_body(await offload(self.ctx.engine.wake_up, req.get_param_as_list("tags"))))
+
+
+class IsSleepingResource:
+    """``GET /is_sleeping``."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    async def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        _query(req, ())
+        json_response(resp, _sleep_body(await offload(self.ctx.engine.sleep_state)))
+
+
 #: the resource of each of ``protocol.endpoints.CONTROL_ROUTES``
 CONTROL_RESOURCES = {
     "/pause": PauseResource,
@@ -124,4 +168,7 @@ CONTROL_RESOURCES = {
     "/inference/v1/abort_requests": AbortRequestsResource,
     "/update_weights_from_disk": UpdateWeightsResource,
     "/weight_version": WeightVersionResource,
+    "/sleep": SleepResource,
+    "/wake_up": WakeUpResource,
+    "/is_sleeping": IsSleepingResource,
 }

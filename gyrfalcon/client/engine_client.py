@@ -14,7 +14,8 @@ from gyrfalcon.client.detokenizer import IncrementalDetokenizer, NoText
 from gyrfalcon.client.metrics import RequestTimer, serving_metrics
 from gyrfalcon.engine_api.interface import Engine, EngineCore, OutputStream
 from gyrfalcon.client.aggregator import OutputAggregator
-from gyrfalcon.engine_api.types import EngineHealth, EngineInfo, EngineRequest, OutputKind, PauseState, RequestOutput
+from gyrfalcon.engine_api.types import (EngineHealth, EngineInfo, EngineRequest, OutputKind, PauseState, RequestOutput,
+                                       SleepState)  # fmt: skip
 
 
 class ClientStream(OutputStream):
@@ -155,6 +156,15 @@ class EngineClient(Engine):
 
     def update_weights(self, model_path: str, weight_version: str | None = None) -> str:
         return self.core.update_weights(model_path, weight_version)
+
+    def sleep(self, level: int = 1) -> SleepState:
+        return self.core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> SleepState:
+        return self.core.wake_up(tags)
+
+    def sleep_state(self) -> SleepState:
+        return self.core.sleep_state()
 
     def wait_ready(self, timeout: float = 60.0, poll_s: float = 0.01) -> EngineHealth:
         """Block until the core is ready (or ``timeout`` seconds); returns its health."""

@@ -28,6 +28,7 @@ from gyrfalcon.engine.model.fast_check import DecodePath
 from gyrfalcon.engine.model.runner import ModelRunner
 from gyrfalcon.engine.control import ControlPlane
 from gyrfalcon.engine.pause import PauseGate
+from gyrfalcon.engine.sleep import Sleep
 from gyrfalcon.engine.weights import WeightUpdates
 from gyrfalcon.engine.request_state import RequestState
 from gyrfalcon.engine.sample.sampler import Sampler
@@ -89,7 +90,8 @@ class TransformersEngine(ControlPlane, EngineCore):
         self._live: dict[str, RequestState] = {}
         self._accepting = True
         self._gate = PauseGate()
-        self._weights = WeightUpdates()
+        self._weights = WeightUpdates(self.model_path)
+        self._sleep = Sleep()
         #: monotonic time at which running requests are cut short (drain); None: not draining
         self._cut_at: float | None = None
         self._stop = threading.Event()

@@ -38,6 +38,8 @@ class StagedWeights:
 
     pairs: list[tuple[torch.Tensor, torch.Tensor]]
     version: str
+    #: where they were loaded from (a level-2 sleep's wake loads them from there again)
+    path: str = ""
 
     @torch.no_grad()
     def apply(self) -> None:
@@ -111,16 +113,17 @@ def stage(served: dict[str, torch.Tensor], path: str, version: str, cfg: EngineC
     if extra:
         raise RequestError(f"the weights at '{path}' have tensors the served model has not: {', '.join(extra[:3])}",
                            "model_path")  # fmt: skip
-    return StagedWeights([(tensor, staged[name].detach()) for name, tensor in served.items()], version)
+    return StagedWeights([(tensor, staged[name].detach()) for name, tensor in served.items()], version, path)
 
 
 class WeightUpdates:
     """The served weights' version, and the update waiting for the step loop: one at a time, its
     caller waiting until the loop has copied it in (:meth:`push`), the loop taking it between two
-    steps (:meth:`take`, then :meth:`applied`)."""
+    steps (:meth:`take`, then :meth:`applied`). ``source``: where the served weights came from."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: str) -> None:
         self.version = FIRST_VERSION
+        self.source = source
         self._pending: StagedWeights | None = None
         self._applied = threading.Event()
         self._one_at_a_time = threading.Lock()
@@ -132,20 +135,28 @@ class WeightUpdates:
         step loop has applied them (``wake`` wakes it); their version."""
         with self._one_at_a_time:
             self._updates += 1
-            staged = stage(version or f"update-{self._updates}")
-            self._applied.clear()
-            self._pending = staged
-            wake()
-            if not self._applied.wait(timeout):
-                self._pending = None
-                raise EngineUnavailable(f"the step loop did not take the new weights within {timeout:.0f} s")
-            return staged.version
+            return self._hand(stage(version or f"update-{self._updates}"), wake, timeout)
+
+    def reload(self, stage: Callable[[str, str], StagedWeights], wake: Callable[[], None], timeout: float) -> None:
+        """The served weights loaded again from :attr:`source` (``stage(path, version)``) and copied
+        in under their own version (a level-2 sleep's wake: their memory was handed back)."""
+        with self._one_at_a_time:
+            self._hand(stage(self.source, self.version), wake, timeout)
+
+    def _hand(self, staged: StagedWeights, wake: Callable[[], None], timeout: float) -> str:
+        self._applied.clear()
+        self._pending = staged
+        wake()
+        if not self._applied.wait(timeout):
+            self._pending = None
+            raise EngineUnavailable(f"the step loop did not take the new weights within {timeout:.0f} s")
+        return staged.version
 
     def take(self) -> StagedWeights | None:
         """The update waiting to be applied, no longer waiting (the step loop, between two steps)."""
         staged, self._pending = self._pending, None
         return staged
 
-    def applied(self, version: str) -> None:
-        self.version = version
+    def applied(self, staged: StagedWeights) -> None:
+        self.version, self.source = staged.version, staged.path or self.source
         self._applied.set()

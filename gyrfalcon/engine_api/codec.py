@@ -22,6 +22,7 @@ from gyrfalcon.engine_api.types import (
     EngineRequest,
     OutputKind,
     PauseState,
+    SleepState,
     RequestOutput,
     SamplingParams,
     TokenLogprobs,
@@ -118,16 +119,25 @@ def decode_health(data: list[Any]) -> EngineHealth:
 
 #: the core's methods an API worker calls by name (``call`` messages); their results travel as
 #: :func:`encode_result` makes them
-CORE_CALLS = frozenset({"stats", "pause", "resume", "pause_state", "abort_requests", "update_weights"})
+CORE_CALLS = frozenset({"stats", "pause", "resume", "pause_state", "abort_requests", "update_weights", "sleep",
+                        "wake_up", "sleep_state"})  # fmt: skip
 
 
 def encode_result(value: Any) -> Any:
-    """A core call's result as msgpack carries it (a :class:`PauseState` as a list)."""
-    return [value.mode, value.settled, value.held] if isinstance(value, PauseState) else value
+    """A core call's result as msgpack carries it (a :class:`PauseState` or :class:`SleepState` as a list)."""
+    if isinstance(value, PauseState):
+        return [value.mode, value.settled, value.held]
+    if isinstance(value, SleepState):
+        return [value.level, list(value.asleep), value.settled]
+    return value
 
 
 def decode_pause(data: list[Any]) -> PauseState:
     return PauseState(*data)
+
+
+def decode_sleep(data: list[Any]) -> SleepState:
+    return SleepState(data[0], tuple(data[1]), data[2])
 
 
 def encode_refusal(exc: BaseException) -> list[Any]:

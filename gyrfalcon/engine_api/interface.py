@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gyrfalcon.engine_api.types import EngineHealth, EngineInfo, EngineRequest, PauseState, RequestOutput
+from gyrfalcon.engine_api.types import EngineHealth, EngineInfo, EngineRequest, PauseState, RequestOutput, SleepState
 from gyrfalcon.errors import RequestError
 
 __all__ = ["Engine", "EngineCore", "OutputStream", "RequestError"]
@@ -169,6 +169,24 @@ class EngineCore(abc.ABC):
         from which token on (``CompletionOutput.weight_versions``); cached prefixes are forgotten.
         Returns the new version (``weight_version``, or ``update-N``). Default: a 400."""
         raise RequestError("updating the weights is not supported by this server's engine", None)
+
+    def sleep(self, level: int = 1) -> SleepState:
+        """Hand memory back to the system between rollout phases (returns at once;
+        :meth:`sleep_state` says when it has settled): ``level`` 1 the KV cache's, 2 the weights'
+        too (``types.SLEEP_LEVELS``). Requests submitted from now on wait for the wake (as under
+        a ``wait`` pause, made by the sleep when generation was running); what runs ends first,
+        and cached prefixes are forgotten. Default: a 400, this engine cannot sleep."""
+        raise RequestError("sleeping is not supported by this server's engine", "level")
+
+    def wake_up(self, tags: list[str] | None = None) -> SleepState:
+        """Take back the parts ``tags`` name (``types.WAKE_TAGS``; None: all), returning once they
+        serve: the KV cache zeroed, the weights loaded again from where they last came from. Once
+        every part is back, the pause the sleep made ends. Default: a 400."""
+        raise RequestError("sleeping is not supported by this server's engine", "tags")
+
+    def sleep_state(self) -> SleepState:
+        """Whether the engine sleeps, and which parts (:class:`SleepState`)."""
+        return SleepState()
 
     def drain(self, timeout: float) -> None:
         """The server is stopping (SIGTERM): return at once, having stopped admitting — health turns

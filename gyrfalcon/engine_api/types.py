@@ -288,6 +288,23 @@ class PauseState:
     held: int = 0
 
 
+#: what a sleep of each level hands back to the system (vLLM's levels), by the tags
+#: :meth:`~gyrfalcon.engine_api.interface.EngineCore.wake_up` takes them back with
+SLEEP_LEVELS: dict[int, tuple[str, ...]] = {1: ("kv_cache",), 2: ("kv_cache", "weights")}
+WAKE_TAGS = ("kv_cache", "weights")
+
+
+@dataclass
+class SleepState:
+    """Whether the engine sleeps: the ``level`` the last sleep asked for (0: awake, every part
+    back), the parts whose memory is handed back now (``asleep``: of :data:`WAKE_TAGS`), and
+    whether the sleep has taken effect (``settled``: False while it waits for what runs to end)."""
+
+    level: int = 0
+    asleep: tuple[str, ...] = ()
+    settled: bool = True
+
+
 @dataclass
 class EngineHealth:
     """``ready`` is False while the model loads or warms up; ``message`` says why. ``decode_path``:

@@ -29,7 +29,8 @@ from gyrfalcon.engine_api import codec
 from gyrfalcon.engine_api.errors import SHUTTING_DOWN, EngineUnavailable, ShuttingDown
 from gyrfalcon.engine_api.interface import EngineCore, OutputStream
 from gyrfalcon.engine_api.streams import CoalescingOutputStream
-from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, PauseState, RequestOutput
+from gyrfalcon.engine_api.types import (EngineError, EngineHealth, EngineInfo, EngineRequest, PauseState, RequestOutput,
+                                       SleepState)  # fmt: skip
 from gyrfalcon.engine_process import BEAT_S, SILENCE_S
 from gyrfalcon.engine_process.wakeup import PollWakeup
 from gyrfalcon.errors import RequestError
@@ -166,6 +167,15 @@ class RemoteEngineCore(EngineCore):
 
     def update_weights(self, model_path: str, weight_version: str | None = None) -> str:
         return str(self._core_call("update_weights", model_path, weight_version, timeout=WEIGHTS_CALL_TIMEOUT_S))
+
+    def sleep(self, level: int = 1) -> SleepState:
+        return codec.decode_sleep(self._core_call("sleep", level))
+
+    def wake_up(self, tags: list[str] | None = None) -> SleepState:
+        return codec.decode_sleep(self._core_call("wake_up", tags, timeout=WEIGHTS_CALL_TIMEOUT_S))
+
+    def sleep_state(self) -> SleepState:
+        return codec.decode_sleep(self._core_call("sleep_state"))
 
     def _core_call(self, name: str, *arguments: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
         """The core's ``name(*arguments)`` in the engine process (:data:`codec.CORE_CALLS`): its

@@ -11,6 +11,21 @@ from typing_extensions import TypeAliasType
 from . import common
 
 
+class SleepResponse(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    is_sleeping: Annotated[bool, Field(description="Some memory is handed back")]
+    level: Annotated[
+        Literal[0, 1, 2],
+        Field(description="The level the last sleep asked for; 0 when awake."),
+    ]
+    asleep: Annotated[
+        list[Literal["kv_cache", "weights"]],
+        Field(description="The parts whose memory is handed back now."),
+    ]
+
+
 class UpdateWeightsFromDiskRequest(BaseModel):
     model_config = ConfigDict(
         extra="forbid",

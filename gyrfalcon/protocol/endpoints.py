@@ -186,7 +186,7 @@ TOKENIZE = TokenizerEndpoint("/tokenize", generated.TokenizeCompletionRequest, g
 DETOKENIZE = TokenizerEndpoint("/detokenize", generated.DetokenizeRequest)
 #: the control routes RL trainers use, served only with ``--enable-rl-endpoints``
 CONTROL_ROUTES = ("/pause", "/resume", "/is_paused", "/inference/v1/abort_requests", "/update_weights_from_disk",
-                  "/weight_version")  # fmt: skip
+                  "/weight_version", "/sleep", "/wake_up", "/is_sleeping")  # fmt: skip
 #: the wire models of ``POST /inference/v1/abort_requests`` and ``POST /update_weights_from_disk``
 ABORT_REQUESTS = generated.AbortRequestsRequest
 UPDATE_WEIGHTS = generated.UpdateWeightsFromDiskRequest

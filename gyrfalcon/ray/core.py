@@ -18,8 +18,9 @@ callers — the API's executor threads — never touch Ray's loops.
   is a 503 with ``Retry-After``.
 - ``health`` is ready while any replica is (polled every half second); ``stats`` adds the
   replicas' counters up.
-- The control calls (``pause``, ``resume``, ``pause_state``, ``abort_requests``) go to every
-  replica and answer once each has applied them (a pause has settled once it has on every one).
+- The control calls (``pause``, ``resume``, ``pause_state``, ``abort_requests``, ``sleep``,
+  ``wake_up``, ``sleep_state``, ``update_weights``) go to every replica and answer once each has
+  applied them (a pause or a sleep has settled once it has on every one).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from typing import Any
 from gyrfalcon.engine_api.errors import SHUTTING_DOWN, EngineUnavailable, QueueFull, ShuttingDown
 from gyrfalcon.engine_api.interface import EngineCore, OutputStream
 from gyrfalcon.engine_api.streams import CoalescingOutputStream
-from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, PauseState, RequestOutput
+from gyrfalcon.engine_api.types import (EngineError, EngineHealth, EngineInfo, EngineRequest, PauseState, RequestOutput,
+                                       SleepState, WAKE_TAGS)  # fmt: skip
 from gyrfalcon.engine_api import codec
 from gyrfalcon.logtext import loggable
 
@@ -130,6 +132,15 @@ class RayEngineCore(EngineCore):
         answers = self._run(self._gather("update_weights", model_path, weight_version, timeout=UPDATE_TIMEOUT_S),
                             UPDATE_TIMEOUT_S)  # fmt: skip
         return str(_answered(answers)[0])
+
+    def sleep(self, level: int = 1) -> SleepState:
+        return _slept(self._run(self._gather("sleep", level), BROADCAST_TIMEOUT_S))
+
+    def wake_up(self, tags: list[str] | None = None) -> SleepState:
+        return _slept(self._run(self._gather("wake_up", tags, timeout=UPDATE_TIMEOUT_S), UPDATE_TIMEOUT_S))
+
+    def sleep_state(self) -> SleepState:
+        return _slept(self._run(self._gather("sleep_state"), BROADCAST_TIMEOUT_S))
 
     def abort_requests(self, group_ids: list[str] | None = None) -> int:
         return sum(_answered(self._run(self._gather("abort_requests", group_ids), BROADCAST_TIMEOUT_S)))
@@ -274,6 +285,14 @@ def _answered(answers: list[Any]) -> list[Any]:
         if isinstance(answer, BaseException):
             raise ShuttingDown(f"an engine replica did not apply the change ({type(answer).__name__}: {answer})")
     return answers
+
+
+def _slept(answers: list[Any]) -> SleepState:
+    """The replicas' sleep states as one: asleep in a part any replica sleeps in, settled once every one has."""
+    states = [codec.decode_sleep(a) for a in _answered(answers)]
+    asleep = {t for s in states for t in s.asleep}
+    return SleepState(max(s.level for s in states), tuple(t for t in WAKE_TAGS if t in asleep),
+                      all(s.settled for s in states))  # fmt: skip
 
 
 def _joined(answers: list[Any]) -> PauseState:

@@ -94,6 +94,15 @@ class EngineReplica:
     def update_weights(self, model_path: str, weight_version: str | None) -> str:
         return self.core.update_weights(model_path, weight_version)
 
+    def sleep(self, level: int) -> list[Any]:
+        return codec.encode_result(self.core.sleep(level))
+
+    def wake_up(self, tags: list[str] | None) -> list[Any]:
+        return codec.encode_result(self.core.wake_up(tags))
+
+    def sleep_state(self) -> list[Any]:
+        return codec.encode_result(self.core.sleep_state())
+
     def __del__(self) -> None:
         core = getattr(self, "core", None)
         if core is not None:

@@ -300,3 +300,14 @@ def test_new_weights_travel_across_the_socket_and_a_misfit_comes_back_as_the_400
         remote.update_weights(str(build_tiny_model(tmp_path / "other", vocab_size=384)))
     assert refused.value.param == "model_path" and "embed_tokens" in refused.value.message
     assert slow_engine.health().weight_version == "v2" and remote.health().ready
+    # a sleep, its state and the wake travel too; the wake's weights come from the last update's folder
+    remote.sleep(2)
+    deadline = time.monotonic() + 10
+    while not remote.sleep_state().settled:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert remote.sleep_state().asleep == ("kv_cache", "weights")
+    with pytest.raises(RequestError) as refused:
+        remote.wake_up(["disk"])
+    assert refused.value.param == "tags"
+    assert remote.wake_up().level == 0 and slow_engine.health().weight_version == "v2"

@@ -135,11 +135,14 @@ def test_a_refusal_is_a_400_naming_its_param_before_any_status(ray_server):
 
 def test_the_control_routes_answer_once_every_replica_has_applied_them(ray_server, tiny_model_dir):
     """The RL control routes through the Ray ingress: each call goes to every engine replica and
-    answers once all have applied it (a pause settled on each; new weights serving on each)."""
+    answers once all have applied it (a pause settled on each, asleep on each, new weights serving on each)."""
     url = ray_server.url
     assert requests.post(url + "/pause", params={"mode": "keep"}, timeout=60).json()["mode"] == "keep"
     assert requests.get(url + "/is_paused", timeout=60).json()["is_paused"] is True
     assert requests.post(url + "/resume", timeout=60).json()["status"] == "resumed"
+    asleep = requests.post(url + "/sleep", timeout=60).json()
+    assert asleep == {"is_sleeping": True, "level": 1, "asleep": ["kv_cache"]}, asleep
+    assert requests.post(url + "/wake_up", timeout=60).json()["is_sleeping"] is False
     answer = requests.post(url + "/update_weights_from_disk", json={"model_path": tiny_model_dir, "weight_version": "v2"},
                            timeout=300)  # fmt: skip
     assert answer.status_code == 200 and answer.json()["weight_version"] == "v2", answer.text

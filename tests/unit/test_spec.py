@@ -90,7 +90,7 @@ def test_operations_and_statuses(spec: dict[str, Any]) -> None:
                         "listModels", "health", "version", "openapi", "tokenize", "detokenize", "metrics",
                         "createResponse", "getResponse", "deleteResponse", "listResponseInputItems",
                         "cancelResponse", "pause", "resume", "isPaused", "abortRequests", "updateWeightsFromDisk",
-                        "weightVersion"}  # fmt: skip
+                        "weightVersion", "sleep", "wakeUp", "isSleeping"}  # fmt: skip
     error_ref = "#/components/schemas/ErrorResponse"
     for op_id, (path, method, op) in ops.items():
         if path in CONTROL_ROUTES:  # no model and (but abort_requests) no body: no 404, 413 or 415
@@ -446,7 +446,7 @@ def test_schemathesis_loads_the_served_spec(served: dict[str, Any]) -> None:
         operation = result.ok()
         operation.as_strategy()
         labels.append(operation.label)
-    assert len(labels) == 22 and "POST /v1/chat/completions/batch" in labels and "POST /v1/responses" in labels
+    assert len(labels) == 25 and "POST /v1/chat/completions/batch" in labels and "POST /v1/responses" in labels
     assert "POST /pause" in labels  # the documents' whole spec: the control routes too
 
 

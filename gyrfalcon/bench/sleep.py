@@ -1,0 +1,98 @@
+"""``python -m gyrfalcon.bench.sleep``: what a sleep hands back, and how soon the engine serves after the wake.
+
+An engine is built as the server builds it (the defaults, or ``--model``, ``--kv-cache-memory``)
+and warmed by one request. Then for each level: the process's resident memory awake, asleep and
+woken again (``/proc/self/statm``), beside the KV cache's size and the weights' (the targets:
+level 1 hands back at least the KV cache); the seconds ``wake_up`` takes, and the seconds from
+the wake's call to the end of one short greedy request, beside the same request's seconds awake
+before the sleep (the baseline of the same run; another prompt each time, so no cached prefix
+helps either).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+#: the request timed before each sleep and after each wake: a short greedy answer
+MAX_TOKENS = 16
+
+
+def resident() -> int:
+    """This process's resident bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def answer_time(engine: Any, validator: Any, prompt: list[int], name: str) -> float:
+    """Seconds for one greedy request of :data:`MAX_TOKENS` tokens over ``prompt``, submitted to its last output."""
+    from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
+
+    request = EngineRequest(name, prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    validator.check(request)
+    started = time.perf_counter()
+    outputs = list(engine.submit(request))
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == MAX_TOKENS
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gyrfalcon.bench.sleep", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded default model)")
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (default: the server's)")
+    p.add_argument("--num-threads", type=int, default=2)
+    args = p.parse_args(argv)
+
+    from gyrfalcon.compose import plugins
+    from gyrfalcon.config import Settings
+    from gyrfalcon.engine.weights import served_tensors
+    from gyrfalcon.kernels.native.cpu import cpu
+    from gyrfalcon.models.default import resolve_model
+    from gyrfalcon.plugins.engines import create_transformers_engine
+    from gyrfalcon.validation import RequestValidator
+
+    path = resolve_model(args.model)
+    settings = Settings(model=path, num_threads=args.num_threads, kv_cache_memory=args.kv_cache_memory)
+    pm = plugins(settings)
+    engine = create_transformers_engine(settings, pm, model_path=path)
+    health = engine.wait_ready(600)
+    if not health.ready:
+        print(health.message, file=sys.stderr)
+        return 1
+    validator = RequestValidator.of(pm, engine.info())
+    core = engine.core
+    direct = core.runner.direct
+    weights = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in
+                   served_tensors(core.runner.model, direct.layers if direct is not None else []).values()}.values())  # fmt: skip
+    cache = core.cache_plan.bytes
+    prompts = iter([[10 + 7 * i + j for j in range(24)] for i in range(16)])
+    answer_time(engine, validator, next(prompts), "warm-up")
+    print(f"{cpu().describe()}, {args.num_threads} thread(s); {os.path.basename(path)}; decode path: "
+          f"{engine.health().decode_path}; KV cache {cache / 2**20:.0f} MiB, weights {weights / 2**20:.0f} MiB\n")
+    print("| level | resident awake | asleep | handed back | handed back / its target | woken | wake_up | "
+          "wake_up + answer | answer awake (baseline) | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for level in (1, 2):
+        baseline = answer_time(engine, validator, next(prompts), f"before-{level}")
+        awake = resident()
+        engine.sleep(level)
+        while not engine.sleep_state().settled:
+            time.sleep(0.01)
+        asleep = resident()
+        started = time.perf_counter()
+        engine.wake_up()
+        woke = time.perf_counter() - started
+        served = woke + answer_time(engine, validator, next(prompts), f"after-{level}")
+        target = cache + (weights if level == 2 else 0)
+        print(f"| {level} | {awake / 2**20:.0f} MiB | {asleep / 2**20:.0f} MiB | {(awake - asleep) / 2**20:.0f} MiB | "
+              f"{(awake - asleep) / target:.2f} | {resident() / 2**20:.0f} MiB | {woke:.3f} s | {served:.3f} s | "
+              f"{baseline:.3f} s | {served / baseline:.2f} |", flush=True)  # fmt: skip
+    engine.shutdown(grace=1.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
