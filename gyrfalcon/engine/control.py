@@ -18,7 +18,7 @@ from typing import Any
 from gyrfalcon.engine import sleep as sleeping
 from gyrfalcon.engine.weights import StagedWeights, served_tensors, stage
 from gyrfalcon.errors import RequestError
-from gyrfalcon.heap import release_freed_memory
+from gyrfalcon.heap import trim_heap
 from gyrfalcon.engine_api.errors import ShuttingDown
 from gyrfalcon.engine_api.types import PauseState, SleepState
 
@@ -137,7 +137,7 @@ class ControlPlane:
             with self._sleep.lock:
                 staged.apply()
                 self._sleep.asleep.discard("weights")  # every served tensor written again
-            release_freed_memory()  # the staged copy, gone with the copy in: back to the process's level
+            trim_heap()  # the staged copy, gone with the copy in (no cycle holds it): back to the process's level
             if self.scheduler.pool is not None:
                 self.scheduler.pool.forget_prefixes()
             with self._lock:
@@ -173,5 +173,5 @@ class ControlPlane:
             with self._lock:
                 self._sleep.asleep |= parts
                 self._sleep.due -= parts
-        release_freed_memory()
+        trim_heap()
         log.warning("asleep (%s): %.0f MiB handed back", ", ".join(sorted(parts)), handed / 2**20)

@@ -24,7 +24,7 @@ import torch
 from gyrfalcon.engine_api.config import EngineConfig
 from gyrfalcon.engine_api.errors import EngineUnavailable
 from gyrfalcon.errors import Kind, RequestError
-from gyrfalcon.kernels.quant.layers import fuse_outputs
+from gyrfalcon.kernels.quant.layers import fuse_outputs, probed_kernels
 from gyrfalcon.models.default import resolve_model
 from gyrfalcon.models.loading import load_weights
 
@@ -96,7 +96,9 @@ def stage(served: dict[str, torch.Tensor], path: str, version: str, cfg: EngineC
         raise RequestError(f"'{path}' is neither a model folder nor a .gguf file", "model_path")
     inputs = None if cfg.matmul_inputs == "auto" else getattr(torch, cfg.matmul_inputs)
     try:
-        model, _ = load_weights(resolve_model(path, cfg.cache_dir), cfg.dtype, device, quantization, cfg.cache_dir, inputs)
+        with probed_kernels():  # the served layers' kernels and shapes passed the probe at start-up
+            model, _ = load_weights(resolve_model(path, cfg.cache_dir), cfg.dtype, device, quantization, cfg.cache_dir,
+                                    inputs, release=False)  # the step loop releases once the copy is in  # fmt: skip
         staged = _fused_like(model, layers) if layers else dict(model.state_dict(keep_vars=True))
     except RequestError:
         raise

@@ -63,7 +63,8 @@ def resolve_quantization(setting: str, path: str | os.PathLike[str], dtype: Any,
 
 
 def load_weights(path: str | os.PathLike[str], dtype: str | None = "float32", device: str | None = "cpu",
-                 quantization: str = "none", cache_dir: str | None = None, inputs: Any = None):  # fmt: skip
+                 quantization: str = "none", cache_dir: str | None = None, inputs: Any = None,
+                 release: bool = True):  # fmt: skip
     """Load the causal LM of a local folder in eval mode on ``device``, its layers in the kernels of
     ``--quantization`` (``auto``, ``none``, ``int4``, ``int8``: see
     :mod:`gyrfalcon.kernels.quant.apply`); returns ``(model, QuantizationReport)``.
@@ -72,7 +73,9 @@ def load_weights(path: str | os.PathLike[str], dtype: str | None = "float32", de
     Never touches the network (``local_files_only=True``); thread counts are left to the caller.
     Kernels built for this machine are kept under ``cache_dir`` (``--cache-dir``'s default: see
     :func:`gyrfalcon.models.default.cache_root`). ``inputs``: the matmuls' input format where it is
-    not :func:`kernel_dtype`'s (the quality harness compares them).
+    not :func:`kernel_dtype`'s (the quality harness compares them). ``release``: hand what the
+    quantising freed back to the system before returning (a caller that does so later says False:
+    the collection it takes is a fifth of a load of the default model).
     """
     from transformers import AutoModelForCausalLM
 
@@ -93,7 +96,8 @@ def load_weights(path: str | os.PathLike[str], dtype: str | None = "float32", de
     if mode != "none":
         del bits
         _copy_small_tensors(model)
-        release_freed_memory()
+        if release:
+            release_freed_memory()
     return model, report
 
 

@@ -17,8 +17,11 @@ that a torch build or device reads differently is refused at start-up, not serve
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -242,11 +245,29 @@ def _(flat: torch.Tensor, layer: int, out_features: int) -> torch.Tensor:
     return flat.new_empty((flat.shape[0], out_features))
 
 
+#: False while loading weights whose kernels and shapes have been probed already (:func:`probed_kernels`)
+_PROBING: contextvars.ContextVar[bool] = contextvars.ContextVar("probing", default=True)
+
+
+@contextlib.contextmanager
+def probed_kernels() -> Iterator[None]:
+    """Within it :func:`check_rows_alone` probes nothing: for weights loaded into the kernels and
+    shapes of weights already served, which passed the probe at start-up (an update of the served
+    weights, a sleep's wake; the probe was a third of such a load on the default model)."""
+    token = _PROBING.set(False)
+    try:
+        yield
+    finally:
+        _PROBING.reset(token)
+
+
 @torch.no_grad()
 def check_rows_alone(layer: torch.nn.Module, weight: torch.Tensor, inputs=None, rows: int = 7) -> None:
     """Refuse ``layer`` unless each row of a ``rows``-row probe gets the same bits alone, and its
     result agrees with the plain product with ``weight`` (of the inputs as ``inputs`` rounds them,
-    where the kernel reads them rounded)."""
+    where the kernel reads them rounded); nothing within :func:`probed_kernels`."""
+    if not _PROBING.get():
+        return
     x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(0))
     together = layer(x)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])

@@ -1,12 +1,17 @@
-"""``python -m gyrfalcon.bench.sleep``: what a sleep hands back, and how soon the engine serves after the wake.
+"""``python -m gyrfalcon.bench.control``: what the RL control plane costs: a swap of the weights, and a sleep.
 
 An engine is built as the server builds it (the defaults, or ``--model``, ``--kv-cache-memory``)
-and warmed by one request. Then for each level: the process's resident memory awake, asleep and
-woken again (``/proc/self/statm``), beside the KV cache's size and the weights' (the targets:
-level 1 hands back at least the KV cache); the seconds ``wake_up`` takes, and the seconds from
-the wake's call to the end of one short greedy request, beside the same request's seconds awake
-before the sleep (the baseline of the same run; another prompt each time, so no cached prefix
-helps either).
+and warmed by one request.
+
+- **The swap**: ``update_weights`` with the served folder itself, ``--swaps`` times, beside the
+  seconds it takes to read every file of that folder (the page cache warm, as after the trainer
+  wrote them; the baseline of the same run; the target is ≤ 2×), and the process's resident memory
+  before and after the swaps.
+- **The sleep**, for each level: the resident memory awake, asleep and woken again
+  (``/proc/self/statm``), beside the KV cache's size and the weights' (the target: level 1 hands
+  back at least the KV cache); the seconds ``wake_up`` takes, and the seconds from the wake's call
+  to the end of one short greedy request, beside the same request's seconds awake before the sleep
+  (another prompt each time, so no cached prefix helps either).
 """
 
 from __future__ import annotations
@@ -39,11 +44,38 @@ def answer_time(engine: Any, validator: Any, prompt: list[int], name: str) -> fl
     return time.perf_counter() - started
 
 
+def read_seconds(path: str) -> tuple[float, int]:
+    """Seconds to read every file of the model's folder (or the one file), and their bytes."""
+    files = [os.path.join(d, f) for d, _, names in os.walk(path) for f in names] if os.path.isdir(path) else [path]
+    started, size = time.perf_counter(), 0
+    for name in files:
+        with open(name, "rb") as f:
+            while chunk := f.read(1 << 24):
+                size += len(chunk)
+    return time.perf_counter() - started, size
+
+
+def swap(core: Any, path: str, swaps: int) -> None:
+    """The swap's table: each ``update_weights`` of ``path`` against a read of its files."""
+    read_seconds(path)  # the page cache warm, as after the trainer wrote the files
+    before = resident()
+    print("| swap | read the files | update_weights | ratio |")
+    print("|---|---|---|---|")
+    for i in range(swaps):
+        read, size = read_seconds(path)
+        started = time.perf_counter()
+        core.update_weights(path, f"swap-{i}")
+        took = time.perf_counter() - started
+        print(f"| {i + 1} | {read:.3f} s ({size / 2**20:.0f} MiB) | {took:.3f} s | {took / read:.1f} |", flush=True)
+    print(f"\nresident before the swaps {before / 2**20:.0f} MiB, after {resident() / 2**20:.0f} MiB\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gyrfalcon.bench.sleep", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m gyrfalcon.bench.control", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded default model)")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (default: the server's)")
     p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--swaps", type=int, default=5)
     args = p.parse_args(argv)
 
     from gyrfalcon.compose import plugins
@@ -72,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     answer_time(engine, validator, next(prompts), "warm-up")
     print(f"{cpu().describe()}, {args.num_threads} thread(s); {os.path.basename(path)}; decode path: "
           f"{engine.health().decode_path}; KV cache {cache / 2**20:.0f} MiB, weights {weights / 2**20:.0f} MiB\n")
+    swap(core, path, args.swaps)
     print("| level | resident awake | asleep | handed back | handed back / its target | woken | wake_up | "
           "wake_up + answer | answer awake (baseline) | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|")
