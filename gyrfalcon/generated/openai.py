@@ -1478,6 +1478,12 @@ class Response(BaseModel):
     background: bool | MISSING = MISSING
     metadata: dict[str, Any] | None | MISSING = MISSING
     user: str | None | MISSING = MISSING
+    weight_versions: Annotated[
+        list[common.WeightVersion] | MISSING,
+        Field(
+            description="On a finished choice, with --enable-rl-endpoints: each version of the weights that made its tokens (more than one when the weights were replaced while it ran), with the index of the first generated token it made."
+        ),
+    ] = MISSING
     usage: Annotated[
         ResponseUsage | None,
         Field(

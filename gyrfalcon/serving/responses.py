@@ -48,6 +48,8 @@ class ResponsesFormatter(ChatFormatter):
         self.finish_reason: str | None = None
         #: the whole response, once its last event is made (what the store keeps)
         self.response: dict[str, Any] | None = None
+        #: the finished choice, once it is (its weight versions go on the finished response)
+        self.finished: CompletionOutput | None = None
 
     # the response object -----------------------------------------------------
     def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
@@ -59,7 +61,7 @@ class ResponsesFormatter(ChatFormatter):
         }  # fmt: skip
         for name, unset in ECHOED.items():
             body[name] = fields.get(name, unset)
-        return body
+        return body if self.finished is None else self._with_versions(body, self.finished)
 
     @staticmethod
     def usage(prompt: int, generated: int) -> dict[str, Any]:
@@ -90,7 +92,7 @@ class ResponsesFormatter(ChatFormatter):
         return chat_logprobs(self.text, logprobs, self.generated_listing(0))["content"]
 
     def final(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        choice = outputs[0].outputs[0]
+        choice = self.finished = outputs[0].outputs[0]
         content, calls, _ = self._calls(choice.text, choice.finish_reason)
         status = self._status(choice.finish_reason)
         output = [self._message(content or "", self._entries(choice), status)] if content or not calls else []
@@ -135,7 +137,7 @@ class ResponsesFormatter(ChatFormatter):
                 events.append(self.event("response.output_text.delta", item_id=self.message_id, output_index=0,
                                          content_index=0, delta=text, logprobs=entries or []))  # fmt: skip
             if choice.finish_reason is not None:
-                self.finish_reason = choice.finish_reason
+                self.finish_reason, self.finished = choice.finish_reason, choice
                 events += self._closing_items(calls)
         return events
 

@@ -5,6 +5,8 @@ across the swap says from which token on the new weights made it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gyrfalcon.config import Settings
@@ -86,3 +88,12 @@ def test_a_choice_across_the_swap_says_which_weights_made_which_tokens(control, 
     assert 0 < second["start"] < len(choice["token_ids"]) == 60
     later = control.simulate_post(GENERATE, json=LONG).json["choices"][0]
     assert later["weight_versions"] == [{"version": "v2", "start": 0}]
+    # the Responses API says it on the finished response, stored, streamed or not
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 4}
+    answer = control.simulate_post("/v1/responses", json=body).json
+    assert answer["weight_versions"] == [{"version": "v2", "start": 0}], answer
+    assert control.simulate_get(f"/v1/responses/{answer['id']}").json["weight_versions"] == answer["weight_versions"]
+    events = [json.loads(line[6:]) for line in control.simulate_post("/v1/responses", json={**body, "stream": True}).text
+              .splitlines() if line.startswith("data: {")]  # fmt: skip
+    assert events[-1]["response"]["weight_versions"] == [{"version": "v2", "start": 0}]
+    assert "weight_versions" not in events[0]["response"]  # in progress: nothing finished yet
