@@ -129,7 +129,7 @@ class ControlPlane:
             return self._gate.state(len(self._live) - len(self._gate.held))
 
     def _may_step(self) -> bool:
-        """Between two steps: new weights copied in (cached prefixes forgotten, and each running
+        """Between two steps: new weights copied in (a new epoch of the prefix cache's keys, and each running
         choice told from which token on they serve); False while a ``keep`` pause holds the loop
         still; a pause that asked for it clears the prefix cache once nothing runs."""
         staged = self._weights.take()
@@ -138,8 +138,7 @@ class ControlPlane:
                 staged.apply()
                 self._sleep.asleep.discard("weights")  # every served tensor written again
             trim_heap()  # the staged copy, gone with the copy in (no cycle holds it): back to the process's level
-            if self.scheduler.pool is not None:
-                self.scheduler.pool.forget_prefixes()
+            self.scheduler.weights_replaced()  # cached prefixes are keyed by the weights' epoch
             with self._lock:
                 for seq in (seq for state in self._live.values() for seq in state.sequences):
                     seq.weights_replaced(staged.version)

@@ -93,6 +93,8 @@ class Scheduler:
         self.preemptions = 0
         #: called with each sequence whose KV is released (engine thread)
         self.release_listeners: list[Callable[[Sequence], None]] = []
+        #: which weights compute KV from now on: one more at each swap (:meth:`weights_replaced`)
+        self.weights_epoch = 0
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -210,6 +212,7 @@ class Scheduler:
                 continue
             child.blocks = [self.pool.share(block) for block in parent.blocks[:full]]
             child.block_hashes = list(parent.block_hashes[:full])
+            child.cache_epoch = parent.cache_epoch
             child.computed = full * self.pool.block_size
             if partial:
                 try:
@@ -229,19 +232,31 @@ class Scheduler:
             bisect.insort(self._waiting, state, key=self.order)
         self.preemptions += 1
 
-    def _salt(self, state: RequestState) -> str | None:
-        return state.request.cache_salt
+    def weights_replaced(self) -> None:
+        """The weights change between this step and the next (engine thread): KV computed from now
+        on is another epoch's. A sequence keeps the epoch its KV began in, so blocks it fills
+        after the swap — its earlier KV and the new weights' work mixed — are found only by chains
+        of that epoch, which no sequence begun after the swap follows; blocks of the old weights
+        stay cached until handed out again, found by nothing new."""
+        self.weights_epoch += 1
+
+    def _key(self, state: RequestState, seq: Sequence, parent: bytes | None, b: int) -> bytes:
+        """The prefix-cache key of ``seq``'s full block ``b`` after the key ``parent``."""
+        bs = self.pool.block_size
+        return chain_hash(parent, seq.tokens(b * bs, (b + 1) * bs), state.request.cache_salt, seq.cache_epoch)
 
     def _prefix_hit(self, state: RequestState, seq: Sequence) -> None:
-        """Count a fresh sequence's cached full blocks as computed (never its last token)."""
+        """Count a fresh sequence's cached full blocks as computed (never its last token); its KV
+        begins in this epoch of the weights."""
         assert self.pool is not None
+        seq.cache_epoch = self.weights_epoch
         if not self.pool.enable_prefix_caching:
             return
         if state.request.sampling.prompt_logprobs is not None and state.prompt_logprobs_done < len(seq.prompt_token_ids):
             return  # prompt logprobs need the prompt's logits: compute it
         bs, keys, parent = self.pool.block_size, [], None
         for b in range((seq.num_tokens - 1) // bs):
-            parent = chain_hash(parent, seq.tokens(b * bs, (b + 1) * bs), self._salt(state))
+            parent = self._key(state, seq, parent, b)
             keys.append(parent)
         hits = self.pool.lookup(keys)
         seq.blocks = [self.pool.share(block) for block in hits]
@@ -257,7 +272,7 @@ class Scheduler:
         while len(seq.block_hashes) < seq.computed // bs:
             b = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            key = chain_hash(parent, seq.tokens(b * bs, (b + 1) * bs), self._salt(state))
+            key = self._key(state, seq, parent, b)
             seq.block_hashes.append(key)
             self.pool.register(seq.blocks[b], key)
 

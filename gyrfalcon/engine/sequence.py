@@ -38,6 +38,8 @@ class Sequence(ChoiceProgress):
         self.blocks: list[int] = []
         self.computed = 0
         self.block_hashes: list[bytes] = []
+        #: the scheduler's weights epoch when this sequence's KV began (its prefix-cache keys carry it)
+        self.cache_epoch = 0
 
     @property
     def num_tokens(self) -> int:

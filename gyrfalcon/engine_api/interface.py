@@ -166,7 +166,8 @@ class EngineCore(abc.ABC):
         GGUF of its shape), loaded and checked tensor by tensor before anything changes (a
         :class:`RequestError` naming ``model_path`` for any mismatch, the served weights untouched),
         then copied in between two steps: running choices go on with them, their outputs saying
-        from which token on (``CompletionOutput.weight_versions``); cached prefixes are forgotten.
+        from which token on (``CompletionOutput.weight_versions``); prefixes cached before are never found
+        again (the prefix cache is keyed by the weights that computed each chain from its first block).
         Returns the new version (``weight_version``, or ``update-N``). Default: a 400."""
         raise RequestError("updating the weights is not supported by this server's engine", None)
 

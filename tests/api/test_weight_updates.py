@@ -97,3 +97,22 @@ def test_a_choice_across_the_swap_says_which_weights_made_which_tokens(control, 
               .splitlines() if line.startswith("data: {")]  # fmt: skip
     assert events[-1]["response"]["weight_versions"] == [{"version": "v2", "start": 0}]
     assert "weight_versions" not in events[0]["response"]  # in progress: nothing finished yet
+
+
+def test_blocks_computed_across_a_swap_are_never_a_cached_prefix_of_the_new_weights(control, slow_engine, new_weights):
+    """A choice running across the swap fills blocks whose KV mixes both weights' work: a later
+    request with the same tokens must not find them (cached prefixes are keyed by the weights that
+    computed them from their first block on)."""
+    thread, result = _sent(control, LONG)
+    _until(lambda: slow_engine.stats()["running"] == 1, "the request runs")
+    control.simulate_post("/update_weights_from_disk", json={"model_path": new_weights, "weight_version": "v2"})
+    thread.join(20)
+    tokens = LONG["token_ids"] + result["json"]["choices"][0]["token_ids"]
+    probe = {"token_ids": tokens[:60], "sampling_params": {"max_tokens": 4, "temperature": 0, "logprobs": 0}}
+    cached = control.simulate_post(GENERATE, json=probe).json["choices"][0]
+    control.simulate_post("/pause", params={"mode": "wait"})  # the prefix cache forgets every block
+    control.simulate_post("/resume")
+    computed = control.simulate_post(GENERATE, json=probe).json["choices"][0]
+    assert cached["token_ids"] == computed["token_ids"]
+    for a, b in zip(cached["logprobs"]["content"], computed["logprobs"]["content"]):
+        assert abs(a["logprob"] - b["logprob"]) < 1e-4, (a, b)

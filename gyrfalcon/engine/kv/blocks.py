@@ -22,12 +22,17 @@ class NoFreeBlocks(Exception):
     """Raised by :meth:`BlockPool.allocate` when every block is in use."""
 
 
-def chain_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None = None) -> bytes:
-    """The prefix-cache key of a full block: its tokens, chained to the previous block's key."""
+def chain_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None = None, epoch: int = 0) -> bytes:
+    """The prefix-cache key of a full block: its tokens, chained to the previous block's key, and the
+    request's cache salt and the weights' epoch its sequence began in (each length-prefixed: no
+    salt's bytes spell another's salt and epoch)."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(parent or b"root")
     if salt:
-        digest.update(b"salt:" + salt.encode("utf-8"))
+        raw = salt.encode("utf-8")
+        digest.update(b"salt:%d:" % len(raw) + raw)
+    if epoch:
+        digest.update(b"epoch:%d;" % epoch)
     digest.update(b",".join(str(t).encode() for t in tokens))
     return digest.digest()
 
@@ -115,7 +120,7 @@ class BlockPool:
         return found
 
     def forget_prefixes(self) -> None:
-        """No block is findable by its prefix any more (the weights that computed them may change):
+        """No block is findable by its prefix any more (a pause that asks for it; a sleep, which hands their KV back):
         blocks in use stay their holders'; free ones are plain free blocks."""
         for block in range(self.num_blocks):
             self._forget_hash(block)
