@@ -100,7 +100,10 @@ class UpdateWeightsResource:
         _query(req, ())
         body = self.ctx.parse_body(await self.ctx.read_body(req))
         sent = sent_fields(validate(UPDATE_WEIGHTS, body))
-        version = await offload(self.ctx.engine.update_weights, sent["model_path"], sent.get("weight_version"))
+        if sent.get("abort_all_requests"):
+            await offload(self.ctx.engine.abort_requests, None)
+        version = await offload(self.ctx.engine.update_weights, sent["model_path"], sent.get("weight_version"),
+                                sent.get("flush_cache", True))  # fmt: skip
         json_response(resp, {"success": True, "message": f"the weights of {sent['model_path']} serve as {version}",
                              "weight_version": version})  # fmt: skip
 

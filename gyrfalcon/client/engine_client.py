@@ -154,8 +154,8 @@ class EngineClient(Engine):
     def abort_requests(self, group_ids: list[str] | None = None) -> int:
         return self.core.abort_requests(group_ids)
 
-    def update_weights(self, model_path: str, weight_version: str | None = None) -> str:
-        return self.core.update_weights(model_path, weight_version)
+    def update_weights(self, model_path: str, weight_version: str | None = None, flush_cache: bool = True) -> str:
+        return self.core.update_weights(model_path, weight_version, flush_cache)
 
     def sleep(self, level: int = 1) -> SleepState:
         return self.core.sleep(level)

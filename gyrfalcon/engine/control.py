@@ -76,9 +76,11 @@ class ControlPlane:
             self.scheduler.add(state, counted=True)
         self._sleep.owns_pause = False
 
-    def update_weights(self, model_path: str, weight_version: str | None = None) -> str:
-        return self._weights.push(lambda version: self._stage(model_path, version), weight_version,
-                                  self.scheduler.wake, WEIGHTS_TIMEOUT_S)
+    def update_weights(self, model_path: str, weight_version: str | None = None, flush_cache: bool = True) -> str:
+        def staged(version: str) -> StagedWeights:
+            return dataclasses.replace(self._stage(model_path, version), flush_cache=flush_cache)
+
+        return self._weights.push(staged, weight_version, self.scheduler.wake, WEIGHTS_TIMEOUT_S)
 
     def _stage(self, path: str, version: str) -> StagedWeights:
         runner = self.runner
@@ -139,6 +141,8 @@ class ControlPlane:
                 self._sleep.asleep.discard("weights")  # every served tensor written again
             trim_heap()  # the staged copy, gone with the copy in (no cycle holds it): back to the process's level
             self.scheduler.weights_replaced()  # cached prefixes are keyed by the weights' epoch
+            if staged.flush_cache and self.scheduler.pool is not None:
+                self.scheduler.pool.forget_prefixes()
             with self._lock:
                 for seq in (seq for state in self._live.values() for seq in state.sequences):
                     seq.weights_replaced(staged.version)

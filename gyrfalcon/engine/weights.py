@@ -40,6 +40,8 @@ class StagedWeights:
     version: str
     #: where they were loaded from (a level-2 sleep's wake loads them from there again)
     path: str = ""
+    #: the prefix cache forgets every block when they are copied in
+    flush_cache: bool = True
 
     @torch.no_grad()
     def apply(self) -> None:

@@ -161,14 +161,15 @@ class EngineCore(abc.ABC):
         every request), its choices ending with ``"abort"``; the number of requests aborted."""
         raise RequestError("aborting requests by id is not supported by this server's engine", None)
 
-    def update_weights(self, model_path: str, weight_version: str | None = None) -> str:
+    def update_weights(self, model_path: str, weight_version: str | None = None, flush_cache: bool = True) -> str:
         """Serve the weights at ``model_path`` (a folder of the served model's architecture, or a
         GGUF of its shape), loaded and checked tensor by tensor before anything changes (a
         :class:`RequestError` naming ``model_path`` for any mismatch, the served weights untouched),
         then copied in between two steps: running choices go on with them, their outputs saying
         from which token on (``CompletionOutput.weight_versions``); prefixes cached before are never found
         again (the prefix cache is keyed by the weights that computed each chain from its first block).
-        Returns the new version (``weight_version``, or ``update-N``). Default: a 400."""
+        ``flush_cache``: the prefix cache also forgets every block at the swap. Returns the new
+        version (``weight_version``, or ``update-N``). Default: a 400."""
         raise RequestError("updating the weights is not supported by this server's engine", None)
 
     def sleep(self, level: int = 1) -> SleepState:

@@ -165,8 +165,9 @@ class RemoteEngineCore(EngineCore):
     def abort_requests(self, group_ids: list[str] | None = None) -> int:
         return int(self._core_call("abort_requests", group_ids))
 
-    def update_weights(self, model_path: str, weight_version: str | None = None) -> str:
-        return str(self._core_call("update_weights", model_path, weight_version, timeout=WEIGHTS_CALL_TIMEOUT_S))
+    def update_weights(self, model_path: str, weight_version: str | None = None, flush_cache: bool = True) -> str:
+        return str(self._core_call("update_weights", model_path, weight_version, flush_cache,
+                                   timeout=WEIGHTS_CALL_TIMEOUT_S))  # fmt: skip
 
     def sleep(self, level: int = 1) -> SleepState:
         return codec.decode_sleep(self._core_call("sleep", level))

@@ -42,6 +42,27 @@ class UpdateWeightsFromDiskRequest(BaseModel):
         str | None | MISSING,
         Field(description="The new weights' version.", max_length=256, min_length=1),
     ] = MISSING
+    load_format: Annotated[
+        Literal["auto"] | None | MISSING,
+        Field(
+            description="SGLang's field; the format is read from the path (a folder of safetensors, or a .gguf file)."
+        ),
+    ] = MISSING
+    abort_all_requests: Annotated[
+        bool, Field(description="SGLang's: abort every request before the update.")
+    ] = False
+    flush_cache: Annotated[
+        bool,
+        Field(
+            description="SGLang's: the prefix cache forgets every block at the swap. Without it, blocks of the old weights stay cached until reused, never found by a request begun after the swap."
+        ),
+    ] = True
+    torch_empty_cache: Annotated[
+        bool,
+        Field(
+            description="SGLang's; the engine hands freed memory back after every update."
+        ),
+    ] = False
 
 
 class UpdateWeightsResponse(BaseModel):

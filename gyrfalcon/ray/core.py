@@ -126,10 +126,10 @@ class RayEngineCore(EngineCore):
     def pause_state(self) -> PauseState:
         return _joined(self._run(self._gather("pause_state"), BROADCAST_TIMEOUT_S))
 
-    def update_weights(self, model_path: str, weight_version: str | None = None) -> str:
+    def update_weights(self, model_path: str, weight_version: str | None = None, flush_cache: bool = True) -> str:
         """Every replica loads and swaps; answered once all have (a replica that refuses, or fails,
         is the error, and the others may already serve the new weights)."""
-        answers = self._run(self._gather("update_weights", model_path, weight_version, timeout=UPDATE_TIMEOUT_S),
+        answers = self._run(self._gather("update_weights", model_path, weight_version, flush_cache, timeout=UPDATE_TIMEOUT_S),
                             UPDATE_TIMEOUT_S)  # fmt: skip
         return str(_answered(answers)[0])
 

@@ -91,8 +91,8 @@ class EngineReplica:
     def abort_requests(self, group_ids: list[str] | None) -> int:
         return self.core.abort_requests(group_ids)
 
-    def update_weights(self, model_path: str, weight_version: str | None) -> str:
-        return self.core.update_weights(model_path, weight_version)
+    def update_weights(self, model_path: str, weight_version: str | None, flush_cache: bool = True) -> str:
+        return self.core.update_weights(model_path, weight_version, flush_cache)
 
     def sleep(self, level: int) -> list[Any]:
         return codec.encode_result(self.core.sleep(level))

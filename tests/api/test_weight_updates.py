@@ -116,3 +116,19 @@ def test_blocks_computed_across_a_swap_are_never_a_cached_prefix_of_the_new_weig
     assert cached["token_ids"] == computed["token_ids"]
     for a, b in zip(cached["logprobs"]["content"], computed["logprobs"]["content"]):
         assert abs(a["logprob"] - b["logprob"]) < 1e-4, (a, b)
+
+
+def test_sglangs_fields_are_honoured_or_refused(control, slow_engine, tiny_model_dir):
+    """SGLang's body as its trainers send it: ``abort_all_requests`` ends what runs first,
+    ``load_format`` only as the path says, the cache flags accepted."""
+    refused = control.simulate_post("/update_weights_from_disk", json={"model_path": tiny_model_dir, "load_format": "dummy"})
+    assert refused.status_code == 400 and refused.json["error"]["param"] == "load_format", refused.text
+    thread, result = _sent(control, LONG)
+    _until(lambda: slow_engine.stats()["running"] == 1, "the request runs")
+    body = {"model_path": tiny_model_dir, "load_format": None, "abort_all_requests": True, "flush_cache": False,
+            "torch_empty_cache": True, "weight_version": "v3"}  # fmt: skip
+    answer = control.simulate_post("/update_weights_from_disk", json=body)
+    assert answer.status_code == 200 and answer.json["weight_version"] == "v3", answer.text
+    thread.join(20)
+    choice = result["json"]["choices"][0]
+    assert choice["finish_reason"] == "abort" and choice["weight_versions"] == [{"version": "default", "start": 0}]
