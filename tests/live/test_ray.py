@@ -210,12 +210,19 @@ def _serving(server, pids: list[int]) -> list[int]:
     return [pid for pid in pids if last[pid] >= 0]
 
 
-def _busiest(server, pids: list[int]) -> int:
-    """Of ``pids``, the replica that answered a generate call last: with twelve workers sending one
-    request after another, the one surely running streams now (the router need not share them out
-    evenly, and one clean-clone run killed a replica that held none)."""
-    last = _last_generate_calls(server, pids)
-    return max(pids, key=last.__getitem__)
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _busiest(pids: list[int], window: float = 1.0) -> int:
+    """Of ``pids``, the replica that computed most over the last ``window`` seconds: the one
+    surely running streams now. (The replica that last answered a generate call was not: with
+    every open stream routed to the other, two clean-clone runs killed one that held none.)"""
+    before = {pid: _cpu_seconds(pid) for pid in pids}
+    time.sleep(window)
+    return max(pids, key=lambda pid: _cpu_seconds(pid) - before[pid])
 
 
 def _error(events: list) -> dict | None:
@@ -234,7 +241,7 @@ def test_autoscaling_and_a_replica_killed_under_load(ray_server):
         replicas = wait_for(lambda: len(engine_replicas(ray_server)) == 2 and engine_replicas(ray_server), 150, "a second replica")
         # the new replica loads the model, then takes requests: kill one only once both run streams
         wait_for(lambda: _serving(ray_server, replicas) == replicas, 120, "both replicas answering")
-        victim = _busiest(ray_server, replicas)
+        victim = _busiest(replicas)
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         # under load, Ray replaces the killed replica
