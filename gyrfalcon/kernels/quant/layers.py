@@ -21,7 +21,7 @@ import contextlib
 import contextvars
 import itertools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -262,12 +262,15 @@ def probed_kernels() -> Iterator[None]:
 
 
 @torch.no_grad()
-def check_rows_alone(layer: torch.nn.Module, weight: torch.Tensor, inputs=None, rows: int = 7) -> None:
+def check_rows_alone(layer: torch.nn.Module, weight: torch.Tensor | Callable[[], torch.Tensor], inputs=None,
+                     rows: int = 7) -> None:  # fmt: skip
     """Refuse ``layer`` unless each row of a ``rows``-row probe gets the same bits alone, and its
     result agrees with the plain product with ``weight`` (of the inputs as ``inputs`` rounds them,
-    where the kernel reads them rounded); nothing within :func:`probed_kernels`."""
+    where the kernel reads them rounded); nothing within :func:`probed_kernels`. ``weight`` may be
+    a function that makes it (called only when probing: dequantising is a cost of its own)."""
     if not _PROBING.get():
         return
+    weight = weight() if callable(weight) else weight
     x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(0))
     together = layer(x)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])

@@ -136,7 +136,7 @@ class Q4Linear(torch.nn.Module):
         self.register_buffer("nibbles", nibbles)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        check_rows_alone(self, weights.dequantize(), ROUNDED.get(inputs))
+        check_rows_alone(self, weights.dequantize, ROUNDED.get(inputs))
 
     @property
     def dtype(self) -> torch.dtype:

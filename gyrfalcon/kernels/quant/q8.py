@@ -78,7 +78,7 @@ class Q8Linear(torch.nn.Module):
         self.register_buffer("q8", q)
         self.register_buffer("scale", s)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        check_rows_alone(self, self.rows(torch.arange(self.out_features), torch.float32))
+        check_rows_alone(self, lambda: self.rows(torch.arange(self.out_features), torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
