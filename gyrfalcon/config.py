@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from gyrfalcon.kernels.quant import QUANTIZATIONS
-from gyrfalcon.engine_api.config import LOGPROBS_MODES
+from gyrfalcon.engine_api.config import LOGPROBS_MODES, SpeculativeConfig
 from gyrfalcon.engine_api.lengths import default_request_tokens
 
 #: Environment variable through which `gyrfalcon serve` hands its settings to gunicorn workers.
@@ -89,6 +89,10 @@ class Settings:
     logprobs_mode: str = option("raw_logprobs", "what every returned logprob holds (sampled token, top, "
                                 "logprob_token_ids, prompt): " + "; ".join(f"{k}: {v}" for k, v in LOGPROBS_MODES.items()),
                                 choices=tuple(LOGPROBS_MODES), checked=True)  # fmt: skip
+    speculative_config: str | None = option(None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
+                                            "\"num_speculative_tokens\": k, \"prompt_lookup_min\": a, "
+                                            "\"prompt_lookup_max\": b}; every token is the one the model's own step "
+                                            "would give (off by default)", type=str)  # fmt: skip
     seed: int = option(0, "the engine's seed (unseeded requests draw theirs from it)")
     dtype: str = option("auto", "the model's dtype (auto: bfloat16 on cuda, float32 on cpu)", choices=DTYPES, checked=True)
     #: vLLM's --quantization
@@ -216,6 +220,7 @@ class Settings:
             raise ValueError("--api-workers above 1 needs the engine in its own process (drop --no-engine-process)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        SpeculativeConfig.parse(self.speculative_config)
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"--kv-cache-memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:

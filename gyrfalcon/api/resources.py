@@ -65,7 +65,8 @@ class HealthResource:
         if not health.ready:
             raise RequestError(health.message or "The model is loading", type=Kind.NOT_READY, retry_after=1)
         json_response(resp, {"status": "ok", **({"decode_path": health.decode_path} if health.decode_path else {}),
-                             **({"weight_version": health.weight_version} if health.weight_version else {})})  # fmt: skip
+                             **({"weight_version": health.weight_version} if health.weight_version else {}),
+                             **({"speculative": health.speculative} if health.speculative else {})})  # fmt: skip
 
 
 class VersionResource:

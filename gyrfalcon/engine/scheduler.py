@@ -173,6 +173,11 @@ class Scheduler:
             raise RequestError(f"n × (prompt + max_tokens) = {n} × {prompt_len + max_tokens} tokens does not fit "
                                f"this server's KV cache ({capacity * self.pool.block_size} tokens)", "max_tokens")  # fmt: skip
 
+    def reserve(self, seq: Sequence, count: int) -> bool:
+        """Blocks for ``count`` tokens from ``seq``'s computed ones (a step's draft rows beside its
+        planned token); False, taking none, when too few are free."""
+        return self._reserve(seq, count)
+
     def _reserve(self, seq: Sequence, count: int) -> bool:
         """Blocks for ``seq``'s tokens up to ``computed + count`` (False, taking none, if too few are free)."""
         assert self.pool is not None

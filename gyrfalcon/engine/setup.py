@@ -19,7 +19,7 @@ from gyrfalcon.engine.model.budget import PeakProbe, StepReserve, cuda_peak, mea
 from gyrfalcon.engine.model.fast_check import DecodePath
 from gyrfalcon.engine.model.runner import ModelRunner
 from gyrfalcon.engine.model.work import Work
-from gyrfalcon.engine_api.config import EngineConfig
+from gyrfalcon.engine_api.config import EngineConfig, SpeculativeConfig
 from gyrfalcon.engine_api.types import EngineInfo
 from gyrfalcon.models.default import cache_root
 from gyrfalcon.heap import release_freed_memory
@@ -152,6 +152,10 @@ class LoadedModel:
     pool: BlockPool
     plan: CachePlan
     decode_path: DecodePath
+    #: speculative decoding as it serves (``--speculative-config``), or why it does not; "" when not asked
+    speculative: str = ""
+    #: whether draft rows give the decode steps' bits here (:meth:`ModelRunner.rows_alike`)
+    speculates: bool = False
 
 
 def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization: str, capture: str,
@@ -206,6 +210,19 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
             path = DecodePath("eager", "--enforce-eager" if cfg.enforce_eager else
                               "--no-compile-decode" if device == "cpu" else "no fast path on this device")  # fmt: skip
         log.warning("decode path: %s (prepared in %.1f s)", path.describe(), time.perf_counter() - started)
+        speculative, speculates = _speculation(cfg, runner, scratch)
     runner.forwards = 0
     release_freed_memory()  # what fusing the layers and warming up freed (the parts' own copies of fused weights)
-    return LoadedModel(runner, pool, plan, path)
+    return LoadedModel(runner, pool, plan, path, speculative, speculates)
+
+
+def _speculation(cfg: EngineConfig, runner: ModelRunner, scratch: list[int]) -> tuple[str, bool]:
+    """``--speculative-config`` as it serves: only where a draft row computes what the decode step
+    it replaces would (then every token is the model's own), else off, saying why."""
+    config = SpeculativeConfig.parse(cfg.speculative_config)
+    if config is None:
+        return "", False
+    problem = runner.rows_alike(scratch)
+    described = config.describe() if problem is None else f"off ({problem})"
+    log.warning("speculative decoding: %s", described)
+    return described, problem is None

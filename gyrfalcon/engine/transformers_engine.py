@@ -38,7 +38,8 @@ from gyrfalcon.engine.sequence import choices_of
 from gyrfalcon.engine.step_health import StepFailures
 from gyrfalcon.engine_api.streams import CoalescingOutputStream
 from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind
-from gyrfalcon.engine_api.config import EngineConfig
+from gyrfalcon.engine_api.config import EngineConfig, SpeculativeConfig
+from gyrfalcon.engine.spec.drafter import Drafter
 from gyrfalcon.engine_api.errors import SHUTTING_DOWN, ShuttingDown
 from gyrfalcon.errors import RequestError
 from gyrfalcon.heap import QuietTrimmer
@@ -79,6 +80,10 @@ class TransformersEngine(ControlPlane, EngineCore):
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._seeds = torch.Generator().manual_seed(cfg.seed)  # seeds of unseeded choices (CPU)
         self.sampler = Sampler(self.processors, self.gatherers, self.eos_token_ids, self.generator, cfg.logprobs_mode)
+        speculative = SpeculativeConfig.parse(cfg.speculative_config)
+        #: the draft tokens of sequences that speculate (``--speculative-config``; None: off)
+        self.drafter = None if speculative is None else Drafter(speculative, self._info.max_model_len)
+        self.speculative = ""  # as it serves, once loaded (setup._speculation)
         self.scheduler = Scheduler(cfg.max_queue_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    PREFILL_CHUNK_TOKENS, policy=cfg.scheduling_policy)  # fmt: skip
         self.runner: ModelRunner | None = None
@@ -180,6 +185,8 @@ class TransformersEngine(ControlPlane, EngineCore):
         if self.scheduler.pool is not None:
             stats.update(self.scheduler.pool.stats())
         stats["preemptions"] = self.scheduler.preemptions
+        if self.drafter is not None:
+            stats.update(self.drafter.stats())
         stats["decode_path"] = self.decode_path.describe()
         stats["pid"] = os.getpid()  # the worker process, for memory checks (bench reads its /proc status)
         return stats
@@ -268,9 +275,9 @@ class TransformersEngine(ControlPlane, EngineCore):
         # looked up at each call: a test replaces the sampler's method
         prompt_logprobs = lambda request, logits, start: self.sampler.gather_prompt_logprobs(logits, request, start)  # noqa: E731
         self.batcher = Batcher(self.runner, self.sampler, self.scheduler, self._emit_step, self._count, self._fail,
-                               prompt_logprobs)  # fmt: skip
+                               prompt_logprobs, self.drafter)  # fmt: skip
         self._health = EngineHealth(ready=True, message="", decode_path=self.decode_path.describe(),
-                                    weight_version=self._weights.version)
+                                    weight_version=self._weights.version, speculative=self.speculative)
         return True
 
     def _main(self) -> None:
@@ -356,6 +363,9 @@ class TransformersEngine(ControlPlane, EngineCore):
         loaded = load_runner(self.engine_config, self._info.max_model_len, self.device, self.quantization, self.capture,
                              PREFILL_CHUNK_TOKENS)  # fmt: skip
         self.cache_plan, self.decode_path = loaded.plan, loaded.decode_path
+        self.speculative = loaded.speculative
+        if not loaded.speculates:
+            self.drafter = None
         self._info.decode_path = self.decode_path.describe()
         self.scheduler.pool = loaded.pool
         self.runner = loaded.runner

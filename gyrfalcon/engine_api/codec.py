@@ -110,7 +110,7 @@ def decode_info(data: dict[str, Any]) -> EngineInfo:
 
 
 def encode_health(health: EngineHealth) -> list[Any]:
-    return [health.ready, health.message, health.decode_path, health.weight_version]
+    return [health.ready, health.message, health.decode_path, health.weight_version, health.speculative]
 
 
 def decode_health(data: list[Any]) -> EngineHealth:

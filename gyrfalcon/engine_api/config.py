@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,54 @@ LOGPROBS_MODES: dict[str, str] = {
     "raw_logits": "the model's logits themselves",
     "processed_logits": "the logits the token is drawn from, after every sampling parameter",
 }
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative-config`` (vLLM's JSON shape): draft tokens proposed by ``method`` and
+    verified by the model; for ``ngram``, the tokens that followed the latest earlier occurrence of
+    the sequence's trailing n-gram of ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    #: the methods built, and what they propose
+    METHODS = {"ngram": "prompt lookup: the tokens that followed the trailing n-gram's latest earlier occurrence"}
+
+    @classmethod
+    def parse(cls, text: str | None) -> SpeculativeConfig | None:
+        """The config of ``text`` (None: speculation off); a ValueError of one line otherwise."""
+        if text is None or not text.strip():
+            return None
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"--speculative-config must be a JSON object: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        method = data.get("method")
+        if method not in cls.METHODS:
+            built = ", ".join(cls.METHODS)
+            raise ValueError(f"--speculative-config: method {method!r} is not served (built: {built}; "
+                             "draft_model is not built yet)")  # fmt: skip
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"--speculative-config: {unknown[0]!r} is not a field of the ngram method")
+        values = {name: data.get(name, default) for name, default in
+                  (("num_speculative_tokens", None), ("prompt_lookup_min", 1), ("prompt_lookup_max", 4))}  # fmt: skip
+        for name, value in values.items():
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 64:
+                raise ValueError(f"--speculative-config: {name} must be an integer from 1 to 64, got {value!r}")
+        if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
+            raise ValueError("--speculative-config: prompt_lookup_min must not exceed prompt_lookup_max")
+        return cls(method, **values)
+
+    def describe(self) -> str:
+        """For the start-up line and ``/health``."""
+        return (f"{self.method} (up to {self.num_speculative_tokens} draft tokens, n-grams of "
+                f"{self.prompt_lookup_min} to {self.prompt_lookup_max})")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -59,6 +108,8 @@ class EngineConfig:
     matmul_inputs: str = "auto"
     #: what the logprobs returned hold (:data:`LOGPROBS_MODES`)
     logprobs_mode: str = "raw_logprobs"
+    #: ``--speculative-config``'s JSON (:class:`SpeculativeConfig`; None: off)
+    speculative_config: str | None = None
 
     @classmethod
     def from_settings(cls, settings: Any, model: str) -> EngineConfig:

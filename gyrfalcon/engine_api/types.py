@@ -315,3 +315,5 @@ class EngineHealth:
     decode_path: str = ""
     #: the version of the weights being served (``engine.weights.FIRST_VERSION`` until an update)
     weight_version: str = ""
+    #: speculative decoding as it serves, or why not (``--speculative-config``); "" when not asked
+    speculative: str = ""

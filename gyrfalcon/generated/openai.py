@@ -1620,6 +1620,12 @@ class HealthResponse(BaseModel):
             description="The version of the weights being served (`default` until POST /update_weights_from_disk)."
         ),
     ] = MISSING
+    speculative: Annotated[
+        str | MISSING,
+        Field(
+            description='With --speculative-config: the method that proposes draft tokens, or "off (why)" where a draft row would not compute the bits of the decode step it replaces.'
+        ),
+    ] = MISSING
 
 
 class VersionResponse(BaseModel):

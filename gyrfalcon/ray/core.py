@@ -257,8 +257,9 @@ class RayEngineCore(EngineCore):
                 # the replicas' weights: one version, or during an update every version still served
                 version = ",".join(sorted({h.weight_version for h in healths if h.ready and h.weight_version}))
                 if ready:
+                    speculative = next((h.speculative for h in healths if h.ready), "")  # one config, every replica
                     self._health = EngineHealth(ready=True, message=f"{ready} of {len(answers)} engine replicas ready",
-                                                weight_version=version)  # fmt: skip
+                                                weight_version=version, speculative=speculative)  # fmt: skip
                 else:
                     why = "; ".join(h.message for h in healths if h.message) or "no engine replica answered"
                     self._health = EngineHealth(ready=False, message=why)

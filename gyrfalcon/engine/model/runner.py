@@ -211,6 +211,22 @@ class ModelRunner:
         return loop.describe()
 
     @torch.inference_mode()
+    def rows_alike(self, scratch: list[int]) -> str | None:
+        """None when a decode row's logits are the same bits alone as beside further rows of its
+        sequence (what speculation's draft rows need: :mod:`gyrfalcon.engine.spec.drafter`), else
+        why not; on the ``scratch`` block, eagerly (every fast decode path gives the eager bits)."""
+        width = self.cache.block_size
+        at = width // 2
+        with self.eager():
+            self.forward([Work([5 + t for t in range(at)], 0, scratch, "none")])
+            alone = self.forward([Work([7], at, scratch)])[0]
+            beside = self.forward([Work([7], at, scratch), Work([8], at + 1, scratch), Work([9], at + 2, scratch)])[0]
+        if torch.equal(alone[0], beside[0]):
+            return None
+        delta = float((alone[0] - beside[0]).abs().max())
+        return f"a decode row's logits differ beside other rows (max |Δ| {delta:.2g}: these layers' kernels are not row-invariant)"
+
+    @torch.inference_mode()
     def check_direct(self, steps: list[list[Work]], required: bool = False) -> str:
         """Run each step of ``steps`` (the warm-up) through the direct forward and through transformers' (same
         inputs: the same KV slots are written twice); keep the direct forward only if every step

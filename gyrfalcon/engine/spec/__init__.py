@@ -1,0 +1,1 @@
+"""Speculative decoding: draft tokens proposed cheaply, then verified by the model in one step."""
