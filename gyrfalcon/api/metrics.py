@@ -23,7 +23,7 @@ from gyrfalcon.engine_api.interface import Engine
 COUNTER_STATS = frozenset({
     "requests_submitted", "requests_finished", "requests_aborted", "requests_failed", "prompt_tokens",
     "generation_tokens", "steps", "prefill_forwards", "decode_forwards", "preemptions", "prefix_cache_queries",
-    "prefix_cache_hits",
+    "prefix_cache_hits", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
 })  # fmt: skip
 
 
@@ -77,6 +77,16 @@ class EngineCollector:
                           stats["prefix_cache_queries"] * stats.get("kv_block_size", 1))  # fmt: skip
             yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                           stats["prefix_cache_hits"] * stats.get("kv_block_size", 1))  # fmt: skip
+        if "spec_decode_num_drafts" in stats:  # --speculative-config
+            yield counter("spec_decode_num_drafts", "Number of spec decoding drafts.", stats["spec_decode_num_drafts"])
+            yield counter("spec_decode_num_draft_tokens", "Number of draft tokens.", stats["spec_decode_num_draft_tokens"])
+            yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          stats["spec_decode_num_accepted_tokens"])  # fmt: skip
+            per = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=[*LABELS, "position"])  # fmt: skip
+            for position, value in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", [])):
+                per.add_metric([*self.labels, str(position)], value)
+            yield per
 
 
 class MetricsExposition:

@@ -204,6 +204,31 @@ def run_load(client: Client, bodies: list[dict[str, Any]], concurrency: int) -> 
     return LoadReport(concurrency, time.perf_counter() - start, results)
 
 
+#: the counters of a gyrfalcon server that speculates (vLLM's names, the server's prefix)
+SPEC = "gyrfalcon:spec_decode_num_"
+
+
+def spec_counts(client: Client) -> tuple[int, int]:
+    """The server's draft tokens so far and those accepted (vLLM's ``spec_decode`` counters; 0, 0
+    where it does not speculate or says nothing)."""
+    try:
+        status, body = client.get("/metrics")
+    except (OSError, http.client.HTTPException):
+        return 0, 0
+    counts = {f"{SPEC}draft_tokens_total": 0.0, f"{SPEC}accepted_tokens_total": 0.0}
+    for line in body.decode(errors="replace").splitlines() if status == 200 else []:
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in counts:
+            counts[name] += float(line.rsplit(" ", 1)[1])
+    return int(counts[f"{SPEC}draft_tokens_total"]), int(counts[f"{SPEC}accepted_tokens_total"])
+
+
+def spec_note(before: tuple[int, int], after: tuple[int, int]) -> str:
+    """What :func:`spec_counts` moved by over a load, for its line ("" where nothing was drafted)."""
+    drafted, accepted = after[0] - before[0], after[1] - before[1]
+    return f", {accepted} of {drafted} draft tokens accepted ({accepted / drafted:.0%})" if drafted > 0 else ""
+
+
 def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """``count`` prompts of ``length`` random token ids (from 100 up, clear of special tokens)."""
     rng = random.Random(seed)

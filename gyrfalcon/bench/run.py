@@ -28,7 +28,8 @@ import time
 from typing import Any
 
 from gyrfalcon.bench.ceiling import CeilingResult
-from gyrfalcon.bench.client import Client, fresh_prompts, run_load
+from gyrfalcon.bench.client import Client, run_load, spec_counts, spec_note
+from gyrfalcon.bench.workloads import WORKLOADS, level_prompts
 from gyrfalcon.config import Settings
 from gyrfalcon.kernels.quant import QUANTIZATIONS
 
@@ -61,7 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='more `gyrfalcon serve` options for --launch, one string (split like a shell would): '
                         '--serve-args "--max-num-batched-tokens 8192"; one option alone: --serve-args=--enforce-eager')  # fmt: skip
     p.add_argument("--api-key", default=None)
-    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--workload", default="random", choices=WORKLOADS,
+                   help="random: prompts of random token ids; edit: chat prompts asking to write a passage out "
+                        "again with one word replaced (what copies from the prompt)")  # fmt: skip
+    p.add_argument("--prompt-tokens", type=int, default=32, help="random workload: the prompts' length")
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--requests", type=int, default=None,
                    help="requests per concurrency level (default: 64 on cpu, max(16, 2 x concurrency) on cuda)")  # fmt: skip
@@ -270,7 +274,8 @@ def _header(args: argparse.Namespace, device: str, model_path: str, build_s: flo
     if build_s is not None:
         subject += f" (random weights, built in {build_s:.1f} s)"
     levels = ", ".join(f"{requests_at(args, c, device)} at c={c}" for c in args.concurrency)
-    return (f"{subject} on {device} ({where}), {dtype}; requests {levels}; {args.prompt_tokens}-token prompts "
+    prompts = f"{args.prompt_tokens}-token prompts" if args.workload == "random" else "edit prompts (copy a passage)"
+    return (f"{subject} on {device} ({where}), {dtype}; requests {levels}; {prompts} "
             f"(seed {args.prompt_seed}), "
             f"{args.output_tokens} output tokens, temperature 0, ignore_eos; --quantization {args.quantization}. "
             f"ceiling: the eager loop on the same weights" + ("; baseline: the fp32 eager loop" if not device.startswith("cuda") else "")
@@ -307,14 +312,15 @@ def _launch(args: argparse.Namespace, device: str, model_path: str, workdir: str
     return server
 
 
-def _served_loads(client: Client, name: str, args: argparse.Namespace, levels: list[list[list[int]]]) -> list:
-    """One load per ``--concurrency`` level, each on its own prompts."""
+def _served_loads(client: Client, name: str, args: argparse.Namespace, levels: list[list]) -> list:
+    """One load per ``--concurrency`` level, each on its own prompts (drafts accepted, if it speculates)."""
     loads = []
     for c, prompts in zip(args.concurrency, levels):
+        before = spec_counts(client)
         load = run_load(client, [_completion(name, p, args.output_tokens) for p in prompts], c)
         loads.append(load)
         _say(f"c={c}: {load.output_tokens_per_s:.1f} tok/s, TTFT p50 {load.ttft(50) * 1000:.0f} ms, "
-             f"TPOT p50 {load.tpot(50) * 1000:.1f} ms, {load.errors} errors")  # fmt: skip
+             f"TPOT p50 {load.tpot(50) * 1000:.1f} ms, {load.errors} errors{spec_note(before, spec_counts(client))}")  # fmt: skip
     return loads
 
 
@@ -345,8 +351,7 @@ def main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops a launched server
     workdir = tempfile.mkdtemp(prefix="gyrfalcon-bench-")
-    server = None
-    build_s = None
+    server, build_s = None, None
     try:
         model_path, build_s = _model_path(args, device, workdir)
         url = args.url
@@ -358,7 +363,8 @@ def main(args: argparse.Namespace) -> int:
         path = decode_path(client)
         vocab = _vocab(model_path)
         counts = [requests_at(args, c, device) for c in args.concurrency]
-        warm, levels = fresh_prompts(counts, max(args.concurrency), args.prompt_tokens, vocab, args.prompt_seed)
+        warm, levels = level_prompts(args.workload, counts, max(args.concurrency), args.prompt_tokens, vocab,
+                                     args.prompt_seed, model_path)  # fmt: skip
         warm_up(Client(url, args.api_key, timeout=WARM_UP_TIMEOUT_S), name, warm, max(args.concurrency), server)
         loads = _served_loads(client, name, args, levels)
         peer_loads = run_peer(args, model_path, warm, levels) if args.peer_url else []

@@ -22,7 +22,6 @@ sampler cannot sample (every token excluded) ends its request in-band too.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections.abc import Callable
 
@@ -35,28 +34,14 @@ from gyrfalcon.engine.request_state import RequestState
 from gyrfalcon.engine.sample.persistent_batch import PersistentBatch, StagedRows
 from gyrfalcon.engine.sample.sampler import Sampler, SamplerOutput
 from gyrfalcon.engine.scheduler import Scheduled, Scheduler
-from gyrfalcon.engine.spec.drafter import MAX_SEQUENCES, Drafter
+from gyrfalcon.engine.spec import verify
+from gyrfalcon.engine.spec.drafter import Drafter
+from gyrfalcon.heap import trim_heap
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine_api.types import EngineError, EngineRequest, TokenLogprobs
 from gyrfalcon.policies import to_device
 
 log = logging.getLogger(__name__)
-
-
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _load_malloc_trim()
-
-
-def _release_memory() -> None:
-    """Give freed heap pages back to the OS (glibc only; a no-op elsewhere)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 class Batcher:
@@ -131,10 +116,9 @@ class Batcher:
             return False
         ends = [item.reaches_end for item in plan]
         draws = self._draws(plan, ends)
-        drafts = self._drafts(plan, draws)
-        drawn = [len(item.seq.token_ids) for item in plan]  # each sequence's tokens before this step
+        drafts = verify.drafts_of(plan, draws, self.drafter, self.scheduler)
         staged = self._stage(plan, draws)
-        works = StepWorks([self._work(item) for item in plan] + self._draft_works(plan, drafts),
+        works = StepWorks([self._work(item) for item in plan] + verify.draft_works(plan, drafts),
                           staged.rider if staged is not None else None)  # fmt: skip
         carried = self._carry_draw_rows(works, draws, staged)
         try:
@@ -180,69 +164,9 @@ class Batcher:
                 index = self._draw_index(rows, staged, carried, logits.device)
                 self._sample(StepHeads(logits.index_select(0, index)), sampled, staged)
         if any(drafts):
-            self._verify(plan, drafts, drawn, spans[len(plan) :], logits)
+            verify.draw_in_turns(plan, drafts, spans[len(plan) :], logits, self._sample, self.drafter, self.scheduler)
         self._settle(plan)
         return True
-
-    # ----------------------------------------------------------------- speculation
-
-    def _drafts(self, plan: list[Scheduled], draws: list[list[Sequence]]) -> list[list[int]]:
-        """Per item, the draft tokens its sequence feeds beside its last one (none: it does not
-        speculate): only a decoding sequence drawing alone from its row, in a step of at most
-        ``drafter.MAX_SEQUENCES`` decoding sequences, and with blocks free for the drafts' KV."""
-        drafts: list[list[int]] = [[] for _ in plan]
-        if self.drafter is None or sum(1 for drawing in draws if drawing) > MAX_SEQUENCES:
-            return drafts
-        for i, (item, drawing) in enumerate(zip(plan, draws)):
-            seq = item.seq
-            if item.count != 1 or not item.state.forked or len(drawing) != 1 or drawing[0] is not seq:
-                continue
-            proposed = self.drafter.propose(seq)
-            if proposed and self.scheduler.reserve(seq, 1 + len(proposed)):
-                drafts[i] = proposed
-        return drafts
-
-    @staticmethod
-    def _draft_works(plan: list[Scheduled], drafts: list[list[int]]) -> list[Work]:
-        """One single-token row per draft token, at the positions after its sequence's last token:
-        decode rows of the same sequence, after every item's own work."""
-        return [Work([token], item.seq.computed + 1 + i, item.seq.blocks, "last", owner=item.seq)
-                for item, tokens in zip(plan, drafts) for i, token in enumerate(tokens)]  # fmt: skip
-
-    def _verify(self, plan: list[Scheduled], drafts: list[list[int]], drawn: list[int], spans: list[tuple[int, int]],
-                logits: torch.Tensor) -> None:  # fmt: skip
-        """Draw the draft rows in turns (``drawn``: each sequence's tokens before the step; ``spans``:
-        the draft works' rows): a sequence whose last drawn token equals its next draft
-        keeps that draft's KV and draws from its row — the token, and its logprobs, the step after
-        it would have drawn —; the first that differs ends its speculation (the rows after are
-        never read, their KV overwritten later)."""
-        rows_of: list[list[int]] = []
-        for tokens in drafts:
-            rows_of.append([first for first, _ in spans[: len(tokens)]])
-            spans = spans[len(tokens) :]
-        live = [i for i, tokens in enumerate(drafts) if tokens]
-        accepted = dict.fromkeys(live, 0)
-        turn = 0
-        while live:
-            drawing: list[tuple[Sequence, RequestState]] = []
-            rows: list[int] = []
-            for i in live:
-                seq, state = plan[i].seq, plan[i].state
-                if (seq.finished or state.closed or state.abort_requested or len(seq.token_ids) != drawn[i] + 1 + turn
-                        or seq.token_ids[-1] != drafts[i][turn]):  # fmt: skip
-                    continue
-                seq.computed += 1  # the draft's KV is the sequence's own
-                accepted[i] += 1
-                drawing.append((seq, state))
-                rows.append(rows_of[i][turn])
-            if rows:
-                self._sample(StepHeads(logits.index_select(0, to_device(rows, logits.device))), drawing, None)
-            turn += 1
-            live = [i for i in live if accepted[i] == turn and turn < len(drafts[i])]
-        for i, count in accepted.items():
-            self.drafter.verified(len(drafts[i]), count)
-            if count:
-                self.scheduler.register_full_blocks(plan[i].state, plan[i].seq)
 
     def _draws(self, plan: list[Scheduled], ends: list[bool]) -> list[list[Sequence]]:
         """Per item, the sequences that draw a token from its last row this step: its request's
@@ -420,7 +344,7 @@ class Batcher:
         if not self.overlap:
             self.send()
         if not self.scheduler.running and len(self.scheduler) == 0:
-            _release_memory()
+            trim_heap()  # freed heap pages back to the system
 
     # ----------------------------------------------------------------- ending requests
 

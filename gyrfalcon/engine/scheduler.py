@@ -39,7 +39,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gyrfalcon.engine.kv.blocks import BlockPool, NoFreeBlocks, chain_hash
+from gyrfalcon.engine.kv import prefix
+from gyrfalcon.engine.kv.blocks import BlockPool, NoFreeBlocks
 from gyrfalcon.engine.request_state import RequestState
 from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine_api.errors import QueueFull
@@ -239,47 +240,20 @@ class Scheduler:
 
     def weights_replaced(self) -> None:
         """The weights change between this step and the next (engine thread): KV computed from now
-        on is another epoch's. A sequence keeps the epoch its KV began in, so blocks it fills
-        after the swap — its earlier KV and the new weights' work mixed — are found only by chains
-        of that epoch, which no sequence begun after the swap follows; blocks of the old weights
-        stay cached until handed out again, found by nothing new."""
+        on is another epoch's (:mod:`gyrfalcon.engine.kv.prefix`)."""
         self.weights_epoch += 1
 
-    def _key(self, state: RequestState, seq: Sequence, parent: bytes | None, b: int) -> bytes:
-        """The prefix-cache key of ``seq``'s full block ``b`` after the key ``parent``."""
-        bs = self.pool.block_size
-        return chain_hash(parent, seq.tokens(b * bs, (b + 1) * bs), state.request.cache_salt, seq.cache_epoch)
-
     def _prefix_hit(self, state: RequestState, seq: Sequence) -> None:
-        """Count a fresh sequence's cached full blocks as computed (never its last token); its KV
-        begins in this epoch of the weights."""
+        """A fresh sequence: its KV begins in this epoch of the weights, and its cached full blocks count as computed."""
         assert self.pool is not None
         seq.cache_epoch = self.weights_epoch
-        if not self.pool.enable_prefix_caching:
-            return
-        if state.request.sampling.prompt_logprobs is not None and state.prompt_logprobs_done < len(seq.prompt_token_ids):
-            return  # prompt logprobs need the prompt's logits: compute it
-        bs, keys, parent = self.pool.block_size, [], None
-        for b in range((seq.num_tokens - 1) // bs):
-            parent = self._key(state, seq, parent, b)
-            keys.append(parent)
-        hits = self.pool.lookup(keys)
-        seq.blocks = [self.pool.share(block) for block in hits]
-        seq.block_hashes = keys[: len(hits)]
-        seq.computed = len(hits) * bs
+        if state.request.sampling.prompt_logprobs is None or state.prompt_logprobs_done >= len(seq.prompt_token_ids):
+            prefix.start_from_cache(self.pool, seq, state.request.cache_salt)  # prompt logprobs need the prompt's logits
 
     def register_full_blocks(self, state: RequestState, seq: Sequence) -> None:
         """After a forward: record the prefix-cache key of every block the step filled."""
         assert self.pool is not None
-        if not self.pool.enable_prefix_caching:
-            return
-        bs = self.pool.block_size
-        while len(seq.block_hashes) < seq.computed // bs:
-            b = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            key = self._key(state, seq, parent, b)
-            seq.block_hashes.append(key)
-            self.pool.register(seq.blocks[b], key)
+        prefix.register_full_blocks(self.pool, seq, state.request.cache_salt)
 
     # ----------------------------------------------------------------- the step plan (engine thread)
 

@@ -307,7 +307,9 @@ def add_stats(answers: list[dict[str, Any]]) -> dict[str, Any]:
     total: dict[str, Any] = {}
     for stats in answers:
         for key, value in stats.items():
-            if key in _NOT_ADDED or not isinstance(value, (int, float)) or isinstance(value, bool):
+            if isinstance(value, list) and isinstance(total.get(key), list):  # per position: added position by position
+                total[key] = [a + b for a, b in zip(total[key], value)]
+            elif key in _NOT_ADDED or not isinstance(value, (int, float)) or isinstance(value, bool):
                 total.setdefault(key, value)
             else:
                 total[key] = total.get(key, 0) + value
