@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gyrfalcon.config import Settings
+from gyrfalcon.engine.spec import verify
 from gyrfalcon.engine.spec.ngram import NgramIndex
 from gyrfalcon.engine_api.config import SpeculativeConfig
 from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
@@ -42,7 +43,7 @@ def test_a_config_it_cannot_serve_is_refused_at_start_up(tiny_model_dir, text, w
 
 def _requests() -> list[EngineRequest]:
     """Prompts that repeat themselves (drafts to take), greedy and seeded with ``n`` = 2, with a
-    penalty and logprobs; four sequences in all, so that every step may speculate."""
+    penalty and logprobs."""
     greedy = dict(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
     return [EngineRequest("loop", [5, 6, 7, 8] * 4, SamplingParams(**greedy)),
             EngineRequest("pairs", [9, 10, 11] * 3, SamplingParams(**{**greedy, "repetition_penalty": 1.2})),
@@ -65,7 +66,8 @@ def _served(model_dir: str, speculative: str | None, quantization: str) -> tuple
         engine.shutdown(0)
 
 
-def test_int4_layers_speculate_to_the_same_bits_as_plain_decoding(tiny_model_dir):
+def test_int4_layers_speculate_to_the_same_bits_as_plain_decoding(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(verify, "MAX_SEQUENCES", 4)  # every step of these four sequences speculates (default: one alone)
     plain, _, _ = _served(tiny_model_dir, None, "int4")
     speculated, stats, health = _served(tiny_model_dir, NGRAM, "int4")
     assert stats["spec_decode_num_accepted_tokens"] > 10, stats  # it did speculate, and kept drafts
@@ -80,3 +82,23 @@ def test_layers_whose_rows_differ_beside_others_do_not_speculate(tiny_model_dir)
     assert health.startswith("off (a decode row's logits differ beside other rows")
     assert "spec_decode_num_drafts" not in stats
     assert speculated == plain
+
+
+def test_health_and_metrics_say_what_speculates(tiny_model_dir):
+    from tests.helpers import api_client, served_app
+
+    settings = tiny_settings(tiny_model_dir, max_model_len=256, speculative_config=NGRAM, quantization="int4",
+                             served_model_name=["tiny"])  # fmt: skip
+    engine = create_transformers_engine(settings)
+    try:
+        assert engine.wait_ready(60).ready
+        client = api_client(served_app(engine, settings))
+        body = {"model": "tiny", "prompt": [5, 6, 7, 8] * 4, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        assert client.simulate_post("/v1/completions", json=body).status_code == 200
+        assert client.simulate_get("/health").json["speculative"].startswith("ngram (")
+        metrics = client.simulate_get("/metrics").text
+        drafts = [line for line in metrics.splitlines() if line.startswith("gyrfalcon:spec_decode_num_drafts_total")]
+        assert drafts and float(drafts[0].rsplit(" ", 1)[1]) > 0, metrics
+        assert 'gyrfalcon:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"}' in metrics
+    finally:
+        engine.shutdown(0)

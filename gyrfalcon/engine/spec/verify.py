@@ -74,6 +74,6 @@ def draw_in_turns(plan: list[Any], drafts: list[list[int]], spans: list[tuple[in
         turn += 1
         live = [i for i in live if accepted[i] == turn and turn < len(drafts[i])]
     for i, count in accepted.items():
-        drafter.verified(len(drafts[i]), count)
+        drafter.verified(plan[i].seq, len(drafts[i]), count)
         if count:
             scheduler.register_full_blocks(plan[i].state, plan[i].seq)
