@@ -78,22 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--swaps", type=int, default=5)
     args = p.parse_args(argv)
 
-    from gyrfalcon.compose import plugins
     from gyrfalcon.config import Settings
     from gyrfalcon.engine.weights import served_tensors
     from gyrfalcon.kernels.native.cpu import cpu
     from gyrfalcon.models.default import resolve_model
-    from gyrfalcon.plugins.engines import create_transformers_engine
+    from gyrfalcon.bench.local import ready_engine
     from gyrfalcon.validation import RequestValidator
 
     path = resolve_model(args.model)
     settings = Settings(model=path, num_threads=args.num_threads, kv_cache_memory=args.kv_cache_memory)
-    pm = plugins(settings)
-    engine = create_transformers_engine(settings, pm, model_path=path)
-    health = engine.wait_ready(600)
-    if not health.ready:
-        print(health.message, file=sys.stderr)
+    if (built := ready_engine(settings, path)) is None:
         return 1
+    engine, pm = built
     validator = RequestValidator.of(pm, engine.info())
     core = engine.core
     direct = core.runner.direct

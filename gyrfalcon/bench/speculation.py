@@ -55,11 +55,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from gyrfalcon.bench.client import prompts as random_prompts
     from gyrfalcon.bench.workloads import edit_prompts
-    from gyrfalcon.compose import plugins
     from gyrfalcon.config import Settings
     from gyrfalcon.kernels.native.cpu import cpu
     from gyrfalcon.models.default import resolve_model
-    from gyrfalcon.plugins.engines import create_transformers_engine
+    from gyrfalcon.bench.local import ready_engine
 
     path = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -69,11 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     requests = requests_of(prompts, args.max_tokens)
     results = {}
     for name, spec in (("off", None), ("on", args.speculative_config)):
-        settings = Settings(model=path, num_threads=args.num_threads, speculative_config=spec)
-        engine = create_transformers_engine(settings, plugins(settings), model_path=path)
-        if not engine.wait_ready(600).ready:
-            print(engine.health().message, file=sys.stderr)
+        built = ready_engine(Settings(model=path, num_threads=args.num_threads, speculative_config=spec), path)
+        if built is None:
             return 1
+        engine = built[0]
         answers, rate = serve_all(engine, requests, args.concurrency)
         results[name] = (answers, rate, engine.core.stats(), engine.health().speculative)
         engine.shutdown(grace=1.0)

@@ -112,23 +112,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from gyrfalcon.compose import plugins
     from gyrfalcon.config import Settings
     from gyrfalcon.kernels.native.cpu import cpu
     from gyrfalcon.models.default import resolve_model
     from gyrfalcon.models.loading import load_weights
-    from gyrfalcon.plugins.engines import create_transformers_engine
+    from gyrfalcon.bench.local import ready_engine
     from gyrfalcon.validation import RequestValidator
 
     path = resolve_model(args.model)
     settings = Settings(model=path, quantization=args.quantization, dtype=args.dtype, max_num_seqs=64,
                         num_threads=args.num_threads, max_model_len=256)  # fmt: skip
-    pm = plugins(settings)
-    engine = create_transformers_engine(settings, pm, model_path=path)
-    health = engine.wait_ready(600)
-    if not health.ready:
-        print(health.message, file=sys.stderr)
+    if (built := ready_engine(settings, path)) is None:
         return 1
+    engine, pm = built
     info = engine.info()
     validator = RequestValidator.of(pm, info)
     trainer, _ = load_weights(path, "float32", "cpu", "none")
