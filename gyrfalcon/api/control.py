@@ -102,8 +102,9 @@ class UpdateWeightsResource:
         sent = sent_fields(validate(UPDATE_WEIGHTS, body))
         if sent.get("abort_all_requests"):
             await offload(self.ctx.engine.abort_requests, None)
+        flush = sent.get("flush_cache")
         version = await offload(self.ctx.engine.update_weights, sent["model_path"], sent.get("weight_version"),
-                                sent.get("flush_cache", True))  # fmt: skip
+                                flush is None or flush)  # fmt: skip
         json_response(resp, {"success": True, "message": f"the weights of {sent['model_path']} serve as {version}",
                              "weight_version": version})  # fmt: skip
 

@@ -49,16 +49,17 @@ class UpdateWeightsFromDiskRequest(BaseModel):
         ),
     ] = MISSING
     abort_all_requests: Annotated[
-        bool, Field(description="SGLang's: abort every request before the update.")
+        bool | None,
+        Field(description="SGLang's: abort every request before the update."),
     ] = False
     flush_cache: Annotated[
-        bool,
+        bool | None,
         Field(
             description="SGLang's: the prefix cache forgets every block at the swap. Without it, blocks of the old weights stay cached until reused, never found by a request begun after the swap."
         ),
     ] = True
     torch_empty_cache: Annotated[
-        bool,
+        bool | None,
         Field(
             description="SGLang's; the engine hands freed memory back after every update."
         ),
