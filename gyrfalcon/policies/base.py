@@ -215,7 +215,13 @@ class LogitsProcessor:
         raise NotImplementedError
 
     def __call__(self, logits: torch.Tensor, rows: BatchRows, selected: list[int]) -> torch.Tensor:
-        """Return the processed ``[B, V]`` logits; only the rows listed in ``selected`` may change."""
+        """Return the processed ``[B, V]`` logits; only the rows listed in ``selected`` may change.
+
+        A call draws one token for each row, but one step may call several times for the same
+        sequence: with ``--speculative-config`` a sequence draws from its draft rows in turns,
+        each call seeing in ``rows`` the tokens drawn by the calls before. Derive a row's state
+        from ``rows`` (its drawn tokens, counts and draw position), never from how many calls
+        came, and every draw is what it would be without speculation."""
         raise NotImplementedError
 
 
