@@ -43,12 +43,14 @@ def test_a_config_it_cannot_serve_is_refused_at_start_up(tiny_model_dir, text, w
 
 def _requests() -> list[EngineRequest]:
     """Prompts that repeat themselves (drafts to take), greedy and seeded with ``n`` = 2, with a
-    penalty and logprobs."""
+    penalty, a grammar (its matcher must see each turn's token) and logprobs."""
     greedy = dict(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
     return [EngineRequest("loop", [5, 6, 7, 8] * 4, SamplingParams(**greedy)),
             EngineRequest("pairs", [9, 10, 11] * 3, SamplingParams(**{**greedy, "repetition_penalty": 1.2})),
             EngineRequest("seeded", [20, 21, 22, 5, 6, 7, 8] * 2, SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=30,
-                                                                             ignore_eos=True, logprobs=0))]  # fmt: skip
+                                                                             ignore_eos=True, logprobs=0)),
+            EngineRequest("constrained", [30, 31, 32], SamplingParams(**{**greedy, "structured_outputs": {
+                "regex": "(ab|cd)( (ab|cd)){30}"}}))]  # fmt: skip
 
 
 def _served(model_dir: str, speculative: str | None, quantization: str) -> tuple[list, dict, str]:
@@ -67,7 +69,7 @@ def _served(model_dir: str, speculative: str | None, quantization: str) -> tuple
 
 
 def test_int4_layers_speculate_to_the_same_bits_as_plain_decoding(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(verify, "MAX_SEQUENCES", 4)  # every step of these four sequences speculates (default: one alone)
+    monkeypatch.setattr(verify, "MAX_SEQUENCES", 5)  # every step of these five sequences speculates (default: one alone)
     plain, _, _ = _served(tiny_model_dir, None, "int4")
     speculated, stats, health = _served(tiny_model_dir, NGRAM, "int4")
     assert stats["spec_decode_num_accepted_tokens"] > 10, stats  # it did speculate, and kept drafts
@@ -77,11 +79,10 @@ def test_int4_layers_speculate_to_the_same_bits_as_plain_decoding(tiny_model_dir
 
 
 def test_layers_whose_rows_differ_beside_others_do_not_speculate(tiny_model_dir):
-    plain, _, _ = _served(tiny_model_dir, None, "none")
-    speculated, stats, health = _served(tiny_model_dir, NGRAM, "none")
+    # (no answers compared: these layers' answers depend on what runs beside them, speculation or not)
+    _, stats, health = _served(tiny_model_dir, NGRAM, "none")
     assert health.startswith("off (a decode row's logits differ beside other rows")
     assert "spec_decode_num_drafts" not in stats
-    assert speculated == plain
 
 
 def test_health_and_metrics_say_what_speculates(tiny_model_dir):
