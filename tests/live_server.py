@@ -31,6 +31,10 @@ class LiveServer:
             return f.read()[-5000:]
 
 
+#: what a server's log says when the free port it was given was taken before it bound it
+PORT_TAKEN = ("Address already in use", "Failed to bind to address")
+
+
 def start_server(args: list[str], log_path: str, timeout: float = 180.0, env: dict[str, str] | None = None,
                  scheme: str = "http") -> LiveServer:  # fmt: skip
     """Run ``gyrfalcon serve ARGS --port <free> --enforce-eager`` and wait until ``/health`` answers 200.
@@ -41,7 +45,21 @@ def start_server(args: list[str], log_path: str, timeout: float = 180.0, env: di
     Read time-outs and refused connections while gunicorn boots are expected; the server is
     killed if it exits or is not healthy within ``timeout`` seconds. ``env`` adds variables;
     ``scheme`` is "https" for a server started with a certificate (not verified by the health poll).
+    A server that exits because its port was taken meanwhile (Ray's own processes take ports of
+    the same ephemeral range before its proxy binds: a clean-clone run lost its Ray module so) is
+    started again on another port, up to three times.
     """
+    for attempt in range(3):
+        try:
+            return _start_on_a_free_port(args, log_path, timeout, env, scheme)
+        except RuntimeError as exc:
+            if attempt == 2 or not any(text in str(exc) for text in PORT_TAKEN):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_on_a_free_port(args: list[str], log_path: str, timeout: float, env: dict[str, str] | None,
+                          scheme: str) -> LiveServer:  # fmt: skip
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
     log = open(log_path, "wb")
