@@ -18,14 +18,14 @@ from gyrfalcon.policies import to_device
 
 def drafts_of(plan: list[Any], draws: list[list[Any]], drafter: Drafter | None, scheduler: Any) -> list[list[int]]:
     """Per planned item (``Scheduled``), the draft tokens its sequence feeds beside its last one
-    (none: it does not speculate): only a decoding sequence drawing alone from its row, in a step of
+    (none: it does not speculate; an empty list: no item does): only a decoding sequence drawing alone from its row, in a step of
     decode rows only, while the engine runs at most :data:`~gyrfalcon.engine.spec.drafter.MAX_SEQUENCES`
     sequences and none waits (a prefill or a newcomer is served first), with blocks free for the
     drafts' KV."""
-    drafts: list[list[int]] = [[] for _ in plan]
     if (drafter is None or any(item.count != 1 for item in plan) or len(scheduler) > 0
             or scheduler.running_sequences() > MAX_SEQUENCES):  # fmt: skip
-        return drafts
+        return []  # no item drafts (the common step: nothing built per item)
+    drafts: list[list[int]] = [[] for _ in plan]
     for i, (item, drawing) in enumerate(zip(plan, draws)):
         seq = item.seq
         if item.count != 1 or not item.state.forked or len(drawing) != 1 or drawing[0] is not seq:
