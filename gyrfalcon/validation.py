@@ -8,9 +8,11 @@ knows: that its KV cache can ever hold the request, and its queue.
 The checks, in order: what the request asks against the engine's capabilities
 (:meth:`RequestValidator.check_supported`, the one place that decides "not supported"; the API side
 runs it first on the wire fields, which name what the client asked as it wrote it), the output
-kind, the prompt (not empty; ids inside the vocabulary), ``n``, the context
+kind, the fields' bounds (:meth:`RequestValidator.check_bounds`: the documents' keywords and the
+deployment's :data:`~gyrfalcon.engine_api.limits.FIELD_LIMITS` — for a request built without the
+API only, since the wire decided them for one that came through it), the context
 (``engine_api/lengths.py``), ``max_tokens``, ``min_tokens``, the stop strings, each policy's own
-parameters (its ``validate``), then the plugins' ``gyrfalcon_validate_request``.
+rules (its ``validate``), then the plugins' ``gyrfalcon_validate_request``.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from gyrfalcon.engine_api.lengths import context_message, context_overflow, min_tokens_problem
+from gyrfalcon.engine_api.limits import ServedLimits, limits_of
 from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind
-from gyrfalcon.engine_api.vocabulary import first_outside_vocabulary, outside_vocabulary
 from gyrfalcon.errors import RequestError
+from gyrfalcon.generated.field_bounds import FIELD_KEYWORDS
 from gyrfalcon.policies import LogitsProcessor, LogprobGatherer
+from gyrfalcon.policies.bounds import keyword_refusal
 
 #: ``SamplingParams`` fields (and ``cache_salt``) an engine honours itself; processors and
 #: gatherers add theirs.
@@ -43,6 +47,14 @@ NATIVE_CAPABILITIES = frozenset(
     }
 )
 
+
+#: the documents' keywords of an engine field that the endpoints bound differently (``FIELD_KEYWORDS``
+#: None): the least all of them allow, which the engine serves; and the prompt's, which is
+#: generate's ``token_ids``
+ENGINE_KEYWORDS: dict[str, dict[str, Any]] = {"n": {"minimum": 1}, "logprobs": {"minimum": 0}, "prompt": {"minItems": 1}}
+
+#: engine fields whose items the documents want to be non-empty strings (``minLength: 1``)
+NON_EMPTY_STRINGS = ("stop", "bad_words")
 
 #: what a deployment needs to honour a refused field, when it is a setting
 UNSUPPORTED_HINT: dict[str, str] = {
@@ -93,6 +105,11 @@ class RequestValidator:
     ) -> None:
         self.info = info
         self.policies = [*processors, *gatherers]
+        #: the deployment's bounds, as the engine states them (the translator's may be narrower)
+        self.limits = ServedLimits(
+            model_names=[], vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+            max_request_seqs=info.max_request_seqs, max_logprobs=info.max_logprobs,
+        )  # fmt: skip
         #: the plugins' ``gyrfalcon_validate_request`` (None: none run)
         self.hook = hook
 
@@ -101,11 +118,14 @@ class RequestValidator:
         """The validator of an engine of ``info`` served with the plugins of ``pm``."""
         return cls(info, *policies(pm, info), hook=pm.hook.gyrfalcon_validate_request)
 
-    def check(self, request: EngineRequest, endpoint: str | None = None, submitted: bool = True) -> None:
+    def check(self, request: EngineRequest, endpoint: str | None = None, submitted: bool = True,
+              bounds_decided: bool = False) -> None:  # fmt: skip
         """Raise :class:`RequestError` (naming the engine request's field) for anything the engine
         cannot serve; ``endpoint``: the name the plugins' hook is told (None: the hook does not run).
         ``submitted`` False: a request the API side answers from its prompt alone (an echo that
-        generates nothing): only that its prompt fits the context, ``min_tokens``, and the hook."""
+        generates nothing): only that its prompt fits the context, ``min_tokens``, and the hook.
+        ``bounds_decided``: the fields' bounds were decided on the wire (the translator's requests),
+        so :meth:`check_bounds` does not decide them again."""
         if not submitted:
             self._check_context(request, prompt_only=True)
             self.check_hook(request, endpoint)
@@ -117,6 +137,8 @@ class RequestValidator:
             OutputKind(request.output_kind)
         except ValueError:
             raise RequestError(f"unknown output kind {request.output_kind!r}", "output_kind") from None
+        if not bounds_decided:
+            self.check_bounds(request)
         self._check_lengths(request)
         for policy in self.policies:
             policy.validate(params, request.extensions, info)
@@ -153,17 +175,30 @@ class RequestValidator:
         if problem is not None:
             raise RequestError(problem, "min_tokens")
 
+    def check_bounds(self, request: EngineRequest) -> None:
+        """The bounds of the request's fields as the wire decides them for a request that came
+        through the API: the documents' keywords (:mod:`gyrfalcon.policies.bounds`; the prompt's
+        are generate's ``token_ids``) and the deployment's ``FIELD_LIMITS`` (the vocabulary, ``n``,
+        the logprob counts, the context), over the prompt and every field set off its default."""
+        params = request.sampling
+        fields = {"prompt": request.prompt_token_ids, **{name: getattr(params, name) for name in sorted(params.asked_fields())}}
+        for name, value in fields.items():
+            if value is None:
+                continue
+            keywords = ENGINE_KEYWORDS.get(name) or FIELD_KEYWORDS.get(name) or {}
+            refusal = keyword_refusal(value, keywords, name)
+            if refusal is not None:
+                raise RequestError(refusal, name)
+            for limit in limits_of(name):
+                refused = limit.check(value, self.limits, name)
+                if refused is not None:
+                    raise RequestError(refused[1], refused[0])
+        for name in NON_EMPTY_STRINGS:
+            for i, item in enumerate(getattr(params, name)):
+                if not isinstance(item, str) or not item:
+                    raise RequestError(f"{name} must be non-empty strings", f"{name}.{i}")
+
     def _check_lengths(self, request: EngineRequest) -> None:
-        info, params, prompt = self.info, request.sampling, request.prompt_token_ids
-        if not prompt:
-            raise RequestError("the prompt must contain at least one token", "prompt")
-        for name, ids in (("prompt", prompt), ("stop_token_ids", params.stop_token_ids)):
-            bad = first_outside_vocabulary(ids, info.vocab_size)
-            if bad is not None:
-                raise RequestError(outside_vocabulary(bad, name, info.vocab_size), name)
-        if not 1 <= params.n <= info.max_request_seqs:
-            raise RequestError(f"n must be between 1 and {info.max_request_seqs}", "n")
+        params = request.sampling
         # the logprob path: a prefill only
         self._check_context(request, prompt_only=params.max_tokens == 0 and params.prompt_logprobs is not None)
-        if any(not s for s in params.stop):
-            raise RequestError("stop strings must not be empty", "stop")

@@ -9,7 +9,8 @@ from typing import Any
 from gyrfalcon.engine_api.config import LOGPROBS_MODES
 from gyrfalcon.engine_api.interface import Engine
 from gyrfalcon.engine_api.types import EngineInfo
-from gyrfalcon.openapi.limits import ServedLimits, largest_object, longest_array, walk_schemas
+from gyrfalcon.engine_api.limits import ServedLimits, largest_object, longest_array
+from gyrfalcon.openapi.limits import walk_schemas
 from gyrfalcon.openapi.served import bundle, request_field_names, served_spec
 from gyrfalcon.protocol.capabilities import unsupported_fields
 from gyrfalcon.protocol.endpoints import CONTROL_ROUTES, ENDPOINTS

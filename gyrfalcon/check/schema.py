@@ -62,7 +62,7 @@ def builtin_spec(target: Target) -> dict:
     it is. For any other server: the bundled documents with the model's name, the bounds in
     :data:`ASSUMED`, the :data:`PINNED` fields at their defaults, and responses required to hold
     what OpenAI requires (:data:`OPENAI_REQUIRED`)."""
-    from gyrfalcon.openapi.limits import ServedLimits
+    from gyrfalcon.engine_api.limits import ServedLimits
     from gyrfalcon.openapi.served import bundle, request_field_names, served_spec
     from gyrfalcon.protocol.runtime_rules import served_table
     from gyrfalcon.protocol.capabilities import capability_of

@@ -10,7 +10,7 @@ gyrfalcon.codegen``); :mod:`gyrfalcon.openapi.served` bundles them and lays a de
 them for ``GET /openapi.json``.
 """
 
-from gyrfalcon.openapi.limits import FIELD_LIMITS, ServedLimits
+from gyrfalcon.engine_api.limits import FIELD_LIMITS, ServedLimits
 from gyrfalcon.openapi.served import (
     DOCUMENTS,
     OPENAPI_DIR,

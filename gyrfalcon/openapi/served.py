@@ -21,7 +21,8 @@ from typing import Any
 
 import yaml
 
-from gyrfalcon.openapi.limits import ServedLimits, limits_of, walk_schemas
+from gyrfalcon.engine_api.limits import ServedLimits, limits_of
+from gyrfalcon.openapi.limits import bound_schema, walk_schemas
 
 OPENAPI_DIR = Path(__file__).resolve().parent
 #: The source documents, in bundling order (shared components first).
@@ -149,7 +150,7 @@ def _overlay_property(name: str, schema: dict[str, Any], limits: ServedLimits) -
         # null is "not set" (the first served model): it stays valid where the wire allows it
         schema["enum"] = [*limits.model_names, *([None] if _is_nullable(schema) else [])]
     for limit in limits_of(name):  # the one table of field bounds, which the translator enforces too
-        limit.bound_schema(schema, limits)
+        bound_schema(limit, schema, limits)
     if name in limits.unsupported:
         # null means "not set" where the wire allows it, so it stays allowed
         nullable = _is_nullable(schema)

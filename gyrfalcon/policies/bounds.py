@@ -1,8 +1,10 @@
 """The documents' own bounds of a request field, for the code that checks values off the wire.
 
-The engine's policies (plugins' ``validate``) check the ``SamplingParams`` any caller hands the
-engine; they read each field's range and sizes here rather than restating them, so the OpenAPI
-documents stay the one home of every bound. ``python -m gyrfalcon.codegen`` writes the documents'
+A request that came through the API had its fields' bounds decided on the wire (the generated
+models); an engine request built without it (benchmarks, tests) has them decided by
+:meth:`gyrfalcon.validation.RequestValidator.check_bounds`, which reads each field's range and sizes
+here (:func:`keyword_refusal`) rather than restating them, so the OpenAPI documents stay the one
+home of every bound; the policies read sizes they need here too (the most ``logprob_token_ids``). ``python -m gyrfalcon.codegen`` writes the documents'
 keywords into ``generated/field_bounds.py`` (``openapi/served.py:request_field_keywords``), so the
 engine process reads Python data, never YAML. A field must be bounded alike wherever the
 documents state it (an error at its first use otherwise).
@@ -58,6 +60,27 @@ class Range:
 @cache
 def field_range(name: str) -> Range:
     """The range of numeric request field ``name``."""
-    k = field_keywords(name)
+    return _range(name, field_keywords(name))
+
+
+def _range(name: str, k: dict[str, Any]) -> Range:
     low, high = k.get("exclusiveMinimum", k.get("minimum")), k.get("exclusiveMaximum", k.get("maximum"))
     return Range(name, low, high, "exclusiveMinimum" in k, "exclusiveMaximum" in k)
+
+
+def keyword_refusal(value: Any, keywords: dict[str, Any], param: str) -> str | None:
+    """Why ``value`` breaks ``keywords`` (a field's ``minimum``/``maximum`` and exclusive forms,
+    ``minItems``, ``maxItems``, ``uniqueItems``, as :func:`field_keywords` gives them), a message
+    naming ``param``; None when it keeps them."""
+    if any(k in keywords for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+        refusal = _range(param, keywords).refusal(value)
+        if refusal is not None:
+            return refusal
+    if isinstance(value, (list, tuple, dict)):
+        if len(value) < keywords.get("minItems", 0):
+            return f"'{param}' must hold at least {keywords['minItems']} item(s)"
+        if "maxItems" in keywords and len(value) > keywords["maxItems"]:
+            return f"'{param}' holds at most {keywords['maxItems']} items"
+        if keywords.get("uniqueItems") and len(set(map(repr, value))) != len(value):
+            return f"'{param}' must not repeat an item"
+    return None

@@ -13,9 +13,9 @@ joins the persistent batch. The engine merges their pairs behind the sampled tok
 - ``prompt_logprobs: k``: at every prompt position after the first, the prompt token, then the
   ``k`` most likely tokens.
 
-A count of ``-1`` means the whole vocabulary, accepted only when the server has no logprob cap
-(``EngineInfo.max_logprobs < 0``, vLLM's convention); the default server caps at 20, and the served
-spec states ``minimum: 0`` accordingly. The module imports torch only inside ``gather``.
+The counts and ids were bounded before (the documents' sizes, the deployment's ``max_logprobs`` and
+vocabulary: :mod:`gyrfalcon.engine_api.limits`), so the gatherers validate nothing of their own. The
+module imports torch only inside ``gather``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
-from gyrfalcon.errors import RequestError
-from gyrfalcon.engine_api.vocabulary import first_outside_vocabulary, outside_vocabulary
 from gyrfalcon.policies import BatchRows, Gathered, LogprobGatherer, NewRow, SlotTensor, to_device, row_index, take_rows
 from gyrfalcon.policies.bounds import field_keywords
 
@@ -33,20 +31,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: most explicit ids per request (DESIGN §3 rule 2), as the documents bound the field
 MAX_LOGPROB_TOKEN_IDS: int = field_keywords("logprob_token_ids")["maxItems"]
-#: whether the documents want the ids distinct
-UNIQUE_IDS: bool = bool(field_keywords("logprob_token_ids").get("uniqueItems"))
-
-
-def check_count(value: int, param: str, info: EngineInfo) -> None:
-    """A logprob count: ``0..max_logprobs``, or ``-1`` (whole vocabulary) on an uncapped server."""
-    if value == -1:
-        if info.max_logprobs < 0:
-            return
-        raise RequestError(f"{param} = -1 (the whole vocabulary) is not allowed on this server", param)
-    if value < 0:
-        raise RequestError(f"{param} must be >= 0", param)
-    if 0 <= info.max_logprobs < value:
-        raise RequestError(f"{param} must be at most {info.max_logprobs} on this server", param)
 
 
 def top_k_gathered(logprobs: torch.Tensor, rows: list[int], counts: list[int]) -> Gathered:
@@ -69,10 +53,6 @@ class TopLogprobsGatherer(LogprobGatherer):
     name = "top_logprobs"
     fields = frozenset({"logprobs"})
 
-    def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
-        if params.logprobs is not None:
-            check_count(params.logprobs, "logprobs", info)
-
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return params.logprobs is not None
 
@@ -86,21 +66,6 @@ class TokenIdsLogprobGatherer(LogprobGatherer):
 
     name = "logprob_token_ids"
     fields = frozenset({"logprob_token_ids"})
-
-    def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
-        ids = params.logprob_token_ids
-        if ids is None:
-            return
-        param = "logprob_token_ids"
-        if not ids:
-            raise RequestError("logprob_token_ids must not be an empty list", param)
-        if len(ids) > MAX_LOGPROB_TOKEN_IDS:
-            raise RequestError(f"logprob_token_ids holds at most {MAX_LOGPROB_TOKEN_IDS} ids", param)
-        if UNIQUE_IDS and len(set(ids)) != len(ids):
-            raise RequestError("logprob_token_ids must not repeat a token id", param)
-        bad = first_outside_vocabulary(ids, info.vocab_size)
-        if bad is not None:
-            raise RequestError(outside_vocabulary(bad, param, info.vocab_size), param)
 
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return bool(params.logprob_token_ids)
@@ -134,10 +99,6 @@ class PromptLogprobsGatherer(LogprobGatherer):
     name = "prompt_logprobs"
     fields = frozenset({"prompt_logprobs"})
     positions = "prompt"
-
-    def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
-        if params.prompt_logprobs is not None:
-            check_count(params.prompt_logprobs, "prompt_logprobs", info)
 
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return params.prompt_logprobs is not None

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.errors import RequestError
-from gyrfalcon.engine_api.vocabulary import first_outside_vocabulary, outside_vocabulary
 from gyrfalcon.policies import (
     BatchRows,
     LogitsProcessor,
@@ -61,11 +60,6 @@ class _Penalty(LogitsProcessor):
     def clamp(self, value: float) -> float:
         """The value used: validated already, clamped again so nothing that slipped past overflows."""
         return value
-
-    def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
-        refusal = field_range(self.field_name).refusal(getattr(params, self.field_name))
-        if refusal is not None:
-            raise RequestError(refusal, self.field_name)
 
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return getattr(params, self.field_name) != self.neutral
@@ -150,12 +144,6 @@ class PresencePenaltyProcessor(_GeneratedCountPenalty):
         return counts > 0
 
 
-def _check_ids(ids: Any, vocab: int, param: str) -> None:
-    bad = first_outside_vocabulary(ids, vocab)
-    if bad is not None:
-        raise RequestError(outside_vocabulary(bad, param, vocab), param)
-
-
 class LogitBiasProcessor(LogitsProcessor):
     """Adds each row's ``logit_bias[token_id]`` (clamped to [-100, 100]) to that token's logit."""
 
@@ -164,7 +152,6 @@ class LogitBiasProcessor(LogitsProcessor):
     order = 30
 
     def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
-        _check_ids(params.logit_bias, info.vocab_size, "logit_bias")
         if any(not isinstance(v, (int, float)) or not math.isfinite(v) for v in params.logit_bias.values()):
             raise RequestError("logit_bias values must be finite numbers", "logit_bias")
 
@@ -197,9 +184,6 @@ class AllowedTokenIdsProcessor(LogitsProcessor):
     def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
         if params.allowed_token_ids is None:
             return
-        if not params.allowed_token_ids:
-            raise RequestError("allowed_token_ids must not be an empty list", "allowed_token_ids")
-        _check_ids(params.allowed_token_ids, info.vocab_size, "allowed_token_ids")
         if params.min_tokens > 0:  # min_tokens bans the stop ids (and eos) for the first tokens
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(info.eos_token_ids))
             if set(params.allowed_token_ids) <= banned:
@@ -269,9 +253,6 @@ class BadWordsProcessor(LogitsProcessor):
         return tuple(s for s in sequences if s)
 
     def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
-        for i, word in enumerate(params.bad_words):
-            if not isinstance(word, str) or not word:
-                raise RequestError("bad_words must be non-empty strings", f"bad_words.{i}")
         self.token_sequences(tuple(params.bad_words))
 
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:

@@ -14,20 +14,11 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
-from gyrfalcon.errors import RequestError
 from gyrfalcon.policies import BatchRows, LogitsProcessor, NewRow, SlotTensor, put_rows, row_index, take_rows
-from gyrfalcon.policies.bounds import field_range
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-
-
-def _check_range(name: str, value: float) -> None:
-    """Refuse ``value`` outside the range the documents give the field (one home for it)."""
-    refusal = field_range(name).refusal(value)
-    if refusal is not None:
-        raise RequestError(refusal, name)
 
 class _PerSlotValue(LogitsProcessor):
     """A processor driven by one number per row, kept per slot on the device (``field_name``)."""
@@ -61,9 +52,6 @@ class TemperatureProcessor(_PerSlotValue):
     def add_row(self, slot: int, row: NewRow) -> None:
         self.values.put(slot, min(float(row.params.temperature), MAX_APPLIED_TEMPERATURE), row.device)
 
-    def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
-        _check_range("temperature", params.temperature)
-
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return not params.greedy and params.temperature != 1.0
 
@@ -79,9 +67,6 @@ class MinPProcessor(_PerSlotValue):
     fields = frozenset({"min_p"})
     field_name = "min_p"
     order = 200
-
-    def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
-        _check_range("min_p", params.min_p)
 
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return not params.greedy and params.min_p > 0.0
@@ -115,10 +100,6 @@ class TopKProcessor(_PerSlotValue):
     def remove_row(self, slot: int) -> None:
         self.host_k.pop(slot, None)
 
-    def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
-        if params.top_k < -1:
-            raise RequestError("top_k must be -1 (disabled) or at least 1", "top_k")
-
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return not params.greedy and 0 < params.top_k < self.vocab_size
 
@@ -138,9 +119,6 @@ class TopPProcessor(_PerSlotValue):
     fields = frozenset({"top_p"})
     field_name = "top_p"
     order = 220
-
-    def validate(self, params: SamplingParams, extensions: dict[str, Any], info: EngineInfo) -> None:
-        _check_range("top_p", params.top_p)
 
     def wants(self, params: SamplingParams, extensions: dict[str, Any]) -> bool:
         return not params.greedy and params.top_p < 1.0

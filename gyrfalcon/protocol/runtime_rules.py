@@ -87,14 +87,14 @@ RUNTIME_RULES: tuple[RuntimeRule, ...] = (
         "logprobs",
         "logprobs, top_logprobs and prompt_logprobs <= the server's max_logprobs (stated in the served "
         "spec as maximum); param names the field.",
-        "gyrfalcon.openapi.limits:FIELD_LIMITS",
+        "gyrfalcon.engine_api.limits:FIELD_LIMITS",
     ),
     RuntimeRule(
         "logit_bias_ids_in_vocab",
         "logit_bias",
         "Every logit_bias key is a token id below the vocabulary size (the served spec also narrows its "
         "propertyNames pattern).",
-        "gyrfalcon.openapi.limits:FIELD_LIMITS",
+        "gyrfalcon.engine_api.limits:FIELD_LIMITS",
     ),
     RuntimeRule(
         "token_ids_in_vocab",
@@ -102,7 +102,7 @@ RUNTIME_RULES: tuple[RuntimeRule, ...] = (
         "Every token id (token_ids, prompt ids, stop_token_ids, allowed_token_ids, logprob_token_ids) is "
         "below the vocabulary size; param names the field. Stated in the served spec as maximum, enforced"
         " in code because the generated models carry no deployment limits.",
-        "gyrfalcon.openapi.limits:FIELD_LIMITS",
+        "gyrfalcon.engine_api.limits:FIELD_LIMITS",
     ),
     RuntimeRule(
         "logprob_token_ids_unique",

@@ -31,7 +31,7 @@ from gyrfalcon.protocol.requests import ServingRequest, ToolUse, WireNames, max_
 from gyrfalcon.protocol.responses import as_chat, input_items, refuse_unsupported
 from gyrfalcon.protocol.rules import RequestFields, check_stated_rules
 from gyrfalcon.protocol.tools import structured_constraint, tool_constraint, tool_use
-from gyrfalcon.openapi.limits import ServedLimits, largest_object, limits_of, longest_array, walk_schemas
+from gyrfalcon.engine_api.limits import ServedLimits, largest_object, limits_of, longest_array
 from gyrfalcon.openapi.served import fields_stating, spec_max
 from gyrfalcon.protocol.wire import check_key_patterns, check_text_length, sent_fields, validate
 from gyrfalcon.validation import RequestValidator
@@ -183,7 +183,7 @@ class Translator:
         try:
             for request in requests:
                 submitted = not _answered_without_the_engine(fields, request.sampling)
-                self.validator.check(request, fields.endpoint.name, submitted=submitted)
+                self.validator.check(request, fields.endpoint.name, submitted=submitted, bounds_decided=True)
         except RequestError as exc:
             exc.param = names(exc.param)
             raise

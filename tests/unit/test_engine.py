@@ -153,7 +153,7 @@ def test_length_at_max_tokens_and_at_context_end(tiny_engine):
         (PROMPT, {"bad_words": [""]}, "bad_words.0"),
         (PROMPT, {"top_p": 0.0}, "top_p"),
         (PROMPT, {"top_k": -5}, "top_k"),
-        (PROMPT, {"stop": [""]}, "stop"),
+        (PROMPT, {"stop": ["x", ""]}, "stop.1"),
         (PROMPT, {"stop_token_ids": [600]}, "stop_token_ids"),
     ],
 )
@@ -162,6 +162,19 @@ def test_the_validator_refuses_naming_the_param(tiny_engine, prompt, params, par
     with pytest.raises(RequestError) as err:
         validator.check(request(prompt=prompt, **params))
     assert (err.value.type, err.value.param) == (Kind.INVALID, param)
+
+
+def test_the_bounds_a_request_met_on_the_wire_are_not_decided_again(tiny_engine):
+    """The translator's requests had their fields' bounds decided on the wire (the documents' and
+    the deployment's): the validator leaves them, and decides only what the wire cannot."""
+    validator = RequestValidator.of(plugin_manager(), tiny_engine.info())
+    beyond_bounds = request(prompt=PROMPT, n=1025, logprobs=21, top_p=0.0, stop_token_ids=[600])
+    with pytest.raises(RequestError):
+        validator.check(beyond_bounds)
+    validator.check(beyond_bounds, bounds_decided=True)
+    with pytest.raises(RequestError) as err:
+        validator.check(request(prompt=[5] * 120, max_tokens=9), bounds_decided=True)
+    assert err.value.param == "max_tokens"
 
 
 def test_unknown_extension_is_rejected(tiny_engine):

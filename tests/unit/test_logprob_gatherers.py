@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -20,6 +21,7 @@ from gyrfalcon.policies.logprobs import (
     gatherers as builtin_gatherers,
 )
 from gyrfalcon.policies import BatchRows
+from gyrfalcon.validation import RequestValidator
 
 V = 8
 INFO = EngineInfo("m", vocab_size=V, max_model_len=64, eos_token_ids=[2], max_logprobs=5, max_num_seqs=4,
@@ -117,11 +119,17 @@ def test_whole_vocabulary_count_when_uncapped():
     ],
 )
 def test_validation(params, param):
+    """An engine request built without the API has its counts and ids bounded by the validator (the
+    documents' sizes, the deployment's max_logprobs and vocabulary); one that came through the API
+    had them decided on the wire, and the validator does not decide them again."""
     info = INFO if param != "logprob_token_ids" or len(params.logprob_token_ids or []) < 129 else _big_vocab()
+    info = dataclasses.replace(info, capabilities=frozenset(g.name for g in builtin_gatherers(info)) | {"logprobs"})
+    validator = RequestValidator(info, gatherers=builtin_gatherers(info))
+    request = EngineRequest(request_id="r", prompt_token_ids=[1], sampling=params)
     with pytest.raises(RequestError) as err:
-        for gatherer in builtin_gatherers(info):
-            gatherer.validate(params, {}, info)
+        validator.check(request)
     assert err.value.param == param and err.value.type == Kind.INVALID
+    validator.check(request, bounds_decided=True)
 
 
 def test_ids_without_a_count_are_served_by_the_engine():

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from gyrfalcon.engine.sample import persistent_batch
-from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
+from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, SamplingParams
 from gyrfalcon.errors import Kind, RequestError
+from gyrfalcon.validation import RequestValidator
 from gyrfalcon.policies import penalties as P
 from gyrfalcon.policies import BatchRows
 
@@ -146,9 +148,17 @@ def test_bad_words_follow_vllm():
     ],
 )
 def test_validation_names_the_param(processor, params, param):
+    assert refusal(params, processor).param == param
+
+
+def refusal(params: SamplingParams, processor) -> RequestError:
+    """The validator's refusal of an engine request built without the API, served with ``processor``:
+    the bounds the documents and the deployment give, then the processor's own rules."""
+    info = dataclasses.replace(INFO, capabilities=INFO.capabilities | params.asked_fields())
     with pytest.raises(RequestError) as err:
-        processor.validate(params, {}, INFO)
-    assert (err.value.type, err.value.param) == (Kind.INVALID, param)
+        RequestValidator(info, [processor]).check(EngineRequest("r", [1], params))
+    assert err.value.type == Kind.INVALID
+    return err.value
 
 
 def test_engine_honours_the_fields(tiny_engine):
@@ -171,9 +181,10 @@ def test_engine_honours_the_fields(tiny_engine):
 
 
 def test_repetition_penalty_minimum_agrees_with_the_spec():
-    P.RepetitionPenaltyProcessor().validate(SamplingParams(repetition_penalty=0.01), {}, INFO)
-    with pytest.raises(RequestError, match=r"\[0.01, 2\]"):
-        P.RepetitionPenaltyProcessor().validate(SamplingParams(repetition_penalty=0.005), {}, INFO)
+    params = SamplingParams(repetition_penalty=0.01)
+    info = dataclasses.replace(INFO, capabilities=INFO.capabilities | params.asked_fields())
+    RequestValidator(info, [P.RepetitionPenaltyProcessor()]).check(EngineRequest("r", [1], params))
+    assert "[0.01, 2]" in str(refusal(SamplingParams(repetition_penalty=0.005), P.RepetitionPenaltyProcessor()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,8 +12,9 @@ from gyrfalcon.engine.sample import persistent_batch
 from gyrfalcon.engine.sample.sampler import Sampler
 from gyrfalcon.engine.sample.logprob_reports import LOGPROB_FLOOR
 from gyrfalcon.engine_api.config import LOGPROBS_MODES
-from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
+from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, SamplingParams
 from gyrfalcon.errors import Kind, RequestError
+from gyrfalcon.validation import RequestValidator
 from gyrfalcon.policies.sampling import (
     MinPProcessor,
     TemperatureProcessor,
@@ -133,9 +135,11 @@ def test_greedy_rows_are_not_touched_by_truncation():
     ],
 )
 def test_processors_validate(params, param):
+    """Their ranges are the documents' (decided on the wire, or by the validator for an engine
+    request built without the API)."""
+    info = dataclasses.replace(INFO, capabilities=INFO.capabilities | params.asked_fields())
     with pytest.raises(RequestError) as err:
-        for processor in sampling_processors(INFO):
-            processor.validate(params, {}, INFO)
+        RequestValidator(info, sampling_processors(INFO)).check(EngineRequest("r", [1], params))
     assert err.value.param == param and err.value.type == Kind.INVALID
 
 
