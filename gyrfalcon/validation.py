@@ -21,12 +21,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from gyrfalcon.engine_api.lengths import context_message, context_overflow, min_tokens_problem
-from gyrfalcon.engine_api.limits import ServedLimits, limits_of
+from gyrfalcon.engine_api.limits import FIELD_KEYWORDS, ServedLimits, keyword_refusal, limits_of
 from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind
 from gyrfalcon.errors import RequestError
-from gyrfalcon.generated.field_bounds import FIELD_KEYWORDS
 from gyrfalcon.policies import LogitsProcessor, LogprobGatherer
-from gyrfalcon.policies.bounds import keyword_refusal
 
 #: ``SamplingParams`` fields (and ``cache_salt``) an engine honours itself; processors and
 #: gatherers add theirs.
@@ -177,7 +175,7 @@ class RequestValidator:
 
     def check_bounds(self, request: EngineRequest) -> None:
         """The bounds of the request's fields as the wire decides them for a request that came
-        through the API: the documents' keywords (:mod:`gyrfalcon.policies.bounds`; the prompt's
+        through the API: the documents' keywords (:mod:`gyrfalcon.engine_api.limits`; the prompt's
         are generate's ``token_ids``) and the deployment's ``FIELD_LIMITS`` (the vocabulary, ``n``,
         the logprob counts, the context), over the prompt and every field set off its default."""
         params = request.sampling

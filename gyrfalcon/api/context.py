@@ -31,7 +31,6 @@ from gyrfalcon.engine_api.types import EngineInfo
 from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.plugins import merged_dict
 from gyrfalcon.protocol.translate import Translator
-from gyrfalcon.protocol.wire import parse_json
 from gyrfalcon.validation import RequestValidator
 
 log = logging.getLogger(__name__)
@@ -187,12 +186,6 @@ class ServerContext:
         """A request's JSON body, unparsed, within this server's byte and time limits."""
         check_json_headers(req, self.settings.max_body_bytes)
         return await read_raw(req, self.settings.max_body_bytes, self.settings.client_body_timeout)
-
-    def parse_body(self, raw: bytes) -> Any:
-        """A body from :meth:`read_body` as JSON (a 400 when malformed or holding an array longer,
-        or an object larger, than any field takes); CPU work, for a worker thread."""
-        translator = self.translator()
-        return parse_json(raw, translator.max_array_items, translator.max_object_keys)
 
     def served_spec_bytes(self) -> bytes:
         if self._spec is None:

@@ -83,7 +83,7 @@ class AbortRequestsResource:
 
     async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         _query(req, ())
-        body = self.ctx.parse_body(await self.ctx.read_body(req))
+        body = self.ctx.translator().parse(await self.ctx.read_body(req))
         given = sent_fields(validate(ABORT_REQUESTS, body)).get("request_ids") or []
         groups = sorted({g for i in given for g in (i, *(e.response_id(i) for e in ENDPOINTS.values()))}) or None
         aborted = await offload(self.ctx.engine.abort_requests, groups)
@@ -98,7 +98,7 @@ class UpdateWeightsResource:
 
     async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         _query(req, ())
-        body = self.ctx.parse_body(await self.ctx.read_body(req))
+        body = self.ctx.translator().parse(await self.ctx.read_body(req))
         sent = sent_fields(validate(UPDATE_WEIGHTS, body))
         if sent.get("abort_all_requests"):
             await offload(self.ctx.engine.abort_requests, None)

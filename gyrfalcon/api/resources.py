@@ -158,8 +158,9 @@ class InferenceResource:
 
     def _accept(self, raw: bytes, request_id: str | None, owner: str) -> tuple[ServingRequest, list[OutputStream]]:
         """Parse, translate and submit (in a worker thread)."""
-        body = self.ctx.parse_body(raw)
-        serving = self.ctx.translator().translate(self.endpoint, body, request_id, history=self._history(body, owner))
+        translator = self.ctx.translator()
+        body = translator.parse(raw)
+        serving = translator.translate(self.endpoint, body, request_id, history=self._history(body, owner))
         access_log.info("%s %s user=%r prompts=%d n=%d stream=%s%s", self.endpoint.name, loggable(serving.response_id),
                         serving.user,
                         len(serving.requests), serving.n, serving.stream,
@@ -341,8 +342,8 @@ class TokenizeResource:
         self.ctx = ctx
 
     async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        raw = await self.ctx.read_body(req)
-        tokens, strings = await self.ctx.in_body_lane(raw, lambda: self.ctx.translator().tokenize(self.ctx.parse_body(raw)))
+        raw, translator = await self.ctx.read_body(req), self.ctx.translator()
+        tokens, strings = await self.ctx.in_body_lane(raw, lambda: translator.tokenize(translator.parse(raw)))
         json_response(resp, {"count": len(tokens), "max_model_len": self.ctx.engine.info().max_model_len, "tokens": tokens,
                      "token_strs": strings})  # fmt: skip
 
@@ -352,8 +353,8 @@ class DetokenizeResource:
         self.ctx = ctx
 
     async def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        raw = await self.ctx.read_body(req)
-        json_response(resp, {"prompt": await self.ctx.in_body_lane(raw, lambda: self.ctx.translator().detokenize(self.ctx.parse_body(raw)))})
+        raw, translator = await self.ctx.read_body(req), self.ctx.translator()
+        json_response(resp, {"prompt": await self.ctx.in_body_lane(raw, lambda: translator.detokenize(translator.parse(raw)))})
 
 
 class MetricsResource:

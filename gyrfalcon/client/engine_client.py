@@ -9,8 +9,7 @@ import threading
 import time
 from typing import Any
 
-from gyrfalcon.client.choice import ChoiceText
-from gyrfalcon.client.detokenizer import IncrementalDetokenizer, NoText
+from gyrfalcon.client.choice import ChoiceText, IncrementalDetokenizer, NoText
 from gyrfalcon.client.metrics import RequestTimer, serving_metrics
 from gyrfalcon.engine_api.interface import Engine, EngineCore, OutputStream
 from gyrfalcon.client.aggregator import OutputAggregator

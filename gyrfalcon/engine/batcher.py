@@ -30,14 +30,13 @@ import torch
 from gyrfalcon.engine.model.heads import StepHeads
 from gyrfalcon.engine.model.runner import ModelRunner, Work
 from gyrfalcon.engine.model.work import StepWorks, draw_rows
-from gyrfalcon.engine.request_state import RequestState
+from gyrfalcon.engine.request_state import RequestState, Sequence
 from gyrfalcon.engine.sample.persistent_batch import PersistentBatch, StagedRows
 from gyrfalcon.engine.sample.sampler import Sampler, SamplerOutput
 from gyrfalcon.engine.scheduler import Scheduled, Scheduler
 from gyrfalcon.engine.spec import verify
 from gyrfalcon.engine.spec.drafter import Drafter
 from gyrfalcon.heap import trim_heap
-from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine_api.types import EngineError, EngineRequest, TokenLogprobs
 from gyrfalcon.policies import to_device
 

@@ -41,8 +41,7 @@ from dataclasses import dataclass
 
 from gyrfalcon.engine.kv import prefix
 from gyrfalcon.engine.kv.blocks import BlockPool, NoFreeBlocks
-from gyrfalcon.engine.request_state import RequestState
-from gyrfalcon.engine.sequence import Sequence
+from gyrfalcon.engine.request_state import RequestState, Sequence
 from gyrfalcon.engine_api.errors import QueueFull
 from gyrfalcon.errors import RequestError
 

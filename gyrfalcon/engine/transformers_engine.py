@@ -30,11 +30,10 @@ from gyrfalcon.engine.control import ControlPlane
 from gyrfalcon.engine.pause import PauseGate
 from gyrfalcon.engine.sleep import Sleep
 from gyrfalcon.engine.weights import WeightUpdates
-from gyrfalcon.engine.request_state import RequestState
+from gyrfalcon.engine.request_state import RequestState, choices_of
 from gyrfalcon.engine.sample.sampler import Sampler
 from gyrfalcon.engine.scheduler import Scheduler
 from gyrfalcon.engine.setup import capture_mode, engine_info, load_runner, read_model
-from gyrfalcon.engine.sequence import choices_of
 from gyrfalcon.engine.step_health import StepFailures
 from gyrfalcon.engine_api.streams import CoalescingOutputStream
 from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind

@@ -1,5 +1,5 @@
 """A choice's progress — token ids, logprobs, finish — as both sides of the engine boundary keep
-it: the core's :class:`~gyrfalcon.engine.sequence.Sequence` and the client's
+it: the core's :class:`~gyrfalcon.engine.request_state.Sequence` and the client's
 :class:`~gyrfalcon.client.choice.ChoiceText`. What each side makes of it differs: the core reports
 token-id deltas (:class:`~gyrfalcon.engine.request_state.RequestState`), the client text in the
 request's output kind (:class:`~gyrfalcon.client.aggregator.OutputAggregator`).

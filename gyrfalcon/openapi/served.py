@@ -120,7 +120,7 @@ def request_schema_names(spec: dict[str, Any]) -> list[str]:
     return seen
 
 
-#: the validation keywords of a request field that the engine's policies read (``policies/bounds.py``)
+#: the validation keywords of a request field that the engine's policies read (``engine_api/limits.py``)
 FIELD_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minItems", "maxItems", "uniqueItems")
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from gyrfalcon.engine_api.types import EngineInfo, SamplingParams
 from gyrfalcon.policies import BatchRows, Gathered, LogprobGatherer, NewRow, SlotTensor, to_device, row_index, take_rows
-from gyrfalcon.policies.bounds import field_keywords
+from gyrfalcon.engine_api.limits import field_keywords
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -37,7 +37,7 @@ from gyrfalcon.policies import (
     row_index,
     take_rows,
 )
-from gyrfalcon.policies.bounds import field_range
+from gyrfalcon.engine_api.limits import field_range
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

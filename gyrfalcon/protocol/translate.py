@@ -33,7 +33,7 @@ from gyrfalcon.protocol.rules import RequestFields, check_stated_rules
 from gyrfalcon.protocol.tools import structured_constraint, tool_constraint, tool_use
 from gyrfalcon.engine_api.limits import ServedLimits, largest_object, limits_of, longest_array
 from gyrfalcon.openapi.served import fields_stating, spec_max
-from gyrfalcon.protocol.wire import check_key_patterns, check_text_length, sent_fields, validate
+from gyrfalcon.protocol.wire import check_key_patterns, check_text_length, parse_json, sent_fields, validate
 from gyrfalcon.validation import RequestValidator
 
 #: wire fields copied as they are into SamplingParams
@@ -102,6 +102,10 @@ class Translator:
         self.max_object_keys = largest_object(self.limits, SPEC_MAX_PROPERTIES)
 
     # ------------------------------------------------------------------ steps
+    def parse(self, raw: bytes) -> Any:
+        """A body's bytes as JSON (a 400 when malformed, or with an array or object beyond any field's here)."""
+        return parse_json(raw, self.max_array_items, self.max_object_keys)
+
     def translate(self, endpoint: Endpoint | str, body: Any, header_request_id: str | None = None,
                   history: list[dict[str, Any]] | None = None) -> ServingRequest:  # fmt: skip
         """The :class:`ServingRequest` of a request ``body`` sent to ``endpoint`` (or its name);

@@ -188,7 +188,7 @@ def test_the_engine_policies_read_their_bounds_without_the_documents():
     process never reads the OpenAPI documents (YAML) for them."""
     script = """
 from gyrfalcon.openapi import served
-from gyrfalcon.policies.bounds import field_keywords, field_range
+from gyrfalcon.engine_api.limits import field_keywords, field_range
 import gyrfalcon.policies.sampling, gyrfalcon.policies.penalties, gyrfalcon.policies.logprobs
 assert field_range("temperature").refusal(-1.0) and field_keywords("logprob_token_ids")["maxItems"] == 128
 assert served._bundle_json.cache_info().misses == 0, "the documents were read"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from gyrfalcon.client.detokenizer import IncrementalDetokenizer
-from gyrfalcon.engine.stopping import StopChecker
+from gyrfalcon.client.choice import IncrementalDetokenizer
+from gyrfalcon.engine.request_state import StopChecker
 from gyrfalcon.client.aggregator import OutputAggregator
 from gyrfalcon.engine_api.types import (
     EngineError,

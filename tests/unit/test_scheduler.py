@@ -8,9 +8,8 @@ import pytest
 
 from gyrfalcon.engine_api.interface import OutputStream
 from gyrfalcon.engine.kv.blocks import BlockPool
-from gyrfalcon.engine.request_state import RequestState
+from gyrfalcon.engine.request_state import RequestState, Sequence
 from gyrfalcon.engine.scheduler import Scheduler
-from gyrfalcon.engine.sequence import Sequence
 from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
 from gyrfalcon.engine_api.errors import QueueFull
 from gyrfalcon.errors import Kind, RequestError

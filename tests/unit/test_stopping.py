@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gyrfalcon.client.choice import ChoiceText
-from gyrfalcon.client.detokenizer import IncrementalDetokenizer
-from gyrfalcon.client.stop_strings import StopStrings
-from gyrfalcon.engine.stopping import StopChecker
+from gyrfalcon.client.choice import ChoiceText, IncrementalDetokenizer, StopStrings
+from gyrfalcon.engine.request_state import StopChecker
 from gyrfalcon.engine_api.types import CompletionOutput
 from gyrfalcon.engine_api.types import SamplingParams
 

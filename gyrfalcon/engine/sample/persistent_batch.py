@@ -22,7 +22,7 @@ import torch
 
 from gyrfalcon.engine.sample.min_tokens import banned_pairs
 from gyrfalcon.engine.sample.noise import DrawGenerators, as_int64, draw_uniforms
-from gyrfalcon.engine.sequence import Sequence
+from gyrfalcon.engine.request_state import Sequence
 from gyrfalcon.engine.model.staging import Rider
 from gyrfalcon.policies import BatchRows, LogitsProcessor, LogprobGatherer, NewRow, RowList, SlotTensor, to_device
 
