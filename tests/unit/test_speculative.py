@@ -103,3 +103,78 @@ def test_health_and_metrics_say_what_speculates(tiny_model_dir):
         assert 'gyrfalcon:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"}' in metrics
     finally:
         engine.shutdown(0)
+
+
+def _finals(model_dir: str, speculative: str | None, requests: list[EngineRequest], **overrides) -> tuple[list, dict]:
+    """Every choice's (tokens, finish reason, stop reason) and the engine's stats."""
+    engine = create_transformers_engine(tiny_settings(model_dir, max_model_len=256, speculative_config=speculative,
+                                                      quantization="int4", **overrides))  # fmt: skip
+    try:
+        assert engine.wait_ready(60).ready
+        streams = [engine.submit(request) for request in requests]
+        finals = [list(stream)[-1] for stream in streams]
+        return [(c.token_ids, c.finish_reason, c.stop_reason) for f in finals for c in f.outputs], engine.core.stats()
+    finally:
+        engine.shutdown(0)
+
+
+def test_stop_tokens_max_tokens_and_preemption_land_where_plain_decoding_puts_them(tiny_model_dir, monkeypatch):
+    """A draft that runs past a stop token or ``max_tokens`` is cut where plain decoding stops, and a
+    sequence preempted while it speculates is recomputed to the same tokens."""
+    monkeypatch.setattr(verify, "MAX_SEQUENCES", 6)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [40, 41, 42, 43, 44] * 3]
+    free_run, _ = _finals(tiny_model_dir, None, [EngineRequest(f"p{i}", p, SamplingParams(max_tokens=40, **greedy))
+                                                 for i, p in enumerate(prompts)])  # fmt: skip
+    # stop on the 11th token each sequence makes (a repeated one is the stop only at its first time)
+    cut = [EngineRequest(f"s{i}", p, SamplingParams(max_tokens=40, stop_token_ids=[tokens[10]], **greedy))
+           for i, (p, (tokens, _, _)) in enumerate(zip(prompts, free_run))]  # fmt: skip
+    cut += [EngineRequest(f"m{i}", p, SamplingParams(max_tokens=13 + i, **greedy)) for i, p in enumerate(prompts)]
+    plain, _ = _finals(tiny_model_dir, None, cut)
+    assert [(reason, len(tokens) <= 11) for tokens, reason, _ in plain[:3]] == [("stop", True)] * 3
+    assert [len(tokens) for tokens, _, _ in plain[3:]] == [13, 14, 15]
+    speculated, stats = _finals(tiny_model_dir, NGRAM, cut)
+    assert stats["spec_decode_num_accepted_tokens"] > 4, stats
+    assert speculated == plain
+    # 8 usable blocks of 16 tokens (fp16 KV: 256 bytes a token): six sequences of 2 blocks cannot all stay
+    tight, stats = _finals(tiny_model_dir, NGRAM, cut, kv_cache_memory=9 * 16 * 256, enable_prefix_caching=False)
+    assert stats["preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
+    assert tight == plain
+
+
+def test_sampled_first_tokens_are_distributed_as_without_speculation(tiny_model_dir, monkeypatch):
+    """A chi-squared test of homogeneity on the first four sampled tokens of 200 requests with
+    speculation and 200 without, on seeds the two runs do not share: what the target distribution
+    is must not change (the seeded runs are bit-equal besides, tested above). Unequal biases towards
+    the prompt's four tokens and top-k 4 leave few outcomes, unequally likely, and drafts from the
+    prompt are often taken."""
+    import torch
+
+    monkeypatch.setattr(verify, "MAX_SEQUENCES", 256)
+    prompt = [5, 6, 7, 8] * 4
+    ask = dict(temperature=1.0, top_k=4, max_tokens=4, ignore_eos=True, logit_bias={5: 8.0, 6: 7.0, 7: 6.0, 8: 5.0})
+    counts = []
+    for speculative, first_seed in ((None, 0), (NGRAM, 10_000)):
+        requests = [EngineRequest(f"r{i}", prompt, SamplingParams(seed=first_seed + i, **ask)) for i in range(200)]
+        outputs, stats = _finals(tiny_model_dir, speculative, requests, max_num_seqs=256, max_queue_len=256)
+        if speculative:
+            assert stats["spec_decode_num_accepted_tokens"] > 50, stats
+        counted: dict[tuple[int, int], int] = {}
+        for tokens, _, _ in outputs:
+            for position, token in enumerate(tokens):
+                counted[(position, token)] = counted.get((position, token), 0) + 1
+        counts.append(counted)
+    plain, speculated = counts
+    cells = sorted(set(plain) | set(speculated))
+    table = torch.tensor([[plain.get(c, 0) for c in cells], [speculated.get(c, 0) for c in cells]], dtype=torch.float64)
+    # cells expected below 5 pooled into one, as a chi-squared test wants
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    small = expected.min(0).values < 5
+    table = torch.cat([table[:, ~small], table[:, small].sum(1, keepdim=True)], dim=1) if small.any() else table
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    statistic = float(((table - expected) ** 2 / expected).sum())
+    dof = table.shape[1] - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2)))
+    assert dof >= 4, table  # outcomes enough to test
+    assert p_value > 0.001, (statistic, dof, table)
+    print(f"chi-squared {statistic:.2f}, {dof} degrees of freedom, p = {p_value:.3f}")
