@@ -10,7 +10,7 @@ from gyrfalcon.kernels.quant.apply import quantize_model, resolve_quantization
 from gyrfalcon.kernels.quant.layers import (CastLinear, Int4Linear, Int8Linear, PackedLinear, TiedEmbedding,
                                                  UnsupportedQuantization,
                                                  fuse_outputs)
-from gyrfalcon.kernels.quant.q4 import ROUNDED, Q4Linear, q4_inputs, q4_kernel
+from gyrfalcon.kernels.quant.q4 import ROUNDED, Q4Linear, pack, q4_inputs, q4_kernel
 from gyrfalcon.kernels.quant.q8 import Q8Embedding
 from gyrfalcon.kernels.quant.weights import Int4Weights, Int8Weights, relative_error
 
@@ -298,3 +298,17 @@ def test_a_kernel_that_does_not_reproduce_its_weights_is_refused(monkeypatch):
     monkeypatch.setattr(torch.ops, "aten", Ops())
     with pytest.raises(UnsupportedQuantization, match="does not reproduce its weights"):
         Int4Linear(Int4Weights.quantize(_weight()), None, torch.bfloat16, CPU)
+
+
+@pytest.mark.parametrize("inputs", [torch.int8, torch.int16, torch.float32])
+def test_weights_read_from_a_files_nibbles_pack_as_unpacked_ones_do(inputs):
+    """A weight swap packs a GGUF's int4 bits from the file's nibbles without unpacking each weight:
+    the same kernel layout, byte for byte, as packing the unpacked weights."""
+    generator = torch.Generator().manual_seed(3)
+    for n, k in [(16, 32), (64, 576), (1536, 576)]:
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
+        scale, minimum = (torch.rand(n, k // 32, generator=generator).half() for _ in range(2))
+        unpacked = Int4Weights(q, scale, minimum)
+        from_file = Int4Weights.from_nibbles(unpacked.packed_nibbles().contiguous(), scale, minimum)
+        assert from_file.shape == (n, k) and torch.equal(from_file.q, q)
+        assert all(torch.equal(a, b) for a, b in zip(pack(unpacked, inputs), pack(from_file, inputs)))

@@ -72,18 +72,36 @@ def pack(weights: Int4Weights, inputs: torch.dtype) -> tuple[torch.Tensor, torch
     ``[N / 16, K / 32, 2, 16]`` fp16 (each block's scales, then its minimums). The scales must be
     fp16 values (a GGUF's are; :meth:`Int4Weights.quantize` rounds them so)."""
     n, k = weights.shape
-    q = weights.q.to(torch.uint8)
-    if inputs in INTEGER_INPUTS:
-        v = q.reshape(n // PANEL, PANEL, k // 8, 2, 4)
+    if weights.nibbles is not None:
+        nibbles = _from_file_nibbles(weights.nibbles, n, k, inputs)
+    elif inputs in INTEGER_INPUTS:
+        v = weights.q.to(torch.uint8).reshape(n // PANEL, PANEL, k // 8, 2, 4)
         nibbles = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(n // PANEL, k // 8, 64)
     else:
-        v = q.reshape(n // PANEL, PANEL, k // 2, 2)
+        v = weights.q.to(torch.uint8).reshape(n // PANEL, PANEL, k // 2, 2)
         nibbles = (v[..., 0] | (v[..., 1] << 4)).permute(0, 2, 1)
     parts = [weights.scale, weights.minimum]
     if any(not torch.equal(p.half().float(), p.float()) for p in parts):
         raise UnsupportedQuantization("the int4 kernels take fp16 scales and minimums")
     scales = torch.stack([p.half().reshape(n // PANEL, PANEL, k // GROUP) for p in parts], 2)
     return nibbles.contiguous(), scales.permute(0, 3, 2, 1).contiguous()
+
+
+def _from_file_nibbles(disk: torch.Tensor, n: int, k: int, inputs: torch.dtype) -> torch.Tensor:
+    """:func:`pack`'s nibbles straight from a file's (``[N, K // 2]``, weights ``2t`` and ``2t + 1``
+    in byte ``t``), without unpacking each weight: the float layout takes each column's bytes as
+    they are; the integer one wants, in each group of 8 weights, byte ``j`` to hold weights ``j``
+    and ``4 + j``: the group's four bytes read as one little-endian word, their nibbles
+    ``q0 q1 .. q7`` shuffled to ``q0 q4 q1 q5 q2 q6 q3 q7`` by two swaps (bytes 1 and 2, then the
+    middle nibbles of each half)."""
+    if inputs not in INTEGER_INPUTS:
+        return disk.reshape(n // PANEL, PANEL, k // 2).permute(0, 2, 1)
+    x = disk.contiguous().view(torch.int32)
+    t = (x ^ (x >> 8)) & 0x0000FF00
+    x = x ^ t ^ (t << 8)
+    t = (x ^ (x >> 4)) & 0x00F000F0
+    x = x ^ t ^ (t << 4)
+    return x.view(torch.uint8).reshape(n // PANEL, PANEL, k // 8, 4).permute(0, 2, 1, 3).reshape(n // PANEL, k // 8, 64)
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:

@@ -27,17 +27,31 @@ def relative_error(reference: torch.Tensor, approximation: torch.Tensor) -> floa
     return float((ref - approximation.float()).norm() / ref.norm().clamp_min(1e-30))
 
 
-@dataclass
 class Int4Weights:
-    """``q`` ``[N, K]`` uint8 (0..15), ``scale`` and ``minimum`` ``[N, K // GROUP]``."""
+    """``q`` ``[N, K]`` uint8 (0..15), ``scale`` and ``minimum`` ``[N, K // GROUP]``; made from a
+    file's ``nibbles`` (:meth:`from_nibbles`), ``q`` is unpacked only when asked for (the kernels
+    pack from the nibbles themselves: a weight swap's work)."""
 
-    q: torch.Tensor
-    scale: torch.Tensor
-    minimum: torch.Tensor
+    def __init__(self, q: torch.Tensor | None, scale: torch.Tensor, minimum: torch.Tensor,
+                 nibbles: torch.Tensor | None = None) -> None:  # fmt: skip
+        if q is None and nibbles is None:
+            raise ValueError("int4 weights need q or their nibbles")
+        self._q, self.scale, self.minimum = q, scale, minimum
+        #: ``[N, K // 2]`` uint8 as on disk (:meth:`packed_nibbles`), when made from them
+        self.nibbles = nibbles
+
+    @property
+    def q(self) -> torch.Tensor:
+        if self._q is None:
+            nibbles = self.nibbles
+            self._q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(nibbles.shape[0], -1)
+        return self._q
 
     @property
     def shape(self) -> tuple[int, int]:
-        return int(self.q.shape[0]), int(self.q.shape[1])
+        if self._q is None:
+            return int(self.nibbles.shape[0]), 2 * int(self.nibbles.shape[1])
+        return int(self._q.shape[0]), int(self._q.shape[1])
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Weights:
@@ -61,12 +75,13 @@ class Int4Weights:
 
     def packed_nibbles(self) -> torch.Tensor:
         """``[N, K // 2]`` uint8: column ``2j`` in the low nibble, ``2j + 1`` in the high one (on disk)."""
+        if self.nibbles is not None:
+            return self.nibbles
         return self.q[:, 0::2] | (self.q[:, 1::2] << 4)
 
     @classmethod
     def from_nibbles(cls, nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> Int4Weights:
-        q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(nibbles.shape[0], -1)
-        return cls(q, scale, minimum)
+        return cls(None, scale, minimum, nibbles)
 
 
 @dataclass
