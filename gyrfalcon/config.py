@@ -91,7 +91,8 @@ class Settings:
                                 choices=tuple(LOGPROBS_MODES), checked=True)  # fmt: skip
     speculative_config: str | None = option(None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
                                             "\"num_speculative_tokens\": k, \"prompt_lookup_min\": a, "
-                                            "\"prompt_lookup_max\": b}; every token is the one the model's own step "
+                                            "\"prompt_lookup_max\": b}, or {\"method\": \"draft_model\", \"model\": FOLDER, "
+                                            "\"num_speculative_tokens\": k}; every token is the one the model's own step "
                                             "would give (off by default)", type=str)  # fmt: skip
     seed: int = option(0, "the engine's seed (unseeded requests draw theirs from it)")
     dtype: str = option("auto", "the model's dtype (auto: bfloat16 on cuda, float32 on cpu)", choices=DTYPES, checked=True)

@@ -38,6 +38,7 @@ from gyrfalcon.engine.step_health import StepFailures
 from gyrfalcon.engine_api.streams import CoalescingOutputStream
 from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind
 from gyrfalcon.engine_api.config import EngineConfig, SpeculativeConfig
+from gyrfalcon.engine.spec.draft_model import DraftModel
 from gyrfalcon.engine.spec.drafter import Drafter
 from gyrfalcon.engine_api.errors import SHUTTING_DOWN, ShuttingDown
 from gyrfalcon.errors import RequestError
@@ -365,6 +366,9 @@ class TransformersEngine(ControlPlane, EngineCore):
         self.speculative = loaded.speculative
         if not loaded.speculates:
             self.drafter = None
+        elif self.drafter is not None and self.drafter.config.method == "draft_model":
+            self.drafter.draft = DraftModel.load(self.drafter.config.model, self.model_path, self.device,
+                                                 self.engine_config.cache_dir)  # fmt: skip
         self._info.decode_path = self.decode_path.describe()
         self.scheduler.pool = loaded.pool
         self.runner = loaded.runner

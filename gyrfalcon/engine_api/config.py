@@ -21,16 +21,22 @@ LOGPROBS_MODES: dict[str, str] = {
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``--speculative-config`` (vLLM's JSON shape): draft tokens proposed by ``method`` and
-    verified by the model; for ``ngram``, the tokens that followed the latest earlier occurrence of
-    the sequence's trailing n-gram of ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens."""
+    verified by the model. ``ngram``: the tokens that followed the latest earlier occurrence of the
+    sequence's trailing n-gram of ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens;
+    ``draft_model``: the greedy tokens of a smaller model (``model``, a local folder) with the
+    served model's tokenizer."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    model: str | None = None
 
-    #: the methods built, and what they propose
-    METHODS = {"ngram": "prompt lookup: the tokens that followed the trailing n-gram's latest earlier occurrence"}
+    #: the methods built, what they propose, and the fields each takes beside ``method``
+    METHODS = {"ngram": "prompt lookup: the tokens that followed the trailing n-gram's latest earlier occurrence",
+               "draft_model": "a smaller model's greedy tokens (same tokenizer)"}  # fmt: skip
+    FIELDS = {"ngram": ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+              "draft_model": ("num_speculative_tokens", "model")}  # fmt: skip
 
     @classmethod
     def parse(cls, text: str | None) -> SpeculativeConfig | None:
@@ -45,23 +51,26 @@ class SpeculativeConfig:
             raise ValueError("--speculative-config must be a JSON object")
         method = data.get("method")
         if method not in cls.METHODS:
-            built = ", ".join(cls.METHODS)
-            raise ValueError(f"--speculative-config: method {method!r} is not served (built: {built}; "
-                             "draft_model is not built yet)")  # fmt: skip
-        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+            raise ValueError(f"--speculative-config: method {method!r} is not served (built: {', '.join(cls.METHODS)})")
+        unknown = sorted(set(data) - {"method", *cls.FIELDS[method]})
         if unknown:
-            raise ValueError(f"--speculative-config: {unknown[0]!r} is not a field of the ngram method")
-        values = {name: data.get(name, default) for name, default in
+            raise ValueError(f"--speculative-config: {unknown[0]!r} is not a field of the {method} method")
+        counts = {name: data.get(name, default) for name, default in
                   (("num_speculative_tokens", None), ("prompt_lookup_min", 1), ("prompt_lookup_max", 4))}  # fmt: skip
-        for name, value in values.items():
+        for name, value in counts.items():
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 64:
                 raise ValueError(f"--speculative-config: {name} must be an integer from 1 to 64, got {value!r}")
-        if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
+        if counts["prompt_lookup_min"] > counts["prompt_lookup_max"]:
             raise ValueError("--speculative-config: prompt_lookup_min must not exceed prompt_lookup_max")
-        return cls(method, **values)
+        model = data.get("model")
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise ValueError("--speculative-config: the draft_model method needs model, a local model folder")
+        return cls(method, **counts, model=model)
 
     def describe(self) -> str:
         """For the start-up line and ``/health``."""
+        if self.method == "draft_model":
+            return f"draft_model (up to {self.num_speculative_tokens} draft tokens from {self.model})"
         return (f"{self.method} (up to {self.num_speculative_tokens} draft tokens, n-grams of "
                 f"{self.prompt_lookup_min} to {self.prompt_lookup_max})")  # fmt: skip
 

@@ -4,6 +4,8 @@ greedy, seeded, with penalties and logprobs, ``n`` > 1 — or not speculating wh
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gyrfalcon.config import Settings
@@ -30,7 +32,9 @@ def test_the_trailing_ngram_proposes_what_followed_its_latest_earlier_occurrence
 
 
 @pytest.mark.parametrize(("text", "why"), [
-    ('{"method": "draft_model", "model": "x", "num_speculative_tokens": 3}', "draft_model is not built yet"),
+    ('{"method": "draft_model", "num_speculative_tokens": 3}', "needs model"),
+    ('{"method": "draft_model", "model": "x", "num_speculative_tokens": 3, "prompt_lookup_min": 1}', "not a field"),
+    ('{"method": "eagle", "model": "x", "num_speculative_tokens": 3}', "not served"),
     ('{"method": "ngram"}', "num_speculative_tokens must be an integer"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "must not exceed"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}', "not a field"),
@@ -53,10 +57,10 @@ def _requests() -> list[EngineRequest]:
                 "regex": "(ab|cd)( (ab|cd)){30}"}}))]  # fmt: skip
 
 
-def _served(model_dir: str, speculative: str | None, quantization: str) -> tuple[list, dict, str]:
+def _served(model_dir: str, speculative: str | None, quantization: str, **overrides) -> tuple[list, dict, str]:
     """Every choice's tokens and logprobs, the engine's stats and what its health says of speculation."""
     engine = create_transformers_engine(tiny_settings(model_dir, max_model_len=256, speculative_config=speculative,
-                                                      quantization=quantization))  # fmt: skip
+                                                      quantization=quantization, **overrides))  # fmt: skip
     try:
         assert engine.wait_ready(60).ready
         streams = [engine.submit(request) for request in _requests()]
@@ -178,3 +182,37 @@ def test_sampled_first_tokens_are_distributed_as_without_speculation(tiny_model_
     assert dof >= 4, table  # outcomes enough to test
     assert p_value > 0.001, (statistic, dof, table)
     print(f"chi-squared {statistic:.2f}, {dof} degrees of freedom, p = {p_value:.3f}")
+
+
+def _draft_config(folder) -> str:
+    return json.dumps({"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3})
+
+
+def test_a_draft_model_speculates_to_the_same_bits_and_a_foreign_tokenizer_is_refused(tiny_model_dir, tmp_path,
+                                                                                      monkeypatch):  # fmt: skip
+    """A draft model's greedy tokens are verified as n-gram drafts are: the served model's own tokens
+    and logprobs, whatever the draft (the served model itself, whose greedy drafts are kept, or
+    another random model, whose are mostly not); a draft whose tokenizer differs fails the load."""
+    from gyrfalcon.models.tiny import build_tiny_model
+
+    monkeypatch.setattr(verify, "MAX_SEQUENCES", 5)
+    plain, _, _ = _served(tiny_model_dir, None, "int4")
+    itself, stats, health = _served(tiny_model_dir, _draft_config(tiny_model_dir), "int4")
+    assert health.startswith("draft_model (up to 3 draft tokens from ")
+    assert itself == plain
+    kept = stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_draft_tokens"]
+    other = build_tiny_model(tmp_path / "other", seed=7)
+    foreign, stats, _ = _served(tiny_model_dir, _draft_config(other), "int4")
+    assert foreign == plain
+    foreign_kept = stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_draft_tokens"]
+    # the served model's fp32 weights draft for its int4 ones, and sampled, penalised and constrained
+    # rows take a greedy draft less often: a quarter kept here, against under 1 % of a random model's
+    assert kept > 0.15 and foreign_kept < kept / 4, (kept, foreign_kept)
+    wider = build_tiny_model(tmp_path / "wider", vocab_size=600)
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir, speculative_config=_draft_config(wider),
+                                                      quantization="int4"))  # fmt: skip
+    try:
+        health = engine.wait_ready(60)
+        assert not health.ready and "the draft model's tokenizer is not the served model's" in health.message
+    finally:
+        engine.shutdown(0)

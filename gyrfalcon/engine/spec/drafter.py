@@ -1,4 +1,6 @@
-"""Which decoding sequences speculate in a step, and their draft tokens (``--speculative-config``).
+"""Which decoding sequences speculate in a step, and their draft tokens (``--speculative-config``):
+n-gram look-ups (:mod:`~gyrfalcon.engine.spec.ngram`) or a draft model's greedy tokens
+(:mod:`~gyrfalcon.engine.spec.draft_model`).
 
 A sequence decoding alone in its row may feed its draft tokens beside its last token: each draft
 is one more single-token row of the same sequence, at the next position, so the step computes
@@ -32,6 +34,8 @@ class Drafter:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        #: ``draft_model``'s proposer, once loaded (``TransformersEngine._load``); None: n-grams
+        self.draft: Any = None
         self._indexes: dict[Any, NgramIndex] = {}
         self._depths: dict[Any, int] = {}  # how deep each sequence drafts next
         #: vLLM's counters: drafts proposed, draft tokens, accepted ones, and accepted per position
@@ -48,6 +52,8 @@ class Drafter:
         k = min(self._depths.get(seq, self.config.num_speculative_tokens), room)
         if k <= 0:
             return []
+        if self.draft is not None:
+            return self.draft.propose(seq, seq.tokens(0, seq.num_tokens), k)
         index = self._indexes.get(seq)
         if index is None:
             index = self._indexes[seq] = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
@@ -67,6 +73,8 @@ class Drafter:
         """``seq``'s KV was released (finished, aborted, preempted): its index goes."""
         self._indexes.pop(seq, None)
         self._depths.pop(seq, None)
+        if self.draft is not None:
+            self.draft.forget(seq)
 
     def stats(self) -> dict[str, Any]:
         return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
