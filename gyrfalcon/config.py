@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from gyrfalcon.kernels.quant import QUANTIZATIONS
-from gyrfalcon.engine_api.config import LOGPROBS_MODES, SpeculativeConfig
+from gyrfalcon.engine_api.config import LOGPROBS_MODES, LoraConfig, SpeculativeConfig
 from gyrfalcon.engine_api.lengths import default_request_tokens
 
 #: Environment variable through which `gyrfalcon serve` hands its settings to gunicorn workers.
@@ -62,6 +62,7 @@ def _flag(f: dataclasses.Field) -> str:
 
 
 RAY = "Ray Serve: engine replicas behind one endpoint (pip install 'gyrfalcon[ray]')"
+LORA = "LoRA adapters: many fine-tunes of the base model in one batch (vLLM's flags)"
 
 
 @dataclass
@@ -117,6 +118,12 @@ class Settings:
                                          "8,192 tokens, whichever is more)", type=int)  # fmt: skip
     gpu_memory_utilization: float = option(0.9, "share of the GPU's memory to use, KV cache included (CUDA)")
     enable_prefix_caching: bool = option(True, "reuse the KV of equal prompt prefixes")
+    enable_lora: bool = option(False, "serve LoRA adapters beside the base model (a request names one as its model)",
+                               group=LORA)  # fmt: skip
+    lora_modules: list[str] = option(help="adapters served from start-up, each NAME=PATH (a PEFT folder)",
+                                     factory=list, nargs="+", group=LORA)  # fmt: skip
+    max_loras: int = option(1, "most adapters held at once (each a slot of its own)", group=LORA)
+    max_lora_rank: int = option(16, "the largest rank an adapter may have", group=LORA)
     enforce_eager: bool = option(False, "never capture or compile decode steps", action="store_true")
     #: On by default: on the default model it takes the batch-1 step from about 18 to 13 ms, and the
     #: compiled step serves only if it gives the eager step's logits to the last bit (checked at
@@ -222,6 +229,7 @@ class Settings:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         SpeculativeConfig.parse(self.speculative_config)
+        LoraConfig.of(self).check()
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"--kv-cache-memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -79,6 +79,8 @@ def engine_asks(request: EngineRequest) -> list[Ask]:
         asks.append(("cache_salt", "cache_salt", "cache_salt"))
     if request.priority != 0:
         asks.append(("priority", "priority", "priority"))
+    if request.lora_name is not None:
+        asks.append(("lora", "lora_name", "lora_name"))
     asks += [(name, f"extensions.{name}", f"extensions.{name}") for name in sorted(request.extensions)]
     return asks
 

@@ -81,6 +81,8 @@ class Sequence(ChoiceProgress):
         self.block_hashes: list[bytes] = []
         #: the scheduler's weights epoch when this sequence's KV began (its prefix-cache keys carry it)
         self.cache_epoch = 0
+        #: the LoRA adapter its rows run with (:class:`~gyrfalcon.engine.lora.peft.LoraAdapter`; None: the base model)
+        self.lora: Any = None
 
     @property
     def num_tokens(self) -> int:

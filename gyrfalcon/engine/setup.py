@@ -38,7 +38,7 @@ def capture_mode(cfg: EngineConfig, device: str) -> str:
     compiled step (unless ``--no-compile-decode``)."""
     kind = torch.device(device).type
     mode = "off"
-    if not cfg.enforce_eager:
+    if not cfg.enforce_eager and not cfg.enable_lora:  # (LoRA rows run the direct forward's operators)
         mode = "cuda-graphs" if kind == "cuda" else "compiled" if kind == "cpu" and cfg.compile_decode else "off"
     if mode == "compiled":  # inductor's code cached beside the models (read at its first use)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root(cfg.cache_dir) / "inductor"))
@@ -99,6 +99,8 @@ def engine_info(cfg: EngineConfig, facts: ModelFacts, dtype: torch.dtype, device
     capabilities = set(NATIVE_CAPABILITIES)
     if cfg.scheduling_policy == "priority":
         capabilities.add("priority")
+    if cfg.enable_lora:
+        capabilities.add("lora")
     for policy in [*processors, *gatherers]:
         capabilities |= set(policy.fields)
     info.capabilities = frozenset(capabilities)
@@ -197,9 +199,9 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
     with torch.inference_mode():
         scratch = [pool.SCRATCH]
         steps = [[Work([5, 6], 0, scratch, "all"), Work([7], 0, scratch)], [Work([5], 1, scratch), Work([6], 1, scratch)]]
-        log.warning("forward: %s", runner.check_direct(steps, required=cfg.model_impl == "direct"))
+        log.warning("forward: %s", runner.check_direct(steps, required=cfg.model_impl == "direct" or cfg.enable_lora))
         log.warning("attention: %s", runner.check_attention(steps, required=cfg.attention_backend == "flex"))
-        if not cfg.enforce_eager:  # decode rows' layers in one call where that gives the operators' bits
+        if not cfg.enforce_eager and not cfg.enable_lora:  # decode rows' layers in one call where that gives the operators' bits
             log.warning("decode layers: %s", runner.check_layer_loop(scratch))
         started = time.perf_counter()
         if runner.decode_steps is not None:
@@ -207,7 +209,7 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
         elif runner.direct is not None and runner.direct.layer_loop is not None:
             path = DecodePath("native", runner.direct.layer_loop.describe())
         else:
-            path = DecodePath("eager", "--enforce-eager" if cfg.enforce_eager else
+            path = DecodePath("eager", "--enforce-eager" if cfg.enforce_eager else "--enable-lora" if cfg.enable_lora else
                               "--no-compile-decode" if device == "cpu" else "no fast path on this device")  # fmt: skip
         log.warning("decode path: %s (prepared in %.1f s)", path.describe(), time.perf_counter() - started)
         speculative, speculates = _speculation(cfg, runner, scratch)

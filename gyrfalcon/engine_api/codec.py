@@ -49,15 +49,15 @@ def encode_request(request: EngineRequest) -> list[Any]:
     sampling = request.sampling
     return [request.request_id, request.prompt_token_ids, [getattr(sampling, name) for name in _SAMPLING_FIELDS],
             request.output_kind.value, request.extensions, request.cache_salt, request.priority,
-            request.group_id]  # fmt: skip
+            request.group_id, request.lora_name]  # fmt: skip
 
 
 def decode_request(data: list[Any], request_id: str | None = None) -> EngineRequest:
     """The request of :func:`encode_request`; ``request_id`` replaces its id (the engine's prefix)."""
-    rid, prompt, sampling, kind, extensions, salt, priority, group = data
+    rid, prompt, sampling, kind, extensions, salt, priority, group, lora = data
     return EngineRequest(request_id if request_id is not None else rid, prompt,
                          SamplingParams(**dict(zip(_SAMPLING_FIELDS, sampling))), OutputKind(kind), extensions,
-                         salt, priority, group)  # fmt: skip
+                         salt, priority, group, lora)  # fmt: skip
 
 
 # ---------------------------------------------------------------- outputs

@@ -76,6 +76,46 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """vLLM's LoRA flags: ``enable_lora``, the adapters served from start-up (``lora_modules``,
+    ``NAME=PATH`` each), the most held at once (``max_loras``) and the largest rank
+    (``max_lora_rank``)."""
+
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+    @classmethod
+    def of(cls, config: Any) -> LoraConfig:
+        """The LoRA share of the server's settings or an :class:`EngineConfig` (same names)."""
+        return cls(bool(config.enable_lora), tuple(config.lora_modules or ()), int(config.max_loras),
+                   int(config.max_lora_rank))  # fmt: skip
+
+    def modules(self) -> dict[str, str]:
+        """The adapters to load at start-up, by name (``check`` first)."""
+        return dict(module.split("=", 1) for module in self.lora_modules)
+
+    def check(self) -> None:
+        """A ValueError of one line for flags that cannot serve."""
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"--max-loras and --max-lora-rank must be at least 1, got {self.max_loras} and "
+                             f"{self.max_lora_rank}")  # fmt: skip
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        names = []
+        for module in self.lora_modules:
+            name, sep, path = module.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules: {module!r} is not NAME=PATH")
+            names.append(name)
+        if len(set(names)) != len(names):
+            raise ValueError("--lora-modules: an adapter name is given twice")
+        if len(names) > self.max_loras:
+            raise ValueError(f"--lora-modules: {len(names)} adapters, more than --max-loras {self.max_loras}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The engine's configuration, with vLLM's names; defaults live in the server's ``Settings``.
 
@@ -119,6 +159,11 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"
     #: ``--speculative-config``'s JSON (:class:`SpeculativeConfig`; None: off)
     speculative_config: str | None = None
+    #: LoRA adapters (:class:`LoraConfig`)
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     @classmethod
     def from_settings(cls, settings: Any, model: str) -> EngineConfig:

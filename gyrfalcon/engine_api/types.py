@@ -119,6 +119,8 @@ class EngineRequest:
     cache_salt: str | None = None
     priority: int = 0
     group_id: str | None = None
+    #: the LoRA adapter the request runs with (its name; None: the base model)
+    lora_name: str | None = None
 
 
 @dataclass

@@ -22,10 +22,12 @@ class NoFreeBlocks(Exception):
     """Raised by :meth:`BlockPool.allocate` when every block is in use."""
 
 
-def chain_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None = None, epoch: int = 0) -> bytes:
+def chain_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None = None, epoch: int = 0,
+               adapter: int = 0) -> bytes:  # fmt: skip
     """The prefix-cache key of a full block: its tokens, chained to the previous block's key, and the
-    request's cache salt and the weights' epoch its sequence began in (each length-prefixed: no
-    salt's bytes spell another's salt and epoch)."""
+    request's cache salt, the weights' epoch its sequence began in and the LoRA adapter it runs
+    with (its load's serial; 0: none) (each length-prefixed: no salt's bytes spell another's salt,
+    epoch and adapter)."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(parent or b"root")
     if salt:
@@ -33,6 +35,8 @@ def chain_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None = N
         digest.update(b"salt:%d:" % len(raw) + raw)
     if epoch:
         digest.update(b"epoch:%d;" % epoch)
+    if adapter:
+        digest.update(b"lora:%d;" % adapter)
     digest.update(b",".join(str(t).encode() for t in tokens))
     return digest.digest()
 

@@ -2,8 +2,9 @@
 a step filled (the :class:`~gyrfalcon.engine.kv.blocks.BlockPool` finds blocks by them).
 
 A full block's key chains its tokens to the key of the block before it, with the request's cache
-salt and the weights' epoch its sequence began in (:attr:`Sequence.cache_epoch`, one more at each
-weight swap). A sequence keeps its epoch while it runs, so the blocks it fills after a swap — its
+salt, the weights' epoch its sequence began in (:attr:`Sequence.cache_epoch`, one more at each
+weight swap) and the LoRA adapter it runs with (two adapters, or an adapter and the base model,
+never share a block). A sequence keeps its epoch while it runs, so the blocks it fills after a swap — its
 earlier KV and the new weights' work mixed — are found only by chains of the old epoch, which no
 sequence begun after the swap follows; the old weights' blocks stay cached until handed out again,
 found by nothing new.
@@ -19,7 +20,8 @@ from gyrfalcon.engine.kv.blocks import BlockPool, chain_hash
 def block_key(pool: BlockPool, seq: Any, parent: bytes | None, b: int, salt: str | None) -> bytes:
     """The key of ``seq``'s full block ``b`` after the key ``parent``."""
     bs = pool.block_size
-    return chain_hash(parent, seq.tokens(b * bs, (b + 1) * bs), salt, seq.cache_epoch)
+    lora = getattr(seq, "lora", None)
+    return chain_hash(parent, seq.tokens(b * bs, (b + 1) * bs), salt, seq.cache_epoch, lora.serial if lora else 0)
 
 
 def start_from_cache(pool: BlockPool, seq: Any, salt: str | None) -> None:

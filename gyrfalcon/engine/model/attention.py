@@ -29,7 +29,7 @@ arguments to their attention function).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +77,8 @@ class StepMetadata:
     #: single-query rows read the blocks in place on the CPU (:func:`~gyrfalcon.engine.model.one_query.applies`,
     #: decided once by the runner)
     rows_in_place: bool = False
+    #: the rows each LoRA adapter of the step runs with (:class:`~gyrfalcon.engine.lora.step.LoraRows`; None: none)
+    lora: Any = None
     _masks: dict = field(default_factory=dict)
 
     def flex_mask(self, index: int | None, window: int | None):

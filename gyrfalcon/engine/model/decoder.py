@@ -19,6 +19,7 @@ forward where it disagrees; any other architecture always runs transformers' for
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -119,12 +120,21 @@ class _Layer:
             return self.qkv(x).split(self.widths, dim=-1)
         return self.attn.q_proj(x), self.attn.k_proj(x), self.attn.v_proj(x)
 
-    def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def mlp_forward(self, x: torch.Tensor, lora: Any = None, index: int = 0) -> torch.Tensor:
+        """The MLP of rows ``x``; ``lora``: the step's adapter rows (:class:`~gyrfalcon.engine.lora.step.LoraRows`)
+        whose products join this layer's (``index``) projections."""
         if self.gate_up is not None:
             gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.mlp.gate_proj(x), self.mlp.up_proj(x)
-        return self.mlp.down_proj(F.silu(gate) * up)
+        if lora is not None:
+            lora.add(gate, x, index, "gate_proj")
+            lora.add(up, x, index, "up_proj")
+        inner = F.silu(gate) * up
+        out = self.mlp.down_proj(inner)
+        if lora is not None:
+            lora.add(out, inner, index, "down_proj")
+        return out
 
 
 def unsupported(model) -> str | None:
@@ -215,7 +225,8 @@ class DirectDecoder:
         hidden = self.embed(input_ids)
         x = hidden[0]
         tokens = x.shape[0]
-        if self.layer_loop is not None and _decode_rows_only(step, tokens) and not torch.compiler.is_compiling():
+        if (self.layer_loop is not None and step.lora is None and _decode_rows_only(step, tokens)
+                and not torch.compiler.is_compiling()):  # fmt: skip
             x = self.layer_loop(x, positions[0], step)
         else:
             x = self._layers(x, positions, step)
@@ -229,9 +240,14 @@ class DirectDecoder:
         """``x`` ``[T, hidden]`` through every layer, operator by operator."""
         cos, sin = self.rotary(x, positions)  # [T, 1, D]
         tokens = x.shape[0]
-        for layer in self.layers:
+        lora = step.lora
+        for index, layer in enumerate(self.layers):
             attn = layer.attn
-            q, k, v = layer.projections(_rms_norm(x, layer.input_norm))
+            h = _rms_norm(x, layer.input_norm)
+            q, k, v = layer.projections(h)
+            if lora is not None:
+                for part, name in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")):
+                    lora.add(part, h, index, name)
             q, k, v = q.view(tokens, -1, attn.head_dim), k.view(tokens, -1, attn.head_dim), v.view(tokens, -1, attn.head_dim)
             if layer.q_norm is not None:
                 q, k = _rms_norm(q, layer.q_norm), _rms_norm(k, layer.k_norm)
@@ -239,8 +255,12 @@ class DirectDecoder:
             out, _ = paged_attention(attn, q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                                      v.transpose(0, 1).unsqueeze(0), None, scaling=attn.scaling,
                                      sliding_window=layer.window, **{STEP_KWARG: step})  # fmt: skip
-            x = x + attn.o_proj(out.reshape(tokens, -1))
-            x = x + layer.mlp_forward(_rms_norm(x, layer.post_norm))
+            out = out.reshape(tokens, -1)
+            o = attn.o_proj(out)
+            if lora is not None:
+                lora.add(o, out, index, "o_proj")
+            x = x + o
+            x = x + layer.mlp_forward(_rms_norm(x, layer.post_norm), lora, index)
         return x
 
 

@@ -24,6 +24,7 @@ from gyrfalcon.engine.model.captured import DecodeSteps
 from gyrfalcon.engine.model.fast_check import FAST_STEP_RTOL, check_fast_step
 from gyrfalcon.engine.model.decoder import DirectDecoder, unsupported
 from gyrfalcon.engine.model.heads import StepHeads
+from gyrfalcon.engine.lora.step import LoraRows
 from gyrfalcon.engine.model.work import Work, kept_rows, riding, slots_of
 from gyrfalcon.kernels.quant.apply import coarsest, matmul_inputs
 
@@ -287,6 +288,8 @@ class ModelRunner:
         parts = [ids, positions, slots, keep, [o for o, _ in decode], [w.start for _, w in decode], decode_rows]
         views = staging.send_step(parts, table, riding(works), self.device)
         step = StepMetadata(self.cache, views[2], attention=self.attention, rows_in_place=self.rows_in_place)
+        step.lora = LoraRows.of([(getattr(w.owner, "lora", None), o, len(w.tokens)) for o, w in [*decode, *prefill]],
+                                self.device)  # fmt: skip
         if decode:
             step.decode_rows, step.decode_positions = views[4], views[5]
             step.decode_blocks = table.rows(views[6], -(-max(w.start + 1 for _, w in decode) // bs))

@@ -1,0 +1,177 @@
+"""LoRA adapters (``--enable-lora``): a PEFT folder served by name computes what the base model with
+the adapter merged into its weights computes, alone and in a batch beside other adapters and the
+base model; a folder that cannot serve is refused naming why."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gyrfalcon.engine.lora.peft import AdapterError, read_adapter
+from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
+from gyrfalcon.plugins.engines import create_transformers_engine
+from tests.conftest import tiny_settings
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+
+
+def write_adapter(base: str, out: Path, seed: int, rank: int = 4, alpha: float = 8.0, targets=TARGETS, **config) -> Path:
+    """A PEFT folder of random factors over ``base``'s projections (as training a few steps leaves
+    them: both factors non-zero)."""
+    weights = load_file(str(Path(base) / "model.safetensors"))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    layers = sorted({int(k.split(".")[2]) for k in weights if k.startswith("model.layers.")})
+    for layer in layers:
+        for module in targets:
+            out_features, in_features = weights[f"model.layers.{layer}.{PARENT[module]}.{module}.weight"].shape
+            prefix = f"base_model.model.model.layers.{layer}.{PARENT[module]}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.2
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.2
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    settings = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none",
+                "base_model_name_or_path": base, **config}  # fmt: skip
+    (out / "adapter_config.json").write_text(json.dumps(settings))
+    return out
+
+
+def merged_model(base: str, adapter: Path, out: Path) -> Path:
+    """``base`` with the adapter's ``scaling · B A`` added to each projection's weight."""
+    shutil.copytree(base, out)
+    weights = load_file(str(Path(base) / "model.safetensors"))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    scaling = config["lora_alpha"] / config["r"]
+    factors = load_file(str(adapter / "adapter_model.safetensors"))
+    for key, a in factors.items():
+        if ".lora_A." in key:
+            name = key.replace("base_model.model.", "").replace(".lora_A.weight", ".weight")
+            b = factors[key.replace("lora_A", "lora_B")]
+            weights[name] = (weights[name].double() + scaling * b.double() @ a.double()).float()
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 22], [30, 31, 32, 33]]
+
+
+def _answers(settings, requests: list[EngineRequest], together: bool) -> list[tuple[list[int], list[float]]]:
+    engine = create_transformers_engine(settings)
+    try:
+        assert engine.wait_ready(60).ready, engine.health().message
+        if together:
+            streams = [engine.submit(r) for r in requests]
+            finals = [list(s)[-1] for s in streams]
+        else:
+            finals = [list(engine.submit(r))[-1] for r in requests]
+        return [(c.token_ids, c.logprobs.logprobs) for f in finals for c in f.outputs]
+    finally:
+        engine.shutdown(0)
+
+
+def _close(got, want) -> None:
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) <= 1e-4
+
+
+def test_adapters_compute_what_their_merged_weights_compute_alone_and_beside_each_other(tiny_model_dir, tmp_path):
+    first = write_adapter(tiny_model_dir, tmp_path / "first", seed=1)
+    second = write_adapter(tiny_model_dir, tmp_path / "second", seed=2, rank=8, alpha=4.0, targets=("q_proj", "v_proj", "down_proj"))
+    plain = dict(quantization="none", max_model_len=128)
+    expected = {}
+    for name, folder in (("first", first), ("second", second)):
+        merged = merged_model(tiny_model_dir, folder, tmp_path / f"merged-{name}")
+        expected[name] = _answers(tiny_settings(str(merged), **plain),
+                                  [EngineRequest(f"{name}{i}", p, SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)],
+                                  together=False)  # fmt: skip
+    expected[None] = _answers(tiny_settings(tiny_model_dir, **plain),
+                              [EngineRequest(f"base{i}", p, SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)],
+                              together=False)  # fmt: skip
+    assert expected["first"] != expected[None] and expected["second"] != expected[None]  # the adapters change answers
+    served = tiny_settings(tiny_model_dir, enable_lora=True, lora_modules=[f"first={first}", f"second={second}"],
+                           max_loras=2, max_lora_rank=8, **plain)  # fmt: skip
+    names = [name for name in ("first", "second", None) for _ in PROMPTS]
+    requests = [EngineRequest(f"r{i}", PROMPTS[i % 3], SamplingParams(**GREEDY), lora_name=name) for i, name in enumerate(names)]
+    alone = _answers(served, requests, together=False)
+    mixed = _answers(served, requests, together=True)  # every adapter and the base model in the same steps
+    want = [answer for name in ("first", "second", None) for answer in expected[name]]
+    _close(alone, want)
+    _close(mixed, want)
+
+
+def test_two_adapters_never_share_cached_blocks(tiny_model_dir, tmp_path):
+    """A prompt of two full blocks cached by the base model's request is not where an adapter's
+    request of the same prompt starts: its KV is the adapter's own (the prefix cache keys by adapter)."""
+    first = write_adapter(tiny_model_dir, tmp_path / "first", seed=1)
+    long_prompt = [[3 + (7 * i) % 500 for i in range(40)]]
+    merged = merged_model(tiny_model_dir, first, tmp_path / "merged")
+    plain = dict(quantization="none", max_model_len=128)
+    want = _answers(tiny_settings(str(merged), **plain), [EngineRequest("m", long_prompt[0], SamplingParams(**GREEDY))],
+                    together=False)  # fmt: skip
+    served = tiny_settings(tiny_model_dir, enable_lora=True, lora_modules=[f"first={first}"], **plain)
+    base, adapted = _answers(served, [EngineRequest("b", long_prompt[0], SamplingParams(**GREEDY)),
+                                      EngineRequest("a", long_prompt[0], SamplingParams(**GREEDY), lora_name="first")],
+                             together=False)  # fmt: skip
+    _close([adapted], want)
+    assert base[0] != adapted[0] or base[1] != adapted[1]
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    (dict(rank=32), "above --max-lora-rank 16"),
+    (dict(bias="all"), "bias 'all' is not served"),
+    (dict(use_dora=True), "use_dora True is not served"),
+    (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+])  # fmt: skip
+def test_a_folder_that_cannot_serve_is_refused_naming_why(tiny_model_dir, tmp_path, change, why):
+    rank = change.pop("rank", 4)
+    folder = write_adapter(tiny_model_dir, tmp_path / "bad", seed=3, rank=rank, **change)
+    shapes = {(layer, module): (64, 64) for layer in range(2) for module in TARGETS}
+    with pytest.raises(AdapterError, match=why):
+        read_adapter("bad", str(folder), shapes, max_rank=16)
+
+
+def test_an_adapter_of_another_shape_or_module_is_refused(tiny_model_dir, tmp_path):
+    folder = write_adapter(tiny_model_dir, tmp_path / "ok", seed=4)
+    shapes = {}
+    for key, tensor in load_file(str(Path(tiny_model_dir) / "model.safetensors")).items():
+        parts = key.split(".")
+        if len(parts) == 6 and parts[4] in TARGETS:
+            shapes[(int(parts[2]), parts[4])] = tuple(tensor.shape)
+    assert len(read_adapter("ok", str(folder), shapes, max_rank=16).factors) == 14
+    narrower = {key: (out, inp * 2) for key, (out, inp) in shapes.items()}
+    with pytest.raises(AdapterError, match="do not fit"):
+        read_adapter("ok", str(folder), narrower, max_rank=16)
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(4, 64)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="lm_head"):
+        read_adapter("ok", str(folder), shapes, max_rank=16)
+
+
+def test_unknown_adapters_and_flags_that_cannot_serve(tiny_model_dir, tmp_path):
+    from gyrfalcon.config import Settings
+    from gyrfalcon.errors import Kind, RequestError
+
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        Settings(model=tiny_model_dir, lora_modules=["a=/x"]).validate()
+    with pytest.raises(ValueError, match="more than --max-loras 1"):
+        Settings(model=tiny_model_dir, enable_lora=True, lora_modules=["a=/x", "b=/y"]).validate()
+    with pytest.raises(ValueError, match="is not NAME=PATH"):
+        Settings(model=tiny_model_dir, enable_lora=True, lora_modules=["a"]).validate()
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir, enable_lora=True))
+    try:
+        assert engine.wait_ready(60).ready
+        with pytest.raises(RequestError, match="does not exist") as err:
+            engine.submit(EngineRequest("x", [5, 6], SamplingParams(max_tokens=2), lora_name="nobody"))
+        assert (err.value.param, err.value.type) == ("model", Kind.NOT_FOUND)
+    finally:
+        engine.shutdown(0)
