@@ -15,6 +15,7 @@ import pluggy
 
 from gyrfalcon.api import errors
 from gyrfalcon.api.control import CONTROL_RESOURCES
+from gyrfalcon.api.lora import LORA_RESOURCES
 from gyrfalcon.api.connection import WatchedApp
 from gyrfalcon.api.context import ServerContext
 from gyrfalcon.api.response_store import owner_of
@@ -133,6 +134,9 @@ def create_app(engine: Engine, settings: Settings, pm: pluggy.PluginManager, *, 
     app.add_route(DETOKENIZE.route, DetokenizeResource(ctx))
     if settings.enable_rl_endpoints:
         for route, resource in CONTROL_RESOURCES.items():
+            app.add_route(route, resource(ctx))
+    if settings.enable_lora:
+        for route, resource in LORA_RESOURCES.items():
             app.add_route(route, resource(ctx))
     pm.hook.gyrfalcon_add_routes(app=app, engine=engine, settings=settings)
     return WatchedApp(app, drain=lambda: engine.drain(settings.drain_timeout))

@@ -204,6 +204,7 @@ class ServerContext:
                 max_text_chars=self.translator().max_text_chars,
                 max_request_tokens=self.translator().max_work,
                 control_routes=self.settings.enable_rl_endpoints,
+                lora_routes=self.settings.enable_lora,
             )
             self._spec = orjson.dumps(spec)
         return self._spec

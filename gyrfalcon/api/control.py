@@ -25,6 +25,11 @@ def _pause_body(state: PauseState) -> dict[str, object]:
     return {"status": "paused" if state.mode is not None else "resumed", "mode": state.mode, "held": state.held}
 
 
+def no_query(req: falcon.Request) -> None:
+    """A 400 for any query parameter (the route takes none: it would be ignored)."""
+    _query(req, ())
+
+
 def _query(req: falcon.Request, allowed: tuple[str, ...]) -> None:
     """A 400 for a query parameter the route does not take (it would be ignored)."""
     for name in req.params:

@@ -90,6 +90,9 @@ class ModelsResource:
              "max_model_len": info.max_model_len, "permission": [{"id": f"modelperm-{name}", **permission}]}  # fmt: skip
             for name in self.ctx.served_model_names
         ]
+        for name, path in await offload(self.ctx.engine.lora_adapters):  # vLLM's cards of adapters
+            data.append({**data[0], "id": name, "root": path, "parent": root,
+                         "permission": [{"id": f"modelperm-{name}", **permission}]})  # fmt: skip
         if self.ctx.settings.enable_rl_endpoints:  # a rollout server's weights change: say which serve
             for card in data:
                 card["weight_version"] = self.ctx.engine.health().weight_version

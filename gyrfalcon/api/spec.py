@@ -13,7 +13,7 @@ from gyrfalcon.engine_api.limits import ServedLimits, largest_object, longest_ar
 from gyrfalcon.openapi.limits import walk_schemas
 from gyrfalcon.openapi.served import bundle, request_field_names, served_spec
 from gyrfalcon.protocol.capabilities import unsupported_fields
-from gyrfalcon.protocol.endpoints import CONTROL_ROUTES, ENDPOINTS
+from gyrfalcon.protocol.endpoints import CONTROL_ROUTES, ENDPOINTS, LORA_ROUTES
 from gyrfalcon.protocol.runtime_rules import served_table
 from gyrfalcon.protocol.translate import SPEC_MAX_ITEMS, SPEC_MAX_PROPERTIES
 from gyrfalcon.protocol.wire import MAX_DEPTH
@@ -134,12 +134,11 @@ def _without_chat(spec: dict[str, Any]) -> None:
     schemas["TokenizeRequest"] = {"$ref": "#/components/schemas/TokenizeCompletionRequest"}
 
 
-def _without_unserved_routes(spec: dict[str, Any], chat: bool, control_routes: bool) -> None:
-    """Leave out what this server does not serve: the control routes unless they were asked for,
-    and without a chat template the endpoints that render conversations."""
-    if not control_routes:
-        for route in CONTROL_ROUTES:
-            spec["paths"].pop(route, None)
+def _without_unserved_routes(spec: dict[str, Any], chat: bool, control_routes: bool, lora_routes: bool) -> None:
+    """Leave out what this server does not serve: the control routes and the LoRA routes unless
+    they were asked for, and without a chat template the endpoints that render conversations."""
+    for route in (() if control_routes else CONTROL_ROUTES) + (() if lora_routes else LORA_ROUTES):
+        spec["paths"].pop(route, None)
     if not chat:
         _without_chat(spec)
 
@@ -158,17 +157,18 @@ def deployment_spec(
     max_text_chars: int | None = None,
     max_request_tokens: int | None = None,
     control_routes: bool = False,
+    lora_routes: bool = False,
 ) -> dict[str, Any]:
     """The spec served at ``/openapi.json``: what is valid there is valid for this server.
 
     ``x-limits`` publishes the bounds a fuzzer needs to keep clear of the runtime-only rules
     (``gyrfalcon.contract``); ``chat`` is :func:`chat_template_overhead`, ``unspellable``
-    :func:`unspellable_bytes`; ``control_routes``: the RL control routes are served
-    (``--enable-rl-endpoints``).
+    :func:`unspellable_bytes`; ``control_routes``: the RL control routes are served; ``lora_routes``:
+    the LoRA routes are (an adapter's name is a model then: no enum of names, which adapters change).
     """
     unsupported = unsupported_fields(request_field_names(bundle()), info.capabilities)
     limits = ServedLimits(
-        model_names=model_names,
+        model_names=[] if lora_routes else model_names,
         vocab_size=info.vocab_size,
         max_model_len=info.max_model_len,
         max_request_seqs=max_seqs or info.max_request_seqs,
@@ -178,7 +178,7 @@ def deployment_spec(
         max_prompts=max_prompts,
     )
     spec = served_spec(limits, served_table())
-    _without_unserved_routes(spec, chat is not None, control_routes)
+    _without_unserved_routes(spec, chat is not None, control_routes, lora_routes)
     if chat is not None:
         _limit_messages(spec, template)
     spec["x-limits"] = {
@@ -188,8 +188,7 @@ def deployment_spec(
         "max_request_seqs": max_seqs,
         "kv_cache": kv_cache,
         "unspellable_bytes": unspellable or [],
-        # any body: refused before it is walked when it nests deeper, or holds a longer array or a
-        # larger object, than any request field takes
+        # any body: refused before it is walked when it nests deeper, or holds more, than any field takes
         "body": {"max_depth": MAX_DEPTH, "max_array_items": longest_array(limits, SPEC_MAX_ITEMS),
                  "max_object_keys": largest_object(limits, SPEC_MAX_PROPERTIES)},
         # a prompt's text (or a conversation's): longer cannot fit the context (refused before tokenizing)

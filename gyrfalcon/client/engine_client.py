@@ -165,6 +165,15 @@ class EngineClient(Engine):
     def sleep_state(self) -> SleepState:
         return self.core.sleep_state()
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False) -> None:
+        self.core.load_lora_adapter(lora_name, lora_path, load_inplace)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self.core.unload_lora_adapter(lora_name)
+
+    def lora_adapters(self) -> list[list[str]]:
+        return self.core.lora_adapters()
+
     def wait_ready(self, timeout: float = 60.0, poll_s: float = 0.01) -> EngineHealth:
         """Block until the core is ready (or ``timeout`` seconds); returns its health."""
         deadline = time.monotonic() + timeout

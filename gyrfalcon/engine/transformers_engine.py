@@ -27,7 +27,7 @@ from gyrfalcon.engine_api.interface import EngineCore, OutputStream
 from gyrfalcon.engine.model.fast_check import DecodePath
 from gyrfalcon.engine.model.runner import ModelRunner
 from gyrfalcon.engine.control import ControlPlane
-from gyrfalcon.engine.lora.registry import LoraRegistry, projection_shapes
+from gyrfalcon.engine.lora.control import LoraControl
 from gyrfalcon.engine.pause import PauseGate
 from gyrfalcon.engine.sleep import Sleep
 from gyrfalcon.engine.weights import WeightUpdates
@@ -38,11 +38,11 @@ from gyrfalcon.engine.setup import capture_mode, engine_info, load_runner, read_
 from gyrfalcon.engine.step_health import StepFailures
 from gyrfalcon.engine_api.streams import CoalescingOutputStream
 from gyrfalcon.engine_api.types import EngineError, EngineHealth, EngineInfo, EngineRequest, OutputKind
-from gyrfalcon.engine_api.config import EngineConfig, LoraConfig, SpeculativeConfig
+from gyrfalcon.engine_api.config import EngineConfig, SpeculativeConfig
 from gyrfalcon.engine.spec.draft_model import DraftModel
 from gyrfalcon.engine.spec.drafter import Drafter
 from gyrfalcon.engine_api.errors import SHUTTING_DOWN, ShuttingDown
-from gyrfalcon.errors import Kind, RequestError
+from gyrfalcon.errors import RequestError
 from gyrfalcon.heap import QuietTrimmer
 from gyrfalcon.models.loading import resolve_device, resolve_dtype, resolve_quantization
 
@@ -57,7 +57,7 @@ PREFILL_CHUNK_TOKENS = 512
 STEP_STALL_S = 60.0
 
 
-class TransformersEngine(ControlPlane, EngineCore):
+class TransformersEngine(ControlPlane, LoraControl, EngineCore):
     """An :class:`EngineCore` over a local Hugging Face causal-LM folder (token ids only; the
     factory wraps it in an :class:`gyrfalcon.client.EngineClient` for the frontend).
 
@@ -85,8 +85,6 @@ class TransformersEngine(ControlPlane, EngineCore):
         #: the draft tokens of sequences that speculate (``--speculative-config``; None: off)
         self.drafter = None if speculative is None else Drafter(speculative, self._info.max_model_len)
         self.speculative = ""  # as it serves, once loaded (setup._speculation)
-        #: the LoRA adapters held (``--enable-lora``; None: off), once the model is loaded
-        self.lora: LoraRegistry | None = None
         self.scheduler = Scheduler(cfg.max_queue_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    PREFILL_CHUNK_TOKENS, policy=cfg.scheduling_policy)  # fmt: skip
         self.runner: ModelRunner | None = None
@@ -142,11 +140,7 @@ class TransformersEngine(ControlPlane, EngineCore):
         # the request was validated before (gyrfalcon.validation): only what only the engine knows is checked here
         params = request.sampling
         self.scheduler.check_fits(len(request.prompt_token_ids), params.max_tokens, params.n)
-        adapter = None
-        if request.lora_name is not None:
-            adapter = self.lora.get(request.lora_name) if self.lora is not None else None
-            if adapter is None:
-                raise RequestError(f"The model `{request.lora_name}` does not exist.", "model", type=Kind.NOT_FOUND)
+        adapter = self._adapter_of(request)
         for processor in self.processors:
             if processor.wants(params, request.extensions):
                 processor.prepare(params, request.extensions)
@@ -382,14 +376,7 @@ class TransformersEngine(ControlPlane, EngineCore):
         self._info.decode_path = self.decode_path.describe()
         self.scheduler.pool = loaded.pool
         self.runner = loaded.runner
-        lora = LoraConfig.of(self.engine_config)
-        if lora.enable_lora:
-            if loaded.runner.direct is None:
-                raise ValueError(f"--enable-lora needs the direct forward, and this model runs {loaded.runner.model_impl}")
-            self.lora = LoraRegistry(projection_shapes(loaded.runner.direct.layers), lora.max_loras, lora.max_lora_rank,
-                                     self.device)  # fmt: skip
-            for name, path in lora.modules().items():
-                self.lora.load(name, path)
+        self._make_lora(loaded.runner)
 
 
 __all__ = ["OutputKind", "OutputStream", "TransformersEngine"]

@@ -120,7 +120,7 @@ def decode_health(data: list[Any]) -> EngineHealth:
 #: the core's methods an API worker calls by name (``call`` messages); their results travel as
 #: :func:`encode_result` makes them
 CORE_CALLS = frozenset({"stats", "pause", "resume", "pause_state", "abort_requests", "update_weights", "sleep",
-                        "wake_up", "sleep_state"})  # fmt: skip
+                        "wake_up", "sleep_state", "load_lora_adapter", "unload_lora_adapter", "lora_adapters"})  # fmt: skip
 
 
 def encode_result(value: Any) -> Any:

@@ -190,6 +190,22 @@ class EngineCore(abc.ABC):
         """Whether the engine sleeps, and which parts (:class:`SleepState`)."""
         return SleepState()
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False) -> None:
+        """Hold the LoRA adapter of the PEFT folder ``lora_path`` as ``lora_name``, serving it to
+        requests that name it while the rest runs on (a :class:`RequestError` naming ``lora_name`` or
+        ``lora_path`` for what cannot serve: nothing held changes then); ``load_inplace``: an adapter of
+        that name is replaced (requests running with it finish with it). Default: a 400."""
+        raise RequestError("LoRA adapters are not served by this server's engine", "lora_name")
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Stop serving ``lora_name``: requests of it that wait end with an error naming it, those
+        that run finish with it (a 404 :class:`RequestError` when none of that name is held). Default: a 400."""
+        raise RequestError("LoRA adapters are not served by this server's engine", "lora_name")
+
+    def lora_adapters(self) -> list[list[str]]:
+        """The adapters held: ``[name, path]`` each (none by default)."""
+        return []
+
     def drain(self, timeout: float) -> None:
         """The server is stopping (SIGTERM): return at once, having stopped admitting — health turns
         503, new requests are refused with :class:`gyrfalcon.engine_api.errors.ShuttingDown`, queued

@@ -178,6 +178,15 @@ class RemoteEngineCore(EngineCore):
     def sleep_state(self) -> SleepState:
         return codec.decode_sleep(self._core_call("sleep_state"))
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False) -> None:
+        self._core_call("load_lora_adapter", lora_name, lora_path, load_inplace, timeout=WEIGHTS_CALL_TIMEOUT_S)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self._core_call("unload_lora_adapter", lora_name)
+
+    def lora_adapters(self) -> list[list[str]]:
+        return [list(pair) for pair in self._core_call("lora_adapters")]
+
     def _core_call(self, name: str, *arguments: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
         """The core's ``name(*arguments)`` in the engine process (:data:`codec.CORE_CALLS`): its
         result, or what it raised."""

@@ -90,6 +90,7 @@ from gyrfalcon.generated.openai import (
     CompletionResponse,
     CompletionStreamResponse,
     HealthResponse,
+    LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
     ModelPermission,
@@ -112,6 +113,7 @@ from gyrfalcon.generated.openai import (
     TokenizeResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    UnloadLoraAdapterRequest,
 )
 
 __all__ = [
@@ -153,6 +155,7 @@ __all__ = [
     "GenerateStreamResponse",
     "GenerateTopLogprob",
     "HealthResponse",
+    "LoadLoraAdapterRequest",
     "IsPausedResponse",
     "JsonSchemaFormat",
     "ModelCard",
@@ -183,6 +186,7 @@ __all__ = [
     "TokenizeChatRequest",
     "TokenizeCompletionRequest",
     "TokenizeResponse",
+    "UnloadLoraAdapterRequest",
     "UpdateWeightsFromDiskRequest",
     "UpdateWeightsResponse",
     "Usage",

@@ -1584,6 +1584,42 @@ class TokenizeResponse(BaseModel):
     ]
 
 
+class LoadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    lora_name: Annotated[
+        str,
+        Field(
+            description="The name requests give as their model.",
+            max_length=256,
+            min_length=1,
+        ),
+    ]
+    lora_path: Annotated[
+        str,
+        Field(
+            description="A PEFT LoRA folder on the server.",
+            max_length=4096,
+            min_length=1,
+        ),
+    ]
+    load_inplace: Annotated[
+        bool | None, Field(description="Replace an adapter of that name.")
+    ] = False
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    lora_name: Annotated[str, Field(max_length=256, min_length=1)]
+    lora_int_id: Annotated[
+        int | None | MISSING,
+        Field(description="vLLM's; adapters are known here by name.", ge=0),
+    ] = MISSING
+
+
 Token = TypeAliasType("Token", Annotated[int, Field(ge=0)])
 
 
@@ -1637,8 +1673,14 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
-    root: Annotated[str, Field(description="The model this name serves.")]
-    parent: Annotated[str | None, Field(description="Null (no adapters).")]
+    root: Annotated[
+        str,
+        Field(description="The model this name serves (a LoRA adapter's: its folder)."),
+    ]
+    parent: Annotated[
+        str | None,
+        Field(description="A LoRA adapter's base model name; null for the base model."),
+    ]
     max_model_len: Annotated[int, Field(ge=1)]
     weight_version: Annotated[
         str | MISSING, Field(description="The version of the weights this name serves.")

@@ -187,6 +187,10 @@ DETOKENIZE = TokenizerEndpoint("/detokenize", generated.DetokenizeRequest)
 #: the control routes RL trainers use, served only with ``--enable-rl-endpoints``
 CONTROL_ROUTES = ("/pause", "/resume", "/is_paused", "/inference/v1/abort_requests", "/update_weights_from_disk",
                   "/weight_version", "/sleep", "/wake_up", "/is_sleeping")  # fmt: skip
+#: vLLM's routes for LoRA adapters at run time, served only with ``--enable-lora``, and their wire models
+LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+LOAD_LORA_ADAPTER = generated.LoadLoraAdapterRequest
+UNLOAD_LORA_ADAPTER = generated.UnloadLoraAdapterRequest
 #: the wire models of ``POST /inference/v1/abort_requests`` and ``POST /update_weights_from_disk``
 ABORT_REQUESTS = generated.AbortRequestsRequest
 UPDATE_WEIGHTS = generated.UpdateWeightsFromDiskRequest

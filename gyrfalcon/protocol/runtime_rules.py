@@ -224,6 +224,23 @@ RUNTIME_RULES: tuple[RuntimeRule, ...] = (
         "engine",
     ),
     RuntimeRule(
+        "lora_adapter_serves",
+        "lora_path",
+        "POST /v1/load_lora_adapter: lora_path is a PEFT LoRA folder on the server (404 when it does not exist) "
+        "whose factors fit the served model's attention and MLP projections, at one rank up to --max-lora-rank, "
+        "with no bias, DoRA, modules_to_save or per-module rank or alpha.",
+        "gyrfalcon.engine.lora.peft:read_adapter",
+        "engine",
+    ),
+    RuntimeRule(
+        "lora_name_free",
+        "lora_name",
+        "POST /v1/load_lora_adapter: no adapter of that name is held (unless load_inplace), and fewer than "
+        "--max-loras are; POST /v1/unload_lora_adapter names one that is (404 otherwise).",
+        "gyrfalcon.engine.lora.registry:LoraRegistry._check_room",
+        "engine",
+    ),
+    RuntimeRule(
         "request_fits_kv_cache",
         "max_tokens",
         "n x (prompt + max_tokens), in whole blocks, fits the server's KV cache (x-limits kv_cache), so "

@@ -156,11 +156,10 @@ class Translator:
         sampling = self._sampling(fields)
         sampling.structured_outputs = tool_constraint(tools, fields, structured_constraint(fields, body))
         if self.max_seqs is not None and len(prompts) * sampling.n > self.max_seqs:
-            raise fields.error(
-                "n", f"{len(prompts)} prompts x n={sampling.n} asks for more than the {self.max_seqs} sequences one request may have"
-            )
-        names = wire_names(fields)
-        requests = self._engine_requests(fields, response_id, prompts, sampling, names)
+            raise fields.error("n", f"{len(prompts)} prompts x n={sampling.n} asks for more than the {self.max_seqs} "
+                                    "sequences one request may have")  # fmt: skip
+        names, lora = wire_names(fields), None if model in self.served_model_names else model
+        requests = self._engine_requests(fields, response_id, prompts, sampling, names, lora)
         self._check_work(fields, requests, prompt_param)
         serving = self._serving_request(fields, model, response_id, requests, prompt_texts, tools, names)
         if endpoint.stored and external_id:
@@ -168,8 +167,8 @@ class Translator:
         return serving
 
     def _engine_requests(self, fields: RequestFields, response_id: str, prompts: list[list[int]], sampling: SamplingParams,
-                         names: WireNames) -> list[EngineRequest]:  # fmt: skip
-        """One engine request per prompt, each with its own ``max_tokens``, checked by the validator."""
+                         names: WireNames, lora: str | None) -> list[EngineRequest]:  # fmt: skip
+        """One engine request per prompt (its own ``max_tokens``; LoRA adapter ``lora``), checked by the validator."""
         kind = OutputKind.DELTA if fields.get("stream", False) else OutputKind.FINAL_ONLY
         requests = [
             EngineRequest(
@@ -181,6 +180,7 @@ class Translator:
                 cache_salt=fields.get("cache_salt"),
                 priority=fields.get("priority", 0),
                 group_id=response_id,
+                lora_name=lora,
             )
             for i, prompt in enumerate(prompts)
         ]
@@ -244,7 +244,8 @@ class Translator:
     def _model_name(self, requested: str | None) -> str:
         if requested is None:
             return self.served_model_names[0]
-        if requested not in self.served_model_names:
+        # with LoRA served, another name is an adapter's: the engine knows which it holds (a 404 at submit)
+        if requested not in self.served_model_names and "lora" not in self.info.capabilities:
             raise RequestError(f"The model '{requested}' does not exist", "model", type=Kind.NOT_FOUND)
         return requested
 
@@ -373,12 +374,8 @@ class Translator:
         what the context leaves after the prompt, capped by the model's own ``max_new_tokens``.
         Whether it fits is the validator's."""
         name = max_tokens_field(f)
-        if name is not None:
-            max_tokens = f.get(name)
-        elif f.endpoint.default_max_tokens is not None:
-            max_tokens = f.endpoint.default_max_tokens
-        else:
-            max_tokens = self.info.max_model_len - prompt_len
+        max_tokens = (f.get(name) if name is not None else f.endpoint.default_max_tokens
+                      if f.endpoint.default_max_tokens is not None else self.info.max_model_len - prompt_len)  # fmt: skip
         if name is None and "max_tokens" in self.info.default_sampling:  # the model's max_new_tokens caps it
             max_tokens = min(max_tokens, self.info.default_sampling["max_tokens"])
         return dataclasses.replace(sampling, max_tokens=max_tokens)

@@ -142,6 +142,17 @@ class RayEngineCore(EngineCore):
     def sleep_state(self) -> SleepState:
         return _slept(self._run(self._gather("sleep_state"), BROADCAST_TIMEOUT_S))
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False) -> None:
+        """Every replica loads it; answered once all have (one that refuses is the error)."""
+        _answered(self._run(self._gather("load_lora_adapter", lora_name, lora_path, load_inplace, timeout=UPDATE_TIMEOUT_S),
+                            UPDATE_TIMEOUT_S))  # fmt: skip
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        _answered(self._run(self._gather("unload_lora_adapter", lora_name), BROADCAST_TIMEOUT_S))
+
+    def lora_adapters(self) -> list[list[str]]:
+        return _answered(self._run(self._gather("lora_adapters"), BROADCAST_TIMEOUT_S))[0]
+
     def abort_requests(self, group_ids: list[str] | None = None) -> int:
         return sum(_answered(self._run(self._gather("abort_requests", group_ids), BROADCAST_TIMEOUT_S)))
 

@@ -103,6 +103,15 @@ class EngineReplica:
     def sleep_state(self) -> list[Any]:
         return codec.encode_result(self.core.sleep_state())
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False) -> None:
+        self.core.load_lora_adapter(lora_name, lora_path, load_inplace)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self.core.unload_lora_adapter(lora_name)
+
+    def lora_adapters(self) -> list[list[str]]:
+        return self.core.lora_adapters()
+
     def __del__(self) -> None:
         core = getattr(self, "core", None)
         if core is not None:

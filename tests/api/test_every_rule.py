@@ -69,6 +69,8 @@ UNREACHABLE = {
     "prompt_not_empty_after_tokenization": "the tiny model's byte-level tokenizer gives every non-empty text a token",
     "chat_template_renders": "the tiny model's ChatML template renders any conversation without raising",
     "model_path_fits": "its route is served only with --enable-rl-endpoints: tests/api/test_weight_updates.py breaks it",
+    "lora_adapter_serves": "its route is served only with --enable-lora: tests/api/test_lora.py breaks it",
+    "lora_name_free": "its route is served only with --enable-lora: tests/api/test_lora.py breaks it",
 }
 
 

@@ -39,3 +39,17 @@ def control_app(fuzz_engine):
     engine, settings, pm = fuzz_engine
     yield served_app(engine, dataclasses.replace(settings, enable_rl_endpoints=True), pm)
     engine.resume()
+
+
+@pytest.fixture(scope="session")
+def lora_app(tiny_model_dir, tmp_path_factory):
+    """An app serving the LoRA routes (an engine of its own, with one adapter held of two)."""
+    from tests.unit.test_lora import write_adapter
+
+    adapter = write_adapter(tiny_model_dir, tmp_path_factory.mktemp("fuzz-adapter") / "first", seed=1)
+    settings = tiny_settings(tiny_model_dir, **FUZZ_LIMITS, enable_lora=True, lora_modules=[f"first={adapter}"],
+                             max_loras=2, cache_dir=str(tmp_path_factory.mktemp("lora-cache")))  # fmt: skip
+    engine = create_transformers_engine(settings)
+    assert engine.wait_ready(timeout=120).ready
+    yield served_app(engine, settings)
+    engine.shutdown(grace=1.0)

@@ -175,3 +175,24 @@ def test_unknown_adapters_and_flags_that_cannot_serve(tiny_model_dir, tmp_path):
         assert (err.value.param, err.value.type) == ("model", Kind.NOT_FOUND)
     finally:
         engine.shutdown(0)
+
+
+def test_unloading_ends_the_requests_waiting_for_the_adapter_and_lets_the_running_finish(tiny_model_dir, tmp_path):
+    from gyrfalcon.errors import Kind
+
+    first = write_adapter(tiny_model_dir, tmp_path / "first", seed=1)
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir, enable_lora=True, lora_modules=[f"first={first}"],
+                                                      max_num_seqs=1), start=False)  # fmt: skip
+    try:
+        assert engine.core.prepare()
+        running = engine.submit(EngineRequest("run", [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True), lora_name="first"))
+        engine.core.batcher.step()  # it runs (one sequence at a time)
+        waiting = engine.submit(EngineRequest("wait", [8, 9], SamplingParams(max_tokens=6, ignore_eos=True), lora_name="first"))
+        engine.unload_lora_adapter("first")
+        while engine.core.batcher.step():
+            pass
+        (failed,) = list(waiting)
+        assert failed.error is not None and failed.error.type == Kind.NOT_FOUND and "unloaded" in failed.error.message
+        assert len(list(running)[-1].outputs[0].token_ids) == 6
+    finally:
+        engine.shutdown(0)

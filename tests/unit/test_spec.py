@@ -23,7 +23,7 @@ from gyrfalcon.openapi import (
     x_rules,
 )
 from gyrfalcon.openapi.limits import decimal_range_pattern, walk_schemas
-from gyrfalcon.protocol.endpoints import CONTROL_ROUTES
+from gyrfalcon.protocol.endpoints import CONTROL_ROUTES, LORA_ROUTES
 from gyrfalcon.protocol.runtime_rules import served_table
 
 REQUESTS = ("GenerateRequest", "CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest")
@@ -90,12 +90,16 @@ def test_operations_and_statuses(spec: dict[str, Any]) -> None:
                         "listModels", "health", "version", "openapi", "tokenize", "detokenize", "metrics",
                         "createResponse", "getResponse", "deleteResponse", "listResponseInputItems",
                         "cancelResponse", "pause", "resume", "isPaused", "abortRequests", "updateWeightsFromDisk",
-                        "weightVersion", "sleep", "wakeUp", "isSleeping"}  # fmt: skip
+                        "weightVersion", "sleep", "wakeUp", "isSleeping", "loadLoraAdapter", "unloadLoraAdapter"}  # fmt: skip
     error_ref = "#/components/schemas/ErrorResponse"
     for op_id, (path, method, op) in ops.items():
         if path in CONTROL_ROUTES:  # no model and (but abort_requests) no body: no 404, 413 or 415
             assert {"200", "401", "503"} <= set(op["responses"]) and set(op["responses"]["200"]["content"]) == {
                 "application/json"}, op_id  # fmt: skip
+            continue
+        if path in LORA_ROUTES:  # vLLM's answer, plain text; names no model
+            assert {"200", "400", "401", "413", "415", "503"} <= set(op["responses"]), op_id
+            assert set(op["responses"]["200"]["content"]) == {"text/plain"}, op_id
             continue
         if method != "post":
             continue
@@ -446,8 +450,8 @@ def test_schemathesis_loads_the_served_spec(served: dict[str, Any]) -> None:
         operation = result.ok()
         operation.as_strategy()
         labels.append(operation.label)
-    assert len(labels) == 25 and "POST /v1/chat/completions/batch" in labels and "POST /v1/responses" in labels
-    assert "POST /pause" in labels  # the documents' whole spec: the control routes too
+    assert len(labels) == 27 and "POST /v1/chat/completions/batch" in labels and "POST /v1/responses" in labels
+    assert "POST /pause" in labels and "POST /v1/load_lora_adapter" in labels  # the documents' whole spec
 
 
 # --- codegen ------------------------------------------------------------------------------------

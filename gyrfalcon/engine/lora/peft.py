@@ -10,6 +10,7 @@ it, before anything is served with it.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import re
@@ -24,7 +25,12 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|
 
 
 class AdapterError(ValueError):
-    """Why a folder cannot be served as an adapter (one line)."""
+    """Why an adapter cannot be served (one line), and the field of a load that says so."""
+
+    def __init__(self, message: str, param: str = "lora_path", found: bool = True) -> None:
+        super().__init__(message)
+        #: False: what it names is not there (a 404)
+        self.param, self.found = param, found
 
 
 @dataclass
@@ -54,10 +60,16 @@ def read_adapter(name: str, path: str, shapes: dict[tuple[int, str], tuple[int, 
                  device: str = "cpu") -> LoraAdapter:  # fmt: skip
     """The adapter of the PEFT folder ``path`` for layers of ``shapes`` (``(layer, module)`` →
     ``(out, in)``), refused with an :class:`AdapterError` for anything not served (module docstring)."""
-    folder = Path(path)
+    folder, shown = Path(path), path if len(path) <= 200 else path[:200] + "…"
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
-    if not config_file.is_file() or not weights_file.is_file():
-        raise AdapterError(f"'{path}' is not a PEFT LoRA folder (adapter_config.json and adapter_model.safetensors)")
+    try:
+        if not folder.exists():
+            raise AdapterError(f"'{shown}' does not exist on the server", "lora_path", found=False)
+        if not config_file.is_file() or not weights_file.is_file():
+            raise AdapterError(f"'{shown}' is not a PEFT LoRA folder (adapter_config.json and adapter_model.safetensors)")
+    except OSError as exc:  # a name too long for the file system (none such exists), a folder it may not read
+        missing = exc.errno in (errno.ENAMETOOLONG, errno.ENOENT, errno.ENOTDIR)
+        raise AdapterError(f"'{shown}' cannot be read: {exc.strerror}", found=not missing) from None
     try:
         config = json.loads(config_file.read_text())
     except ValueError as exc:

@@ -34,27 +34,29 @@ class LoraRegistry:
         self._lock = threading.Lock()
         self._loads = 0
 
-    def load(self, name: str, path: str) -> LoraAdapter:
-        """Read and hold the adapter of ``path`` as ``name``; an :class:`AdapterError` when it cannot
-        serve, its name is taken, or ``max_loras`` are held (nothing held changes then)."""
-        with self._lock:
-            if name in self._adapters:
-                raise AdapterError(f"an adapter named {name!r} is loaded already")
-            if len(self._adapters) >= self.max_loras:
-                raise AdapterError(f"{self.max_loras} adapters are loaded, the most --max-loras allows")
+    def load(self, name: str, path: str, replace: bool = False) -> LoraAdapter:
+        """Read and hold the adapter of ``path`` as ``name`` (``replace``: in place of one of that
+        name); an :class:`AdapterError` when it cannot serve, its name is taken, or ``max_loras``
+        are held (nothing held changes then)."""
+        self._check_room(name, replace)
         adapter = read_adapter(name, path, self.shapes, self.max_rank, self.device)
         with self._lock:
-            if name in self._adapters or len(self._adapters) >= self.max_loras:
-                raise AdapterError(f"another load of {name!r} or another adapter came first")
+            self._check_room(name, replace)
             self._loads += 1
             adapter.serial = self._loads
             self._adapters[name] = adapter
         return adapter
 
+    def _check_room(self, name: str, replace: bool) -> None:
+        if name in self._adapters and not replace:
+            raise AdapterError(f"an adapter named {name!r} is loaded already (load_inplace replaces it)", "lora_name")
+        if name not in self._adapters and len(self._adapters) >= self.max_loras:
+            raise AdapterError(f"{self.max_loras} adapters are loaded, the most --max-loras allows", "lora_name")
+
     def unload(self, name: str) -> None:
         with self._lock:
             if self._adapters.pop(name, None) is None:
-                raise AdapterError(f"no adapter named {name!r} is loaded")
+                raise AdapterError(f"The lora adapter '{name}' cannot be found.", "lora_name", found=False)
 
     def get(self, name: str) -> LoraAdapter | None:
         return self._adapters.get(name)

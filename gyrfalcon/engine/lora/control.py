@@ -1,0 +1,77 @@
+"""The engine's LoRA adapters at run time (``--enable-lora``), mixed into the engine: the registry
+made once the model is loaded (the adapters of ``--lora-modules`` read then: one that cannot serve
+fails the load), an adapter loaded or unloaded while serving (vLLM's ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter``), and the adapter a request names, resolved at submit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gyrfalcon.engine.lora.peft import AdapterError, LoraAdapter
+from gyrfalcon.engine.lora.registry import LoraRegistry, projection_shapes
+from gyrfalcon.engine_api.config import LoraConfig
+from gyrfalcon.engine_api.types import EngineError, EngineRequest
+from gyrfalcon.errors import Kind, RequestError
+
+
+class LoraControl:
+    """Mixed into :class:`~gyrfalcon.engine.transformers_engine.TransformersEngine` (its lock, live
+    requests, gate, scheduler and failure path)."""
+
+    #: the adapters held (None: ``--enable-lora`` is off)
+    lora: LoraRegistry | None = None
+
+    def _make_lora(self, runner: Any) -> None:
+        """Once the model is loaded: the registry, with the start-up adapters in it."""
+        config = LoraConfig.of(self.engine_config)
+        if not config.enable_lora:
+            return
+        if runner.direct is None:
+            raise ValueError(f"--enable-lora needs the direct forward, and this model runs {runner.model_impl}")
+        self.lora = LoraRegistry(projection_shapes(runner.direct.layers), config.max_loras, config.max_lora_rank,
+                                 self.device)  # fmt: skip
+        for name, path in config.modules().items():
+            self.lora.load(name, path)
+
+    def _adapter_of(self, request: EngineRequest) -> LoraAdapter | None:
+        """The adapter ``request`` runs with (a 404 naming ``model`` when none of its name is held)."""
+        if request.lora_name is None:
+            return None
+        adapter = self.lora.get(request.lora_name) if self.lora is not None else None
+        if adapter is None:
+            raise RequestError(f"The model `{request.lora_name}` does not exist.", "model", type=Kind.NOT_FOUND)
+        return adapter
+
+    def _registry(self, param: str) -> LoraRegistry:
+        if self.lora is None:
+            raise RequestError("LoRA adapters are not served here (start the server with --enable-lora)", param)
+        return self.lora
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False) -> None:
+        try:
+            self._registry("lora_name").load(lora_name, lora_path, replace=load_inplace)
+        except AdapterError as exc:
+            raise _refusal(exc) from None
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        registry = self._registry("lora_name")
+        try:
+            registry.unload(lora_name)
+        except AdapterError as exc:
+            raise _refusal(exc) from None
+        with self._lock:  # what waits for it ends now; what runs finishes with the adapter it holds
+            waiting = [self._gate.release(rid) or self.scheduler.remove(rid)
+                       for rid, state in list(self._live.items()) if state.request.lora_name == lora_name]  # fmt: skip
+        for state in filter(None, waiting):
+            self._fail(state, EngineError(f"the LoRA adapter '{lora_name}' was unloaded before the request ran",
+                                          type=Kind.NOT_FOUND, param="model"))  # fmt: skip
+
+    def lora_adapters(self) -> list[list[str]]:
+        if self.lora is None:
+            return []
+        return [[name, self.lora.get(name).path] for name in self.lora.names() if self.lora.get(name) is not None]
+
+
+def _refusal(exc: AdapterError) -> RequestError:
+    """An adapter's refusal as a request's: a 404 for what is not there, else a 400, naming the field."""
+    return RequestError(str(exc), exc.param, **({} if exc.found else {"type": Kind.NOT_FOUND}))
