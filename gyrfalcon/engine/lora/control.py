@@ -48,8 +48,12 @@ class LoraControl:
         return self.lora
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False) -> None:
+        registry = self._registry("lora_name")
+        with self._lock:  # the adapters requests still run with keep their slots
+            in_use = frozenset(seq.lora.serial for state in self._live.values() for seq in state.sequences
+                               if seq.lora is not None)  # fmt: skip
         try:
-            self._registry("lora_name").load(lora_name, lora_path, replace=load_inplace)
+            registry.load(lora_name, lora_path, replace=load_inplace, in_use=in_use)
         except AdapterError as exc:
             raise _refusal(exc) from None
 

@@ -36,7 +36,8 @@ class AdapterError(ValueError):
 @dataclass
 class LoraAdapter:
     """An adapter's low-rank factors by ``(layer, module)``: ``A`` ``[r, in]``, ``B`` ``[out, r]``,
-    both fp32; a row's projection gains ``scaling · (x Aᵀ) Bᵀ``."""
+    both fp32; a row's projection gains ``scaling · (x Aᵀ) Bᵀ`` (computed from the registry's
+    stacked factors, :mod:`~gyrfalcon.engine.lora.registry`)."""
 
     name: str
     path: str
@@ -46,14 +47,12 @@ class LoraAdapter:
     #: one number per load (the registry's count), keying its prefix-cache blocks: a name loaded
     #: again with other weights never finds the blocks of the first
     serial: int = 0
-
-    def delta(self, layer: int, module: str, x: torch.Tensor) -> torch.Tensor | None:
-        """What ``module`` of ``layer`` adds to rows ``x`` (None: the adapter leaves it)."""
-        pair = self.factors.get((layer, module))
-        if pair is None:
-            return None
-        a, b = pair
-        return (x.float() @ a.T) @ b.T * self.scaling
+    #: its slot in the registry's stacked factors, and the columns of the slot (set when the registry holds it)
+    slot: int = -1
+    columns: tuple[int, int] = (0, 0)
+    #: the registry's stacked factors, and the projections any adapter it holds has factors for
+    stacks: dict = field(default_factory=dict, repr=False)
+    active: set = field(default_factory=set, repr=False)
 
 
 def read_adapter(name: str, path: str, shapes: dict[tuple[int, str], tuple[int, int]], max_rank: int,

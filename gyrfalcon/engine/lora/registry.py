@@ -1,5 +1,11 @@
 """The adapters an engine holds, by name: at most ``--max-loras`` of them, each checked against the
-served layers when it is loaded (:func:`~gyrfalcon.engine.lora.peft.read_adapter`)."""
+served layers when it is loaded (:func:`~gyrfalcon.engine.lora.peft.read_adapter`) and written into
+a slot of every projection's stacked factors — ``A`` ``[slots · r, in]``, ``B`` ``[out, slots · r]``
+with the adapter's scaling in it, ``r`` the largest rank, zeros past an adapter's own — so that a
+step computes every adapter's product for a projection in two matmuls
+(:mod:`~gyrfalcon.engine.lora.step`). There is one slot more than ``--max-loras``: an adapter
+unloaded or replaced keeps its slot while requests still run with it, and a load reclaims the slots
+of those no request holds any more."""
 
 from __future__ import annotations
 
@@ -30,22 +36,57 @@ class LoraRegistry:
     def __init__(self, shapes: dict[tuple[int, str], tuple[int, int]], max_loras: int, max_rank: int,
                  device: torch.device | str) -> None:  # fmt: skip
         self.shapes, self.max_loras, self.max_rank, self.device = shapes, max_loras, max_rank, str(device)
+        self.slots = max_loras + 1
+        #: per ``(layer, module)``: the stacked ``A`` and (scaled) ``B`` of every slot
+        self.stacks = {key: (torch.zeros(self.slots * max_rank, columns, device=device),
+                             torch.zeros(rows, self.slots * max_rank, device=device))
+                       for key, (rows, columns) in shapes.items()}  # fmt: skip
+        #: the projections some adapter held (or retired) has factors for: the others are left alone
+        self.active: set[tuple[int, str]] = set()
         self._adapters: dict[str, LoraAdapter] = {}
+        self._free = list(range(self.slots))
+        self._retired: list[LoraAdapter] = []  # unloaded or replaced, their slots kept while requests hold them
         self._lock = threading.Lock()
         self._loads = 0
 
-    def load(self, name: str, path: str, replace: bool = False) -> LoraAdapter:
+    def load(self, name: str, path: str, replace: bool = False, in_use: frozenset[int] = frozenset()) -> LoraAdapter:
         """Read and hold the adapter of ``path`` as ``name`` (``replace``: in place of one of that
-        name); an :class:`AdapterError` when it cannot serve, its name is taken, or ``max_loras``
-        are held (nothing held changes then)."""
+        name); an :class:`AdapterError` when it cannot serve, its name is taken, ``max_loras`` are
+        held, or no slot is free (``in_use``: the serials of the adapters requests still hold);
+        nothing held changes then."""
         self._check_room(name, replace)
         adapter = read_adapter(name, path, self.shapes, self.max_rank, self.device)
         with self._lock:
             self._check_room(name, replace)
+            for old in [a for a in self._retired if a.serial not in in_use]:
+                self._retired.remove(old)
+                self._free.append(old.slot)
+            if not self._free:
+                raise AdapterError("no slot is free: requests of an adapter unloaded or replaced still run (retry "
+                                   "when they have finished)", "lora_name")  # fmt: skip
             self._loads += 1
-            adapter.serial = self._loads
+            adapter.serial, adapter.slot, adapter.stacks, adapter.active = self._loads, self._free.pop(0), self.stacks, self.active
+            adapter.columns = (adapter.slot * self.max_rank, (adapter.slot + 1) * self.max_rank)
+            self._write(adapter)
+            self.active.update(adapter.factors)
+            if name in self._adapters:
+                self._retired.append(self._adapters[name])
             self._adapters[name] = adapter
         return adapter
+
+    @torch.no_grad()
+    def _write(self, adapter: LoraAdapter) -> None:
+        """The adapter's factors into its slot of every projection's stacks (zeros where it has none).
+        The slot is no row's (free): a step reading the stacks meanwhile multiplies it by zero."""
+        first = adapter.slot * self.max_rank
+        for key, (a_stack, b_stack) in self.stacks.items():
+            a_stack[first : first + self.max_rank].zero_()
+            b_stack[:, first : first + self.max_rank].zero_()
+            pair = adapter.factors.get(key)
+            if pair is not None:
+                a, b = pair
+                a_stack[first : first + adapter.rank].copy_(a)
+                b_stack[:, first : first + adapter.rank].copy_(b * adapter.scaling)
 
     def _check_room(self, name: str, replace: bool) -> None:
         if name in self._adapters and not replace:
@@ -55,8 +96,10 @@ class LoraRegistry:
 
     def unload(self, name: str) -> None:
         with self._lock:
-            if self._adapters.pop(name, None) is None:
+            adapter = self._adapters.pop(name, None)
+            if adapter is None:
                 raise AdapterError(f"The lora adapter '{name}' cannot be found.", "lora_name", found=False)
+            self._retired.append(adapter)
 
     def get(self, name: str) -> LoraAdapter | None:
         return self._adapters.get(name)

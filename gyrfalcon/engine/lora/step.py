@@ -1,9 +1,11 @@
 """One step's rows by the adapter each runs with, and the low-rank products added to their projections.
 
 Rows of different adapters (and rows of none) share the step: the base layers run once over every
-row, then each adapter present adds ``scaling · (x Aᵀ) Bᵀ`` to its own rows — the rows gathered by
-index, two small matmuls, the sum added back in place (the idea of vLLM's punica kernels, with torch
-operators: one pass per adapter in the step, not per row).
+row, then each projection some adapter targets adds ``((x Aᵀ) ∘ M) Bᵀ`` to every row — ``A`` and
+``B`` the registry's stacks of every slot (``B`` scaled), ``M`` ``[T, slots · r]`` one over each
+row's own slot's columns and zero elsewhere, so a row gains exactly its adapter's product (a row of
+none gains zeros). Two matmuls a projection whatever the mix (the idea of vLLM's punica kernels,
+with torch operators).
 """
 
 from __future__ import annotations
@@ -13,30 +15,33 @@ from typing import Any
 
 import torch
 
-from gyrfalcon.engine.lora.peft import LoraAdapter
-
 
 class LoraRows:
-    """``groups``: each adapter of the step with the index tensor of its rows."""
+    """``mask``: the step's ``M``; ``stacks`` and ``active``: the registry's (see the module docstring)."""
 
-    def __init__(self, groups: list[tuple[LoraAdapter, torch.Tensor]]) -> None:
-        self.groups = groups
+    def __init__(self, mask: torch.Tensor, stacks: dict, active: set) -> None:
+        self.mask, self.stacks, self.active = mask, stacks, active
 
     @classmethod
     def of(cls, spans: Sequence[tuple[Any, int, int]], device: torch.device | str) -> LoraRows | None:
         """From ``(adapter or None, first row, row count)`` spans; None when no row has an adapter."""
-        rows: dict[int, tuple[LoraAdapter, list[int]]] = {}
-        for adapter, first, count in spans:
-            if adapter is not None and count:
-                rows.setdefault(id(adapter), (adapter, []))[1].extend(range(first, first + count))
-        if not rows:
+        held = [(adapter, first, count) for adapter, first, count in spans if adapter is not None and count]
+        if not held:
             return None
-        return cls([(adapter, torch.tensor(index, dtype=torch.long, device=device)) for adapter, index in rows.values()])
+        stacks = held[0][0].stacks
+        width = next(iter(stacks.values()))[0].shape[0]
+        mask = torch.zeros(max(first + count for _, first, count in spans), width)
+        for adapter, first, count in held:
+            mask[first : first + count, adapter.columns[0] : adapter.columns[1]] = 1.0
+        return cls(mask.to(device), stacks, held[0][0].active)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
-        """Add each adapter's product of ``module`` in ``layer`` to its rows of ``y`` (``x``: the
+        """Add every row's adapter product of ``module`` in ``layer`` to ``y`` (``x``: the
         projection's input rows, all of the step's)."""
-        for adapter, index in self.groups:
-            delta = adapter.delta(layer, module, x.index_select(0, index))
-            if delta is not None:
-                y.index_add_(0, index, delta.to(y.dtype))
+        if (layer, module) not in self.active:
+            return
+        a, b = self.stacks[(layer, module)]
+        if y.dtype == torch.float32:
+            y.addmm_((x @ a.T).mul_(self.mask), b.T)
+        else:
+            y.add_((((x.float() @ a.T) * self.mask) @ b.T).to(y.dtype))
