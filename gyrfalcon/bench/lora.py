@@ -50,6 +50,22 @@ def rate(engine: Any, requests: list[Any], concurrency: int) -> float:
     return tokens / (time.perf_counter() - started)
 
 
+def load_timed(engine: Any, names: list[str], rank: int) -> None:
+    """Load a random adapter of ``rank`` under each name, each load's table row beside a read of its files."""
+    from gyrfalcon.bench.control import read_seconds
+
+    print("| adapter | read its files | load_lora_adapter | ratio |\n|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as folder:
+        for i, name in enumerate(names):
+            adapter = write_random_adapter(engine.core.lora.shapes, Path(folder) / name, rank, seed=i)
+            read_seconds(str(adapter))  # the page cache warm, as after a trainer wrote the files
+            read, size = read_seconds(str(adapter))
+            started = time.perf_counter()
+            engine.load_lora_adapter(name, str(adapter))
+            took = time.perf_counter() - started
+            print(f"| {name} | {read:.4f} s ({size / 2**20:.1f} MiB) | {took:.4f} s | {took / read:.1f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gyrfalcon.bench.lora", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded default model)")
@@ -62,7 +78,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from gyrfalcon.bench.client import prompts as random_prompts
-    from gyrfalcon.bench.control import read_seconds
     from gyrfalcon.bench.local import ready_engine
     from gyrfalcon.config import Settings
     from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
@@ -95,16 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [f"adapter-{i}" for i in range(args.adapters)]
     print(f"{cpu().describe()}, {args.num_threads} thread(s); {Path(path).name}; {args.requests} requests of "
           f"{args.max_tokens} tokens, {args.concurrency} at a time; {args.adapters} adapters of rank {args.rank}\n")
-    print("| adapter | read its files | load_lora_adapter | ratio |\n|---|---|---|---|")
-    with tempfile.TemporaryDirectory() as folder:
-        for i, name in enumerate(names):
-            adapter = write_random_adapter(engine.core.lora.shapes, Path(folder) / name, args.rank, seed=i)
-            read_seconds(str(adapter))
-            read, size = read_seconds(str(adapter))
-            started = time.perf_counter()
-            engine.load_lora_adapter(name, str(adapter))
-            took = time.perf_counter() - started
-            print(f"| {name} | {read:.4f} s ({size / 2**20:.1f} MiB) | {took:.4f} s | {took / read:.1f} |")
+    load_timed(engine, names, args.rank)
     rate(engine, requests(names)[: args.concurrency], args.concurrency)  # warm
     adapted = rate(engine, requests(names), args.concurrency)
     unadapted = rate(engine, requests([None]), args.concurrency)
