@@ -10,6 +10,7 @@ names (``gyrfalcon:num_requests_running``, ``…_waiting``, ``kv_cache_usage_per
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,6 +88,12 @@ class EngineCollector:
             for position, value in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", [])):
                 per.add_metric([*self.labels, str(position)], value)
             yield per
+        if "lora_max" in stats:  # --enable-lora: vLLM's info gauge, its value the time of the scrape
+            info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on lora requests.",
+                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])  # fmt: skip
+            info.add_metric([str(stats["lora_max"]), stats["lora_waiting_adapters"], stats["lora_running_adapters"]],
+                            time.time())  # fmt: skip
+            yield info
 
 
 class MetricsExposition:

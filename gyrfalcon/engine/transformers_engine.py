@@ -191,6 +191,7 @@ class TransformersEngine(ControlPlane, LoraControl, EngineCore):
         stats["preemptions"] = self.scheduler.preemptions
         if self.drafter is not None:
             stats.update(self.drafter.stats())
+        stats.update(self._lora_stats())
         stats["decode_path"] = self.decode_path.describe()
         stats["pid"] = os.getpid()  # the worker process, for memory checks (bench reads its /proc status)
         return stats

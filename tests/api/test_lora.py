@@ -49,6 +49,8 @@ def test_a_request_names_its_adapter_as_its_model(served):
     assert chat.status_code == 200 and chat.json["model"] == "first"
     missing = client.simulate_post("/v1/completions", json={**BODY, "model": "nobody"})
     assert missing.status_code == 404 and missing.json["error"]["param"] == "model"
+    metrics = client.simulate_get("/metrics").text
+    assert 'gyrfalcon:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
     spec = client.simulate_get("/openapi.json").json
     assert "/v1/load_lora_adapter" in spec["paths"]
     assert "enum" not in spec["components"]["schemas"]["CompletionRequest"]["properties"]["model"]  # adapters come and go

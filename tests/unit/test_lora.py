@@ -188,6 +188,8 @@ def test_unloading_ends_the_requests_waiting_for_the_adapter_and_lets_the_runnin
         running = engine.submit(EngineRequest("run", [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True), lora_name="first"))
         engine.core.batcher.step()  # it runs (one sequence at a time)
         waiting = engine.submit(EngineRequest("wait", [8, 9], SamplingParams(max_tokens=6, ignore_eos=True), lora_name="first"))
+        stats = engine.stats()  # what /metrics' lora_requests_info says
+        assert (stats["lora_running_adapters"], stats["lora_waiting_adapters"], stats["lora_max"]) == ("first", "first", 1)
         engine.unload_lora_adapter("first")
         while engine.core.batcher.step():
             pass

@@ -70,6 +70,19 @@ class LoraControl:
             self._fail(state, EngineError(f"the LoRA adapter '{lora_name}' was unloaded before the request ran",
                                           type=Kind.NOT_FOUND, param="model"))  # fmt: skip
 
+    def _lora_stats(self) -> dict[str, Any]:
+        """For ``/metrics``' ``lora_requests_info`` (vLLM's): the adapters of the running requests and
+        of the waiting ones (comma-separated names), and ``--max-loras``; empty without the flag."""
+        if self.lora is None:
+            return {}
+        with self._lock:
+            running = {id(state) for state in self.scheduler.running}
+            named = [(state.request.lora_name, id(state) in running) for state in self._live.values()
+                     if state.request.lora_name is not None]  # fmt: skip
+        return {"lora_running_adapters": ",".join(sorted({n for n, runs in named if runs})),
+                "lora_waiting_adapters": ",".join(sorted({n for n, runs in named if not runs})),
+                "lora_max": self.lora.max_loras}  # fmt: skip
+
     def lora_adapters(self) -> list[list[str]]:
         if self.lora is None:
             return []
