@@ -84,9 +84,7 @@ class LoraControl:
                 "lora_max": self.lora.max_loras}  # fmt: skip
 
     def lora_adapters(self) -> list[list[str]]:
-        if self.lora is None:
-            return []
-        return [[name, self.lora.get(name).path] for name in self.lora.names() if self.lora.get(name) is not None]
+        return [] if self.lora is None else [[adapter.name, adapter.path] for adapter in self.lora.held()]
 
 
 def _refusal(exc: AdapterError) -> RequestError:

@@ -36,8 +36,8 @@ class AdapterError(ValueError):
 @dataclass
 class LoraAdapter:
     """An adapter's low-rank factors by ``(layer, module)``: ``A`` ``[r, in]``, ``B`` ``[out, r]``,
-    both fp32; a row's projection gains ``scaling · (x Aᵀ) Bᵀ`` (computed from the registry's
-    stacked factors, :mod:`~gyrfalcon.engine.lora.registry`)."""
+    both fp32; a row's projection gains ``scaling · (x Aᵀ) Bᵀ``. Loaded into the registry, they
+    move into its stacked factors (:mod:`~gyrfalcon.engine.lora.registry`) and ``factors`` empties."""
 
     name: str
     path: str

@@ -69,6 +69,7 @@ class LoraRegistry:
             adapter.columns = (adapter.slot * self.max_rank, (adapter.slot + 1) * self.max_rank)
             self._write(adapter)
             self.active.update(adapter.factors)
+            adapter.factors = {}  # (the stacks hold them now: not twice in memory)
             if name in self._adapters:
                 self._retired.append(self._adapters[name])
             self._adapters[name] = adapter
@@ -104,5 +105,5 @@ class LoraRegistry:
     def get(self, name: str) -> LoraAdapter | None:
         return self._adapters.get(name)
 
-    def names(self) -> list[str]:
-        return list(self._adapters)
+    def held(self) -> list[LoraAdapter]:
+        return list(self._adapters.values())

@@ -288,8 +288,9 @@ class ModelRunner:
         parts = [ids, positions, slots, keep, [o for o, _ in decode], [w.start for _, w in decode], decode_rows]
         views = staging.send_step(parts, table, riding(works), self.device)
         step = StepMetadata(self.cache, views[2], attention=self.attention, rows_in_place=self.rows_in_place)
-        step.lora = LoraRows.of([(getattr(w.owner, "lora", None), o, len(w.tokens)) for o, w in [*decode, *prefill]],
-                                self.device)  # fmt: skip
+        if any(getattr(w.owner, "lora", None) is not None for w in works):  # (--enable-lora, an adapter's rows)
+            step.lora = LoraRows.of([(w.owner.lora if w.owner else None, o, len(w.tokens)) for o, w in [*decode, *prefill]],
+                                    self.device)  # fmt: skip
         if decode:
             step.decode_rows, step.decode_positions = views[4], views[5]
             step.decode_blocks = table.rows(views[6], -(-max(w.start + 1 for _, w in decode) // bs))
