@@ -1615,8 +1615,10 @@ class UnloadLoraAdapterRequest(BaseModel):
     )
     lora_name: Annotated[str, Field(max_length=256, min_length=1)]
     lora_int_id: Annotated[
-        int | None | MISSING,
-        Field(description="vLLM's; adapters are known here by name.", ge=0),
+        None | MISSING,
+        Field(
+            description="vLLM's; adapters are known here by name, so only null is accepted."
+        ),
     ] = MISSING
 
 

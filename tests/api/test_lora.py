@@ -75,6 +75,8 @@ def test_adapters_load_and_unload_while_serving(served, tmp_path):
         assert (refused.status_code, refused.json["error"]["param"]) == (status, param), (body, refused.json)
     assert load({"lora_name": "second", "lora_path": str(first), "load_inplace": True}).status_code == 200
     assert client.simulate_post("/v1/completions", json={**BODY, "model": "second"}).json["choices"][0]["text"] == _text(engine, "first")
+    with_id = client.simulate_post("/v1/unload_lora_adapter", json={"lora_name": "second", "lora_int_id": 2})
+    assert with_id.status_code == 400 and with_id.json["error"]["param"] == "lora_int_id"  # refused, not ignored
     unload = lambda: client.simulate_post("/v1/unload_lora_adapter", json={"lora_name": "second"})  # noqa: E731
     assert unload().text == "Success: LoRA adapter 'second' removed successfully."
     again = unload()
