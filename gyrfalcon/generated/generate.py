@@ -369,7 +369,7 @@ class GenerateRequest(BaseModel):
     model: Annotated[
         str | None | MISSING,
         Field(
-            description="A served model name (GET /v1/models); default the first one."
+            description="A served model name (GET /v1/models), or with --enable-lora a loaded LoRA adapter's; default the first one."
         ),
     ] = MISSING
     stream: bool | None = False

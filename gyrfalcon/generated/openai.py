@@ -109,7 +109,7 @@ class CompletionRequest(BaseModel):
     model: Annotated[
         str | None | MISSING,
         Field(
-            description="A served model name (GET /v1/models); default the first one."
+            description="A served model name (GET /v1/models), or with --enable-lora a loaded LoRA adapter's; default the first one."
         ),
     ] = MISSING
     prompt: Annotated[
@@ -405,7 +405,7 @@ class ChatCompletionRequest(BaseModel):
     model: Annotated[
         str | None | MISSING,
         Field(
-            description="A served model name (GET /v1/models); default the first one."
+            description="A served model name (GET /v1/models), or with --enable-lora a loaded LoRA adapter's; default the first one."
         ),
     ] = MISSING
     max_tokens: Annotated[
@@ -672,7 +672,7 @@ class BatchChatCompletionRequest(BaseModel):
     model: Annotated[
         str | None | MISSING,
         Field(
-            description="A served model name (GET /v1/models); default the first one."
+            description="A served model name (GET /v1/models), or with --enable-lora a loaded LoRA adapter's; default the first one."
         ),
     ] = MISSING
     max_tokens: Annotated[
@@ -1261,7 +1261,7 @@ class ResponsesRequest(BaseModel):
     model: Annotated[
         str | None | MISSING,
         Field(
-            description="A served model name (GET /v1/models); default the first one."
+            description="A served model name (GET /v1/models), or with --enable-lora a loaded LoRA adapter's; default the first one."
         ),
     ] = MISSING
     instructions: Annotated[
@@ -1528,7 +1528,7 @@ class TokenizeCompletionRequest(BaseModel):
     model: Annotated[
         str | None | MISSING,
         Field(
-            description="A served model name (GET /v1/models); default the first one."
+            description="A served model name (GET /v1/models), or with --enable-lora a loaded LoRA adapter's; default the first one."
         ),
     ] = MISSING
     prompt: Annotated[str, Field(description="The text to tokenize.")]
@@ -1551,7 +1551,7 @@ class TokenizeChatRequest(BaseModel):
     model: Annotated[
         str | None | MISSING,
         Field(
-            description="A served model name (GET /v1/models); default the first one."
+            description="A served model name (GET /v1/models), or with --enable-lora a loaded LoRA adapter's; default the first one."
         ),
     ] = MISSING
     messages: Annotated[list[ChatMessage], Field(max_length=256, min_length=1)]
@@ -1632,7 +1632,7 @@ class DetokenizeRequest(BaseModel):
     model: Annotated[
         str | None | MISSING,
         Field(
-            description="A served model name (GET /v1/models); default the first one."
+            description="A served model name (GET /v1/models), or with --enable-lora a loaded LoRA adapter's; default the first one."
         ),
     ] = MISSING
     tokens: Annotated[

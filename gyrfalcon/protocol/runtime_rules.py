@@ -79,7 +79,8 @@ RUNTIME_RULES: tuple[RuntimeRule, ...] = (
     RuntimeRule(
         "model_served",
         "model",
-        "model, when given, is a served model name (404 otherwise; enum in the served spec).",
+        "model, when given, is a served model name, or with --enable-lora a loaded LoRA adapter's (which the "
+        "engine decides at submit); 404 otherwise. The served spec's enum lists the names without --enable-lora.",
         "gyrfalcon.protocol.translate:Translator._model_name",
     ),
     RuntimeRule(
