@@ -201,7 +201,7 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
         steps = [[Work([5, 6], 0, scratch, "all"), Work([7], 0, scratch)], [Work([5], 1, scratch), Work([6], 1, scratch)]]
         log.warning("forward: %s", runner.check_direct(steps, required=cfg.model_impl == "direct" or cfg.enable_lora))
         log.warning("attention: %s", runner.check_attention(steps, required=cfg.attention_backend == "flex"))
-        if not cfg.enforce_eager and not cfg.enable_lora:  # decode rows' layers in one call where that gives the operators' bits
+        if not cfg.enforce_eager:  # decode rows' layers in one call where that gives the operators' bits
             log.warning("decode layers: %s", runner.check_layer_loop(scratch))
         started = time.perf_counter()
         if runner.decode_steps is not None:
@@ -209,7 +209,8 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
         elif runner.direct is not None and runner.direct.layer_loop is not None:
             path = DecodePath("native", runner.direct.layer_loop.describe())
         else:
-            path = DecodePath("eager", "--enforce-eager" if cfg.enforce_eager else "--enable-lora" if cfg.enable_lora else
+            path = DecodePath("eager", "--enforce-eager" if cfg.enforce_eager else
+                              "--enable-lora, and the decode layers' loop does not serve here" if cfg.enable_lora else
                               "--no-compile-decode" if device == "cpu" else "no fast path on this device")  # fmt: skip
         log.warning("decode path: %s (prepared in %.1f s)", path.describe(), time.perf_counter() - started)
         speculative, speculates = _speculation(cfg, runner, scratch)

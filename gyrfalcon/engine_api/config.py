@@ -75,6 +75,10 @@ class SpeculativeConfig:
                 f"{self.prompt_lookup_min} to {self.prompt_lookup_max})")  # fmt: skip
 
 
+#: the largest --max-lora-rank (vLLM's; ``lora_add.c``'s MAX_RANK)
+MAX_LORA_RANK = 512
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     """vLLM's LoRA flags: ``enable_lora``, the adapters served from start-up (``lora_modules``,
@@ -101,6 +105,8 @@ class LoraConfig:
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"--max-loras and --max-lora-rank must be at least 1, got {self.max_loras} and "
                              f"{self.max_lora_rank}")  # fmt: skip
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"--max-lora-rank must be at most {MAX_LORA_RANK} (vLLM's largest), got {self.max_lora_rank}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         names = []

@@ -125,6 +125,29 @@ def test_two_adapters_never_share_cached_blocks(tiny_model_dir, tmp_path):
     assert base[0] != adapted[0] or base[1] != adapted[1]
 
 
+def test_int4_decode_steps_with_adapters_run_in_the_layer_loop_to_the_operators_bits(tiny_model_dir, tmp_path):
+    """With int4 layers, a step of decode rows over two adapters and the base model runs its layers
+    in one call of ``decode_layers.c`` (the adapters' products by ``lora_add.c`` inside it) and gives
+    the operator-by-operator engine's tokens and log-probabilities bit for bit; and each row's bits
+    are its own, alone or beside the others (each product summed in one fixed order)."""
+    first = write_adapter(tiny_model_dir, tmp_path / "first", seed=1)
+    second = write_adapter(tiny_model_dir, tmp_path / "second", seed=2, rank=8, alpha=4.0, targets=("q_proj", "down_proj"))
+    lora = dict(quantization="int4", enable_lora=True, lora_modules=[f"first={first}", f"second={second}"], max_loras=2,
+                max_lora_rank=8)  # fmt: skip
+    seeded = dict(temperature=0.8, seed=11, max_tokens=12, ignore_eos=True, logprobs=2)
+    names = [name for name in ("first", "second", None) for _ in PROMPTS]
+    requests = [EngineRequest(f"r{i}", PROMPTS[i % 3], SamplingParams(**seeded), lora_name=name) for i, name in enumerate(names)]
+    operators = _answers(tiny_settings(tiny_model_dir, **lora), requests, together=False)
+    looped = tiny_settings(tiny_model_dir, enforce_eager=False, compile_decode=False, **lora)
+    engine = create_transformers_engine(looped)
+    try:
+        assert engine.wait_ready(60).ready and engine.core.decode_path.name == "native", engine.core.decode_path
+    finally:
+        engine.shutdown(0)
+    assert _answers(looped, requests, together=False) == operators
+    assert _answers(looped, requests, together=True) == operators
+
+
 @pytest.mark.parametrize(("change", "why"), [
     (dict(rank=32), "above --max-lora-rank 16"),
     (dict(bias="all"), "bias 'all' is not served"),

@@ -1,7 +1,8 @@
 """The adapters an engine holds, by name: at most ``--max-loras`` of them, each checked against the
 served layers when it is loaded (:func:`~gyrfalcon.engine.lora.peft.read_adapter`) and written into
-a slot of every projection's stacked factors — ``A`` ``[slots · r, in]``, ``B`` ``[out, slots · r]``
-with the adapter's scaling in it, ``r`` the largest rank, zeros past an adapter's own — so that a
+a slot of every projection's stacked factors — ``A`` ``[slots · r, in]``, ``B`` transposed
+``[slots · r, out]`` with the adapter's scaling in it (a slot's rows whole, for ``lora_add.c``),
+``r`` the largest rank, zeros past an adapter's own — so that a
 step computes every adapter's product for a projection in two matmuls
 (:mod:`~gyrfalcon.engine.lora.step`). There is one slot more than ``--max-loras``: an adapter
 unloaded or replaced keeps its slot while requests still run with it, and a load reclaims the slots
@@ -37,9 +38,9 @@ class LoraRegistry:
                  device: torch.device | str) -> None:  # fmt: skip
         self.shapes, self.max_loras, self.max_rank, self.device = shapes, max_loras, max_rank, str(device)
         self.slots = max_loras + 1
-        #: per ``(layer, module)``: the stacked ``A`` and (scaled) ``B`` of every slot
+        #: per ``(layer, module)``: the stacked ``A`` and (scaled) ``Bᵀ`` of every slot
         self.stacks = {key: (torch.zeros(self.slots * max_rank, columns, device=device),
-                             torch.zeros(rows, self.slots * max_rank, device=device))
+                             torch.zeros(self.slots * max_rank, rows, device=device))
                        for key, (rows, columns) in shapes.items()}  # fmt: skip
         #: the projections some adapter held (or retired) has factors for: the others are left alone
         self.active: set[tuple[int, str]] = set()
@@ -80,14 +81,14 @@ class LoraRegistry:
         """The adapter's factors into its slot of every projection's stacks (zeros where it has none).
         The slot is no row's (free): a step reading the stacks meanwhile multiplies it by zero."""
         first = adapter.slot * self.max_rank
-        for key, (a_stack, b_stack) in self.stacks.items():
+        for key, (a_stack, bt_stack) in self.stacks.items():
             a_stack[first : first + self.max_rank].zero_()
-            b_stack[:, first : first + self.max_rank].zero_()
+            bt_stack[first : first + self.max_rank].zero_()
             pair = adapter.factors.get(key)
             if pair is not None:
                 a, b = pair
                 a_stack[first : first + adapter.rank].copy_(a)
-                b_stack[:, first : first + adapter.rank].copy_(b * adapter.scaling)
+                bt_stack[first : first + adapter.rank].copy_((b * adapter.scaling).T)
 
     def _check_room(self, name: str, replace: bool) -> None:
         if name in self._adapters and not replace:

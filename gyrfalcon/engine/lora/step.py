@@ -1,11 +1,12 @@
 """One step's rows by the adapter each runs with, and the low-rank products added to their projections.
 
 Rows of different adapters (and rows of none) share the step: the base layers run once over every
-row, then each projection some adapter targets adds ``((x Aᵀ) ∘ M) Bᵀ`` to every row — ``A`` and
-``B`` the registry's stacks of every slot (``B`` scaled), ``M`` ``[T, slots · r]`` one over each
-row's own slot's columns and zero elsewhere, so a row gains exactly its adapter's product (a row of
-none gains zeros). Two matmuls a projection whatever the mix (the idea of vLLM's punica kernels,
-with torch operators).
+row, then each projection some adapter targets adds ``(x A_sᵀ) B_sᵀ`` to every row of slot ``s``
+— ``A`` and ``Bᵀ`` the registry's stacks of every slot (``B`` scaled), a row of none gaining
+nothing (the idea of vLLM's punica kernels). On the CPU ``lora_add.c`` computes them (each row in
+one fixed order, so it gets the same bits alone and in any batch, and ``decode_layers.c`` calls
+the same kernel for steps of decode rows); elsewhere two matmuls a projection over the product
+masked to each row's own slot's columns.
 """
 
 from __future__ import annotations
@@ -15,12 +16,19 @@ from typing import Any
 
 import torch
 
+from gyrfalcon.engine.lora.peft import TARGETS
+from gyrfalcon.kernels import native
+
 
 class LoraRows:
-    """``mask``: the step's ``M``; ``stacks`` and ``active``: the registry's (see the module docstring)."""
+    """``slots``: each row's slot (-1: the base model's), ``[T]`` on the CPU; ``rank``: the columns
+    of a slot; ``stacks`` and ``active``: the registry's (see the module docstring)."""
 
-    def __init__(self, mask: torch.Tensor, stacks: dict, active: set) -> None:
-        self.mask, self.stacks, self.active = mask, stacks, active
+    def __init__(self, slots: torch.Tensor, rank: int, stacks: dict, active: set, device: torch.device | str) -> None:
+        self.slots, self.rank, self.stacks, self.active = slots, rank, stacks, active
+        self.width = next(iter(stacks.values()))[0].shape[0]
+        self._device = device
+        self._mask: torch.Tensor | None = None
 
     @classmethod
     def of(cls, spans: Sequence[tuple[Any, int, int]], device: torch.device | str) -> LoraRows | None:
@@ -28,20 +36,49 @@ class LoraRows:
         held = [(adapter, first, count) for adapter, first, count in spans if adapter is not None and count]
         if not held:
             return None
-        stacks = held[0][0].stacks
-        width = next(iter(stacks.values()))[0].shape[0]
-        mask = torch.zeros(max(first + count for _, first, count in spans), width)
+        first_adapter = held[0][0]
+        slots = torch.full((max(first + count for _, first, count in spans),), -1, dtype=torch.long)
         for adapter, first, count in held:
-            mask[first : first + count, adapter.columns[0] : adapter.columns[1]] = 1.0
-        return cls(mask.to(device), stacks, held[0][0].active)
+            slots[first : first + count] = adapter.slot
+        rank = first_adapter.columns[1] - first_adapter.columns[0]
+        return cls(slots, rank, first_adapter.stacks, first_adapter.active, device)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """``[T, width]``: one over each row's own slot's columns, zero elsewhere (the operators' way)."""
+        if self._mask is None:
+            columns = torch.arange(self.width) // self.rank
+            self._mask = (columns[None, :] == self.slots[:, None]).float().to(self._device)
+        return self._mask
+
+    def table(self, layers: int) -> torch.Tensor:
+        """``[layers, 14]``: each layer's ``A`` and ``Bᵀ`` stacks' addresses for every projection of
+        :data:`~gyrfalcon.engine.lora.peft.TARGETS`, in its order (0 where no adapter targets it):
+        ``decode_layers.c``'s ``lora_table``."""
+        rows = []
+        for layer in range(layers):
+            row = []
+            for module in TARGETS:
+                a, b = self.stacks[(layer, module)] if (layer, module) in self.active else (None, None)
+                row += [0, 0] if a is None else [a.data_ptr(), b.data_ptr()]
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.long)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
         """Add every row's adapter product of ``module`` in ``layer`` to ``y`` (``x``: the
         projection's input rows, all of the step's)."""
         if (layer, module) not in self.active:
             return
-        a, b = self.stacks[(layer, module)]
-        if y.dtype == torch.float32:
-            y.addmm_((x @ a.T).mul_(self.mask), b.T)
+        a, bt = self.stacks[(layer, module)]
+        kernels = native.loaded()
+        if (kernels is not None and y.dtype == x.dtype == torch.float32 and y.device.type == "cpu"
+                and y.stride(-1) == 1 and x.stride(-1) == 1 and x.shape[0] == self.slots.shape[0]):  # fmt: skip
+            status = kernels.lora_add(x.data_ptr(), x.stride(0), a.data_ptr(), bt.data_ptr(), self.slots.data_ptr(),
+                                      y.data_ptr(), y.stride(0), x.shape[0], x.shape[1], y.shape[1], self.rank,
+                                      self.width, torch.get_num_threads())  # fmt: skip
+            if status:
+                raise ValueError(f"lora_add refused a rank of {self.rank} (status {status})")
+        elif y.dtype == torch.float32:
+            y.addmm_((x @ a.T).mul_(self.mask), bt)
         else:
-            y.add_((((x.float() @ a.T) * self.mask) @ b.T).to(y.dtype))
+            y.add_((((x.float() @ a.T) * self.mask) @ bt).to(y.dtype))

@@ -225,7 +225,7 @@ class DirectDecoder:
         hidden = self.embed(input_ids)
         x = hidden[0]
         tokens = x.shape[0]
-        if (self.layer_loop is not None and step.lora is None and _decode_rows_only(step, tokens)
+        if (self.layer_loop is not None and _decode_rows_only(step, tokens)
                 and not torch.compiler.is_compiling()):  # fmt: skip
             x = self.layer_loop(x, positions[0], step)
         else:

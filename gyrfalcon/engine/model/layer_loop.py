@@ -64,6 +64,7 @@ class LayerLoop:
         self.inputs = first.qkv.inputs
         self.inputs_code = INPUT_CODES[self.inputs]
         self._table: tuple[object, torch.Tensor] | None = None
+        self._adapters: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def _layers(self, cache) -> torch.Tensor:
         """The ``[layers, 17]`` table over ``cache`` (made once per cache), in the order of
@@ -84,6 +85,14 @@ class LayerLoop:
         self._table = (cache, table)
         return table
 
+    def _lora_table(self, lora) -> torch.Tensor:
+        """``lora``'s (:class:`~gyrfalcon.engine.lora.step.LoraRows`) stacks for ``decode_layers.c``,
+        made again only when the registry's projections with an adapter change (they only grow)."""
+        key = (id(lora.stacks), len(lora.active))
+        if self._adapters is None or self._adapters[0] != key:
+            self._adapters = (key, lora.table(len(self.decoder.layers)))
+        return self._adapters[1]
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, step) -> torch.Tensor:
         cache = step.cache
         table = self._layers(cache)
@@ -92,12 +101,16 @@ class LayerLoop:
         slots = step.slot_mapping.contiguous()
         x = x.contiguous()
         rows = x.shape[0]
+        lora = step.lora
+        lora_table = self._lora_table(lora) if lora is not None else None
         if rows:
             status = native.loaded().decode_layers(
                 table.data_ptr(), table.shape[0], x.data_ptr(), rows, x.shape[1], self.heads, self.kv_heads, self.dim,
                 self.intermediate, positions.data_ptr(), slots.data_ptr(), blocks.data_ptr(), blocks.shape[1],
                 cache.block_size, self.decoder.rotary.cos.data_ptr(), self.decoder.rotary.sin.data_ptr(), self.eps,
-                self.scale, CACHE_FORMATS[cache.keys[0].dtype], self.inputs_code, torch.get_num_threads())
+                self.scale, CACHE_FORMATS[cache.keys[0].dtype], self.inputs_code,
+                None if lora is None else lora_table.data_ptr(), None if lora is None else lora.slots.data_ptr(),
+                0 if lora is None else lora.rank, 0 if lora is None else lora.width, torch.get_num_threads())
             if status:
                 raise MemoryError(f"decode_layers failed ({status}: -1 a buffer, -2 or -3 a shape a kernel does "
                                   "not take)")

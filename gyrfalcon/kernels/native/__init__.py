@@ -11,6 +11,7 @@ and called through ctypes (which drops the GIL for the call); they need no torch
 - ``one_query_attention.c``: a decode row's attention over its KV blocks, read in place, and
   ``prefill_attention.c``: a prefill's groups of rows over theirs
   (:mod:`~gyrfalcon.engine.model.one_query`);
+- ``lora_add.c``: the LoRA adapters' products of a step's rows (:mod:`~gyrfalcon.engine.lora.step`);
 - ``decode_layers.c``: every decoder layer of a step of decode rows in one call, through the
   kernels above (:mod:`~gyrfalcon.engine.model.layer_loop`).
 
@@ -61,7 +62,8 @@ _SIGNATURES = {
     "one_query_attention": ([_POINTER] * 6 + [_LONG] * 7 + [ctypes.c_float, _INT, _INT], _INT),
     "prefill_attention": ([_POINTER] * 6 + [_LONG] * 7 + [ctypes.c_float, _INT, _INT], _INT),
     "decode_layers": ([_POINTER, _LONG, _POINTER] + [_LONG] * 6 + [_POINTER] * 3 + [_LONG] * 2 + [_POINTER] * 2
-                      + [ctypes.c_float] * 2 + [_INT] * 3, _INT),
+                      + [ctypes.c_float] * 2 + [_INT] * 2 + [_POINTER] * 2 + [_LONG] * 2 + [_INT], _INT),
+    "lora_add": ([_POINTER, _LONG] + [_POINTER] * 4 + [_LONG] * 6 + [_INT], _INT),
     "silu_mul": ([_POINTER] * 3 + [_LONG], None),
 }
 

@@ -2,8 +2,9 @@
  * Llama-shaped layer of gyrfalcon/engine/model/decoder.py (RMSNorm, fused q/k/v in int4, rotary
  * embedding from a cos/sin table, the new keys and values written to their cache slots, attention
  * over the row's blocks in place, o_proj and the residual, RMSNorm, fused gate/up in int4,
- * silu(gate) · up, down_proj and the residual), layer after layer, on the hidden states x in place.
- * Called by gyrfalcon/engine/model/layer_loop.py.
+ * silu(gate) · up, down_proj and the residual), layer after layer, on the hidden states x in place;
+ * each projection an adapter targets gains its rows' LoRA products (lora_add.c) where the operators
+ * add them. Called by gyrfalcon/engine/model/layer_loop.py.
  *
  * Why: the eager step calls about 40 operators a layer (1,200 a step on the default model), whose
  * dispatch cost more than their arithmetic at small batches; a compiled step fused them, but took
@@ -35,12 +36,33 @@ int mean_square(const float *x, float *out, long rows, long width, int threads);
 int one_query_attention(const float *q, const void *keys, const void *values, const int64_t *blocks,
                         const int64_t *positions, float *out, long rows, long heads, long kv_heads, long dim,
                         long table_width, long block_size, long window, float scale, int format, int threads);
+int lora_add(const float *x, long x_stride, const float *a, const float *b, const int64_t *slots, float *y,
+             long y_stride, long rows, long in, long out, long rank, long width, int threads);
 
 /* one layer's fields, as layer_loop.py's LayerLoop._layers lays them out */
 enum {
     QKV_NIBBLES, QKV_SCALES, QKV_BIAS, O_NIBBLES, O_SCALES, O_BIAS, GATE_UP_NIBBLES, GATE_UP_SCALES, GATE_UP_BIAS,
     DOWN_NIBBLES, DOWN_SCALES, DOWN_BIAS, INPUT_NORM, POST_NORM, KEYS, VALUES, WINDOW, FIELDS
 };
+
+/* one layer's LoRA stacks (A then B of each projection; 0: no adapter targets it), as
+ * layer_loop.py's LayerLoop._adapters lays them out */
+enum { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, LORA_FIELDS = 2 * (LORA_DOWN + 1) };
+
+/* the adapters' rows of a step: their slots (-1: none), each layer's stacks, their rank and width */
+struct adapters {
+    const int64_t *table, *slots;
+    long rank, width;
+};
+
+/* y += the rows' products of projection `module` of the layer whose stacks are `stacks` (none: nothing) */
+static int add_lora(const struct adapters *lora, const int64_t *stacks, int module, const float *x, long x_stride,
+                    float *y, long y_stride, long rows, long in, long out, int threads) {
+    if (lora->table == NULL || stacks[2 * module] == 0) return 0;
+    return lora_add(x, x_stride, (const float *)(intptr_t)stacks[2 * module],
+                    (const float *)(intptr_t)stacks[2 * module + 1], lora->slots, y, y_stride, rows, in, out,
+                    lora->rank, lora->width, threads);
+}
 
 /* `p` kept as computed, rounded to fp32, before whatever sum it feeds: -ffp-contract=fast would fuse the two */
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
@@ -187,12 +209,15 @@ static int linear(int inputs, const float *x, const int64_t *layer, int field, f
 
 /* x[rows, hidden] through every layer of `layers` (FIELDS pointers each), in place. Row b is the
  * token at positions[b], its keys and values written to slots[b], its context read through
- * blocks[b, :table_width]; cos/sin: [positions, dim] tables. Returns 0, -1 where a buffer could not
- * be had, or a kernel's own failure. */
+ * blocks[b, :table_width]; cos/sin: [positions, dim] tables. lora_table ([count, LORA_FIELDS]
+ * pointers; NULL: no adapter) and lora_slots, lora_rank, lora_width: lora_add.c's. Returns 0, -1
+ * where a buffer could not be had, or a kernel's own failure. */
 int decode_layers(const int64_t *layers, long count, float *x, long rows, long hidden, long heads, long kv_heads,
                   long dim, long intermediate, const int64_t *positions, const int64_t *slots, const int64_t *blocks,
                   long table_width, long block_size, const float *cos, const float *sin, float eps, float scale,
-                  int format, int inputs, int threads) {
+                  int format, int inputs, const int64_t *lora_table, const int64_t *lora_slots, long lora_rank,
+                  long lora_width, int threads) {
+    const struct adapters lora = {lora_table, lora_slots, lora_rank, lora_width};
     long q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
     if (dim > 512 || dim % 2) return -3;
     size_t floats = (size_t)rows * (hidden * 3 + qkv_width + q_width * 2 + intermediate * 3 + 1);
@@ -203,10 +228,18 @@ int decode_layers(const int64_t *layers, long count, float *x, long rows, long h
     float *act = gate_up + rows * 2 * intermediate, *squares = act + rows * intermediate;
     int status = 0;
     for (long l = 0; l < count && status == 0; l++) {
-        const int64_t *layer = layers + l * FIELDS;
+        const int64_t *layer = layers + l * FIELDS, *stacks = lora_table ? lora_table + l * LORA_FIELDS : NULL;
         char *keys = (char *)(intptr_t)layer[KEYS], *values = (char *)(intptr_t)layer[VALUES];
         status = rms_norm(x, (const float *)(intptr_t)layer[INPUT_NORM], normed, squares, rows, hidden, eps, threads);
         if (status == 0) status = linear(inputs, normed, layer, QKV_NIBBLES, qkv, rows, qkv_width, hidden, threads);
+        if (status == 0)
+            status = add_lora(&lora, stacks, LORA_Q, normed, hidden, qkv, qkv_width, rows, hidden, q_width, threads);
+        if (status == 0)
+            status = add_lora(&lora, stacks, LORA_K, normed, hidden, qkv + q_width, qkv_width, rows, hidden, kv_width,
+                              threads);
+        if (status == 0)
+            status = add_lora(&lora, stacks, LORA_V, normed, hidden, qkv + q_width + kv_width, qkv_width, rows,
+                              hidden, kv_width, threads);
         if (status) break;
         for (long b = 0; b < rows; b++) {
             float *row = qkv + b * qkv_width, *k = row + q_width, *v = k + kv_width;
@@ -221,16 +254,28 @@ int decode_layers(const int64_t *layers, long count, float *x, long rows, long h
         status = one_query_attention(q, keys, values, blocks, positions, attended, rows, heads, kv_heads, dim,
                                      table_width, block_size, layer[WINDOW], scale, format, threads);
         if (status == 0) status = linear(inputs, attended, layer, O_NIBBLES, projected, rows, hidden, q_width, threads);
+        if (status == 0)
+            status = add_lora(&lora, stacks, LORA_O, attended, q_width, projected, hidden, rows, q_width, hidden,
+                              threads);
         if (status) break;
         for (long i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];
         status = rms_norm(x, (const float *)(intptr_t)layer[POST_NORM], normed, squares, rows, hidden, eps, threads);
         if (status == 0)
             status = linear(inputs, normed, layer, GATE_UP_NIBBLES, gate_up, rows, 2 * intermediate, hidden, threads);
+        if (status == 0)
+            status = add_lora(&lora, stacks, LORA_GATE, normed, hidden, gate_up, 2 * intermediate, rows, hidden,
+                              intermediate, threads);
+        if (status == 0)
+            status = add_lora(&lora, stacks, LORA_UP, normed, hidden, gate_up + intermediate, 2 * intermediate, rows,
+                              hidden, intermediate, threads);
         if (status) break;
         for (long b = 0; b < rows; b++)
             silu_mul(gate_up + b * 2 * intermediate, gate_up + b * 2 * intermediate + intermediate,
                      act + b * intermediate, intermediate);
         status = linear(inputs, act, layer, DOWN_NIBBLES, projected, rows, hidden, intermediate, threads);
+        if (status == 0)
+            status = add_lora(&lora, stacks, LORA_DOWN, act, intermediate, projected, hidden, rows, intermediate,
+                              hidden, threads);
         if (status == 0)
             for (long i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];
     }
