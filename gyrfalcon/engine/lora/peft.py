@@ -14,9 +14,11 @@ import errno
 import json
 import math
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 #: the projections an adapter may target
@@ -33,10 +35,50 @@ class AdapterError(ValueError):
         self.param, self.found = param, found
 
 
+#: the safetensors dtypes an adapter's factors may have, as numpy reads them (bf16: its 16 bits)
+_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+
+
+def file_tensors(path: Path) -> dict[str, np.ndarray]:
+    """The tensors of the safetensors file ``path`` as numpy arrays — fp32 and fp16 views of its
+    bytes, read in one call; bf16 widened to fp32 — for the registry to copy into its stacks (numpy,
+    not torch: a call of either costs more than the copy of a factor, and an adapter has hundreds);
+    an :class:`AdapterError` for a file that is not safetensors or holds another dtype."""
+    with open(path, "rb") as f:
+        size = path.stat().st_size
+        try:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                raise ValueError("its header runs past the end")
+            header = json.loads(f.read(length))
+            data = np.empty(size - 8 - length, dtype=np.uint8)  # (not zeroed first, as a bytearray is)
+            if f.readinto(data) != len(data):
+                raise ValueError("it ends early")
+        except (ValueError, struct.error, OSError) as exc:
+            raise AdapterError(f"adapter_model.safetensors is not a safetensors file: {exc}") from None
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = _DTYPES[entry["dtype"]], [int(n) for n in entry["shape"]], entry["data_offsets"]
+            count = math.prod(shape)
+            if not 0 <= begin <= end <= len(data) or end - begin != count * dtype.itemsize:
+                raise ValueError(f"its bytes {begin}..{end} do not hold {shape} {entry['dtype']}")
+        except (KeyError, TypeError, ValueError) as exc:
+            detail = f"dtype {entry.get('dtype')!r} is not served (F32, BF16, F16)" if isinstance(exc, KeyError) else exc
+            raise AdapterError(f"adapter_model.safetensors: tensor {name}: {detail}") from None
+        array = np.frombuffer(data, dtype, count, begin).reshape(shape)
+        if entry["dtype"] == "BF16":  # bf16 is fp32's upper half
+            array = (array.astype(np.uint32) << 16).view(np.float32)
+        tensors[name] = array
+    return tensors
+
+
 @dataclass
 class LoraAdapter:
-    """An adapter's low-rank factors by ``(layer, module)``: ``A`` ``[r, in]``, ``B`` ``[out, r]``,
-    both fp32; a row's projection gains ``scaling · (x Aᵀ) Bᵀ``. Loaded into the registry, they
+    """An adapter's low-rank factors by ``(layer, module)``: ``A`` ``[r, in]``, ``B`` ``[out, r]``
+    (on the CPU numpy views of its file: :func:`file_tensors`); a row's projection gains ``scaling · (x Aᵀ) Bᵀ``. Loaded into the registry, they
     move into its stacked factors (:mod:`~gyrfalcon.engine.lora.registry`) and ``factors`` empties."""
 
     name: str
@@ -88,9 +130,7 @@ def read_adapter(name: str, path: str, shapes: dict[tuple[int, str], tuple[int, 
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise AdapterError(f"adapter_config.json: lora_alpha must be a number, got {alpha!r}")
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(weights_file))
+    tensors = file_tensors(weights_file)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
@@ -109,7 +149,9 @@ def read_adapter(name: str, path: str, shapes: dict[tuple[int, str], tuple[int, 
         if tuple(a.shape) != (rank, inp) or tuple(b.shape) != (out, rank):
             raise AdapterError(f"layer {layer} {module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit "
                                f"a [{out}, {inp}] projection at rank {rank}")  # fmt: skip
-        adapter.factors[(layer, module)] = (a.to(device, torch.float32).contiguous(), b.to(device, torch.float32).contiguous())
+        if device != "cpu":
+            a, b = torch.from_numpy(a.astype(np.float32)).to(device), torch.from_numpy(b.astype(np.float32)).to(device)
+        adapter.factors[(layer, module)] = (a, b)
     if not adapter.factors:
         raise AdapterError(f"'{path}' holds no LoRA factor")
     return adapter

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from gyrfalcon.engine.lora.peft import AdapterError, LoraAdapter, read_adapter
@@ -78,17 +79,26 @@ class LoraRegistry:
 
     @torch.no_grad()
     def _write(self, adapter: LoraAdapter) -> None:
-        """The adapter's factors into its slot of every projection's stacks (zeros where it has none).
-        The slot is no row's (free): a step reading the stacks meanwhile multiplies it by zero."""
-        first = adapter.slot * self.max_rank
+        """The adapter's factors into its slot of every projection's stacks (zeros where it has none):
+        one pass over them, the scaling multiplied in as ``B`` is transposed (on the CPU through
+        numpy, whose calls cost a fraction of torch's). The slot is no row's (free): a step reading
+        the stacks meanwhile multiplies it by zero."""
+        first, rank, end = adapter.slot * self.max_rank, adapter.rank, (adapter.slot + 1) * self.max_rank
+        scaling = np.float32(adapter.scaling)
         for key, (a_stack, bt_stack) in self.stacks.items():
-            a_stack[first : first + self.max_rank].zero_()
-            bt_stack[first : first + self.max_rank].zero_()
             pair = adapter.factors.get(key)
-            if pair is not None:
-                a, b = pair
-                a_stack[first : first + adapter.rank].copy_(a)
-                bt_stack[first : first + adapter.rank].copy_((b * adapter.scaling).T)
+            if self.device == "cpu":
+                a_stack, bt_stack = a_stack.numpy(), bt_stack.numpy()
+            if pair is None:
+                a_stack[first:end], bt_stack[first:end] = 0, 0
+                continue
+            a, b = pair
+            a_stack[first : first + rank] = a
+            if isinstance(b, np.ndarray):
+                np.multiply(b.T, scaling, out=bt_stack[first : first + rank])
+            else:
+                torch.mul(b.T, adapter.scaling, out=bt_stack[first : first + rank])
+            a_stack[first + rank : end], bt_stack[first + rank : end] = 0, 0
 
     def _check_room(self, name: str, replace: bool) -> None:
         if name in self._adapters and not replace:
