@@ -10,7 +10,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from gyrfalcon.kernels.quant import QUANTIZATIONS
-from gyrfalcon.engine_api.config import LOGPROBS_MODES, LoraConfig, SpeculativeConfig
+from gyrfalcon.engine_api.config import LOGPROBS_MODES, LoraConfig, SpeculativeConfig, parse_lora_module
 from gyrfalcon.engine_api.lengths import default_request_tokens
 
 #: Environment variable through which `gyrfalcon serve` hands its settings to gunicorn workers.
@@ -120,7 +120,8 @@ class Settings:
     enable_prefix_caching: bool = option(True, "reuse the KV of equal prompt prefixes")
     enable_lora: bool = option(False, "serve LoRA adapters beside the base model (a request names one as its model)",
                                group=LORA)  # fmt: skip
-    lora_modules: list[str] = option(help="adapters served from start-up, each NAME=PATH (a PEFT folder)",
+    lora_modules: list[str] = option(help="adapters served from start-up, each NAME=PATH (a PEFT folder) or vLLM's JSON "
+                                          "object {\"name\", \"path\", \"base_model_name\"}",
                                      factory=list, nargs="+", group=LORA)  # fmt: skip
     max_loras: int = option(1, "most adapters held at once (each a slot of its own)", group=LORA)
     max_lora_rank: int = option(16, "the largest rank an adapter may have", group=LORA)
@@ -230,6 +231,11 @@ class Settings:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         SpeculativeConfig.parse(self.speculative_config)
         LoraConfig.of(self).check()
+        for module in self.lora_modules or ():
+            base = parse_lora_module(module)[2]
+            if base is not None and base not in self.served_names():
+                raise ValueError(f"--lora-modules: base_model_name {base!r} is not a served model "
+                                 f"({', '.join(self.served_names())})")  # fmt: skip
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"--kv-cache-memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:

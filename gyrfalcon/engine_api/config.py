@@ -75,6 +75,30 @@ class SpeculativeConfig:
                 f"{self.prompt_lookup_min} to {self.prompt_lookup_max})")  # fmt: skip
 
 
+def parse_lora_module(module: str) -> tuple[str, str, str | None]:
+    """One ``--lora-modules`` value in either of vLLM's forms, ``NAME=PATH`` or the JSON object
+    ``{"name": …, "path": …, "base_model_name": …}`` (the last optional): ``(name, path,
+    base_model_name)``; a ValueError of one line otherwise."""
+    if module.lstrip().startswith("{"):
+        try:
+            fields = json.loads(module)
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules: {module!r} is not a JSON object: {exc}") from None
+        unknown = sorted(set(fields) - {"name", "path", "base_model_name"}) if isinstance(fields, dict) else []
+        if unknown:
+            raise ValueError(f"--lora-modules: {', '.join(unknown)} not served (name, path, base_model_name are)")
+        if not isinstance(fields, dict) or not all(isinstance(fields.get(k), str) and fields[k] for k in ("name", "path")):
+            raise ValueError(f"--lora-modules: {module!r} needs a name and a path (strings)")
+        base = fields.get("base_model_name")
+        if base is not None and not isinstance(base, str):
+            raise ValueError(f"--lora-modules: base_model_name must be a string, got {base!r}")
+        return fields["name"], fields["path"], base
+    name, sep, path = module.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules: {module!r} is not NAME=PATH nor a JSON object")
+    return name, path, None
+
+
 #: the largest --max-lora-rank (vLLM's; ``lora_add.c``'s MAX_RANK)
 MAX_LORA_RANK = 512
 
@@ -98,7 +122,7 @@ class LoraConfig:
 
     def modules(self) -> dict[str, str]:
         """The adapters to load at start-up, by name (``check`` first)."""
-        return dict(module.split("=", 1) for module in self.lora_modules)
+        return {name: path for name, path, _ in map(parse_lora_module, self.lora_modules)}
 
     def check(self) -> None:
         """A ValueError of one line for flags that cannot serve."""
@@ -109,12 +133,7 @@ class LoraConfig:
             raise ValueError(f"--max-lora-rank must be at most {MAX_LORA_RANK} (vLLM's largest), got {self.max_lora_rank}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
-        names = []
-        for module in self.lora_modules:
-            name, sep, path = module.partition("=")
-            if not sep or not name or not path:
-                raise ValueError(f"--lora-modules: {module!r} is not NAME=PATH")
-            names.append(name)
+        names = [parse_lora_module(module)[0] for module in self.lora_modules]
         if len(set(names)) != len(names):
             raise ValueError("--lora-modules: an adapter name is given twice")
         if len(names) > self.max_loras:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,11 @@ from tests.conftest import tiny_settings
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+
+
+def _safetensors(header: dict, data_bytes: int) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + bytes(data_bytes)
 
 
 def write_adapter(base: str, out: Path, seed: int, rank: int = 4, alpha: float = 8.0, targets=TARGETS, **config) -> Path:
@@ -178,6 +184,21 @@ def test_an_adapter_of_another_shape_or_module_is_refused(tiny_model_dir, tmp_pa
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     with pytest.raises(AdapterError, match="lm_head"):
         read_adapter("ok", str(folder), shapes, max_rank=16)
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    (b"abc", "not a safetensors file"),
+    (struct.pack("<Q", 10**9), "header runs past the end"),
+    (struct.pack("<Q", 5) + b"[1,2]", "header is not a JSON object"),
+    (_safetensors({"x": {"dtype": "I8", "shape": [4], "data_offsets": [0, 4]}}, 4), "dtype 'I8' is not served"),
+    (_safetensors({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, 8), "do not hold \\[4\\] F32"),
+    (_safetensors({"x": {"dtype": "F32", "shape": [-1, 4], "data_offsets": [0, 16]}}, 16), "do not hold"),
+])  # fmt: skip
+def test_a_weights_file_that_is_not_safetensors_is_refused_naming_why(tiny_model_dir, tmp_path, content, why):
+    folder = write_adapter(tiny_model_dir, tmp_path / "bad", seed=3)
+    (folder / "adapter_model.safetensors").write_bytes(content)
+    with pytest.raises(AdapterError, match=why):
+        read_adapter("bad", str(folder), {}, max_rank=16)
 
 
 def test_unknown_adapters_and_flags_that_cannot_serve(tiny_model_dir, tmp_path):

@@ -51,6 +51,8 @@ def file_tensors(path: Path) -> dict[str, np.ndarray]:
             if length > size - 8:
                 raise ValueError("its header runs past the end")
             header = json.loads(f.read(length))
+            if not isinstance(header, dict):
+                raise ValueError("its header is not a JSON object")
             data = np.empty(size - 8 - length, dtype=np.uint8)  # (not zeroed first, as a bytearray is)
             if f.readinto(data) != len(data):
                 raise ValueError("it ends early")
@@ -61,9 +63,11 @@ def file_tensors(path: Path) -> dict[str, np.ndarray]:
         if name == "__metadata__":
             continue
         try:
+            if not isinstance(entry, dict):
+                raise ValueError("its entry is not a JSON object")
             dtype, shape, (begin, end) = _DTYPES[entry["dtype"]], [int(n) for n in entry["shape"]], entry["data_offsets"]
             count = math.prod(shape)
-            if not 0 <= begin <= end <= len(data) or end - begin != count * dtype.itemsize:
+            if min(shape, default=0) < 0 or not 0 <= begin <= end <= len(data) or end - begin != count * dtype.itemsize:
                 raise ValueError(f"its bytes {begin}..{end} do not hold {shape} {entry['dtype']}")
         except (KeyError, TypeError, ValueError) as exc:
             detail = f"dtype {entry.get('dtype')!r} is not served (F32, BF16, F16)" if isinstance(exc, KeyError) else exc

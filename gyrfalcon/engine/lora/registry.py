@@ -102,9 +102,11 @@ class LoraRegistry:
 
     def _check_room(self, name: str, replace: bool) -> None:
         if name in self._adapters and not replace:
-            raise AdapterError(f"an adapter named {name!r} is loaded already (load_inplace replaces it)", "lora_name")
+            raise AdapterError(f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in "
+                               "place, set 'load_inplace' to True.", "lora_name")  # fmt: skip
         if name not in self._adapters and len(self._adapters) >= self.max_loras:
-            raise AdapterError(f"{self.max_loras} adapters are loaded, the most --max-loras allows", "lora_name")
+            raise AdapterError(f"{self.max_loras} adapters are loaded, the most --max-loras allows (unload one first)",
+                               "lora_name")  # fmt: skip
 
     def unload(self, name: str) -> None:
         with self._lock:
