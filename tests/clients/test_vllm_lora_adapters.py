@@ -9,8 +9,10 @@ that leave the served ones alone. Where gyrfalcon answers otherwise, by design:
   ``modules_to_save``) is a 400 naming ``lora_path`` and why; vLLM answers a 500;
 - ``--max-loras`` bounds the adapters held (each has a slot of its own); vLLM's bounds those of one
   batch, the others waiting in a CPU cache (``--max-cpu-loras``): the server here holds sixteen;
-- the replaced adapter's new answer is checked against the same folder loaded under another name
-  (vLLM's adapters are trained to say "Meow" and "Woof"; these are random);
+- vLLM's "Meow" and "Woof" adapters are trained here, a few steps of plain torch on the tiny model
+  (:func:`~tests.unit.test_lora.train_adapter`), to answer its question so; they are asked greedily
+  (the tiny model's normed hidden states and small random head cap every token's probability near
+  1/512: sampled, any adapter's answer is noise);
 - vLLM's beam-search variant is left out: ``use_beam_search`` is refused (a 400 naming it).
 """
 
@@ -24,17 +26,28 @@ import openai
 import pytest
 
 from tests.live_server import start_server, stop_server
-from tests.unit.test_lora import write_adapter
+from tests.unit.test_lora import train_adapter, write_adapter
 
 pytestmark = pytest.mark.live
 
 MODEL = "tiny"
 
 
+QUESTION = [{"role": "user", "content": "What is your name?"}]
+GREEDY = dict(max_tokens=16, temperature=0)
+
+
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vllm-lora")
-    return {name: write_adapter(tiny_model_dir, folder / name, seed=seed) for seed, name in enumerate(("static", "meow", "woof"))}
+    from gyrfalcon.models.loading import load_tokenizer
+
+    folder, tokenizer = tmp_path_factory.mktemp("vllm-lora"), load_tokenizer(tiny_model_dir)
+    question = list(tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    found = {"static": write_adapter(tiny_model_dir, folder / "static", seed=0)}
+    for name, word in (("meow", "Meow"), ("woof", "Woof")):
+        answer = tokenizer.encode(f"{word} {word} {word}", add_special_tokens=False)
+        found[name] = train_adapter(tiny_model_dir, folder / name, [question], answer)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +87,17 @@ def _answer(client, model: str) -> list[float]:
 
 
 def test_load_lora_adapter_with_same_name_replaces_inplace(client, adapters):
-    assert "success" in load(client, {"lora_name": "replaceable-adapter", "lora_path": str(adapters["meow"])}).lower()
-    meow = _answer(client, "replaceable-adapter")
-    assert "success" in load(client, {"lora_name": "woof-reference", "lora_path": str(adapters["woof"])}).lower()
-    woof = _answer(client, "woof-reference")
-    assert meow != woof
-    body = {"lora_name": "replaceable-adapter", "lora_path": str(adapters["woof"]), "load_inplace": True}
-    assert "success" in load(client, body).lower()
-    assert _answer(client, "replaceable-adapter") == woof
+    adapter_name = "replaceable-adapter"
+    response = load(client, {"lora_name": adapter_name, "lora_path": str(adapters["meow"])})
+    assert "success" in response.lower()
+    completion = client.chat.completions.create(model=adapter_name, messages=QUESTION, **GREEDY)
+    assert "Meow Meow Meow" in completion.choices[0].message.content
+    response = load(client, {"lora_name": adapter_name, "lora_path": str(adapters["woof"]), "load_inplace": True})
+    assert "success" in response.lower()
+    completion = client.chat.completions.create(model=adapter_name, messages=QUESTION, **GREEDY)
+    assert "Woof Woof Woof" in completion.choices[0].message.content
+    base = client.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY).choices[0].message.content
+    assert "Meow" not in base and "Woof" not in base
 
 
 def test_load_lora_adapter_with_load_inplace_false_errors(client, adapters):
