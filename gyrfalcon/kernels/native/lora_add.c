@@ -29,83 +29,133 @@ static inline float lanes_sum(vf v) {
     return lane[0];
 }
 
-/* t[j] = A[j] · x for the rank rows of a (`in` values each), four rows at a time over x */
-static void a_products(const float *a, const float *x, long in, long rank, float *t) {
+/* the VW-lane dot products of a[0..3] (rows of `in` values) with x, summed pairwise: t[0..3] */
+static void four_dots(const float *a, const float *x, long in, float *t) {
     long vectors = in / VW * VW;
-    long j = 0;
-    for (; j + 4 <= rank; j += 4) {
-        const float *a0 = a + j * in, *a1 = a0 + in, *a2 = a1 + in, *a3 = a2 + in;
-        vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-        for (long i = 0; i < vectors; i += VW) {
-            vf v, w;
-            memcpy(&v, x + i, sizeof v);
-            memcpy(&w, a0 + i, sizeof w);
-            s0 += w * v;
-            memcpy(&w, a1 + i, sizeof w);
-            s1 += w * v;
-            memcpy(&w, a2 + i, sizeof w);
-            s2 += w * v;
-            memcpy(&w, a3 + i, sizeof w);
-            s3 += w * v;
-        }
-        t[j] = lanes_sum(s0), t[j + 1] = lanes_sum(s1), t[j + 2] = lanes_sum(s2), t[j + 3] = lanes_sum(s3);
-        for (long i = vectors; i < in; i++) {
-            t[j] += a0[i] * x[i], t[j + 1] += a1[i] * x[i];
-            t[j + 2] += a2[i] * x[i], t[j + 3] += a3[i] * x[i];
-        }
+    const float *a0 = a, *a1 = a0 + in, *a2 = a1 + in, *a3 = a2 + in;
+    vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    for (long i = 0; i < vectors; i += VW) {
+        vf v, w;
+        memcpy(&v, x + i, sizeof v);
+        memcpy(&w, a0 + i, sizeof w);
+        s0 += w * v;
+        memcpy(&w, a1 + i, sizeof w);
+        s1 += w * v;
+        memcpy(&w, a2 + i, sizeof w);
+        s2 += w * v;
+        memcpy(&w, a3 + i, sizeof w);
+        s3 += w * v;
     }
-    for (; j < rank; j++) { /* the same sums, one row at a time */
-        const float *a0 = a + j * in;
-        vf s0 = {0};
-        for (long i = 0; i < vectors; i += VW) {
-            vf v, w;
-            memcpy(&v, x + i, sizeof v);
-            memcpy(&w, a0 + i, sizeof w);
-            s0 += w * v;
-        }
-        t[j] = lanes_sum(s0);
-        for (long i = vectors; i < in; i++) t[j] += a0[i] * x[i];
-    }
+    t[0] = lanes_sum(s0), t[1] = lanes_sum(s1), t[2] = lanes_sum(s2), t[3] = lanes_sum(s3);
+    for (long i = vectors; i < in; i++) t[0] += a0[i] * x[i], t[1] += a1[i] * x[i], t[2] += a2[i] * x[i], t[3] += a3[i] * x[i];
 }
 
-/* y[o] += sum over j of t[j] · bt[j, o], each output's sum in order of j */
-static void b_products(const float *bt, const float *t, long out, long rank, float *y) {
-    long vectors = out / VW * VW;
-    for (long o = 0; o < vectors; o += VW) {
-        vf sum = {0};
-        for (long j = 0; j < rank; j++) {
-            vf w;
-            memcpy(&w, bt + j * out + o, sizeof w);
-            sum += t[j] * w;
-        }
-        vf old;
-        memcpy(&old, y + o, sizeof old);
-        old += sum;
-        memcpy(y + o, &old, sizeof old);
+/* four_dots' sum for one row of a */
+static float one_dot(const float *a, const float *x, long in) {
+    long vectors = in / VW * VW;
+    vf s0 = {0};
+    for (long i = 0; i < vectors; i += VW) {
+        vf v, w;
+        memcpy(&v, x + i, sizeof v);
+        memcpy(&w, a + i, sizeof w);
+        s0 += w * v;
     }
-    for (long o = vectors; o < out; o++) {
-        float sum = 0.0f;
-        for (long j = 0; j < rank; j++) sum += t[j] * bt[j * out + o];
-        y[o] += sum;
+    float t = lanes_sum(s0);
+    for (long i = vectors; i < in; i++) t += a[i] * x[i];
+    return t;
+}
+
+/* OUT_BLOCK outputs of one row from o on (t: its rank products): y[o..] += sum over j, in order,
+ * of t[j] · bt[j][o..]; four chains of sums, each step of a chain waiting for the one before */
+#define OUT_BLOCK (4 * VW)
+static void b_block(const float *bt, long out, long o, const float *t, float *y, long rank) {
+    vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    for (long j = 0; j < rank; j++) {
+        const float *row = bt + j * out + o;
+        vf w0, w1, w2, w3;
+        memcpy(&w0, row, sizeof w0);
+        memcpy(&w1, row + VW, sizeof w1);
+        memcpy(&w2, row + 2 * VW, sizeof w2);
+        memcpy(&w3, row + 3 * VW, sizeof w3);
+        s0 += t[j] * w0, s1 += t[j] * w1, s2 += t[j] * w2, s3 += t[j] * w3;
     }
+    vf old[4], sums[4] = {s0, s1, s2, s3};
+    memcpy(old, y + o, sizeof old);
+    for (int k = 0; k < 4; k++) old[k] += sums[k];
+    memcpy(y + o, old, sizeof old);
 }
 
 /* x: rows of `in` values `x_stride` apart; y: rows of `out` values `y_stride` apart, updated in
- * place; width: the stacks' rows (slots · rank). Returns 0, or -2 for a rank above MAX_RANK. */
+ * place; width: the stacks' rows (slots · rank). The rows are visited slot by slot, so that a
+ * slot's A and Bt are read once for all its rows. Returns 0, -1 where a buffer could not be had,
+ * or -2 for a rank above MAX_RANK. */
 int lora_add(const float *x, long x_stride, const float *a, const float *bt, const int64_t *slots, float *y,
              long y_stride, long rows, long in, long out, long rank, long width, int threads) {
     if (rank > MAX_RANK) return -2;
-    long held = 0;
-    for (long r = 0; r < rows; r++) held += slots[r] >= 0;
-    (void)threads, (void)width;
-#if defined(_OPENMP)
-#pragma omp parallel for num_threads(threads) schedule(static) if (held * rank * (in + out) >= 65536)
-#endif
-    for (long r = 0; r < rows; r++) {
-        if (slots[r] < 0) continue;
-        float t[MAX_RANK];
-        a_products(a + slots[r] * rank * in, x + r * x_stride, in, rank, t);
-        b_products(bt + slots[r] * rank * out, t, out, rank, y + r * y_stride);
+    long count = width / rank, held = 0;
+    long *order = malloc(sizeof(long) * (rows + count + 1)), *first = order + rows;
+    float *t = malloc(sizeof(float) * (rows * rank + 1));
+    if (order == NULL || t == NULL) {
+        free(order), free(t);
+        return -1;
     }
+    /* the rows of each slot, in order: order[first[s] .. first[s + 1]) */
+    for (long s = 0; s <= count; s++) first[s] = 0;
+    for (long r = 0; r < rows; r++)
+        if (slots[r] >= 0 && slots[r] < count) first[slots[r] + 1]++, held++;
+    for (long s = 0; s < count; s++) first[s + 1] += first[s];
+    {
+        long *next = malloc(sizeof(long) * (count + 1));
+        if (next == NULL) {
+            free(order), free(t);
+            return -1;
+        }
+        memcpy(next, first, sizeof(long) * (count + 1));
+        for (long r = 0; r < rows; r++)
+            if (slots[r] >= 0 && slots[r] < count) order[next[slots[r]]++] = r;
+        free(next);
+    }
+    (void)threads;
+    long groups = (rank + 3) / 4; /* A's rows four at a time (the last group may be shorter) */
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads) if (held * rank * (in + out) >= 65536)
+#endif
+    {
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+        for (long task = 0; task < count * groups; task++) {
+            long s = task / groups, j = task % groups * 4;
+            const float *a_rows = a + (s * rank + j) * in;
+            for (long i = first[s]; i < first[s + 1]; i++) {
+                long r = order[i];
+                if (j + 4 <= rank)
+                    four_dots(a_rows, x + r * x_stride, in, t + r * rank + j);
+                else
+                    for (long k = j; k < rank; k++) t[r * rank + k] = one_dot(a_rows + (k - j) * in, x + r * x_stride, in);
+            }
+        }
+        long blocks = out / OUT_BLOCK;
+#if defined(_OPENMP)
+#pragma omp for schedule(static)
+#endif
+        for (long block = 0; block < blocks; block++) /* a slot's block of Bt read from L1 for each of its rows */
+            for (long s = 0; s < count; s++)
+                for (long i = first[s]; i < first[s + 1]; i++)
+                    b_block(bt + s * rank * out, out, block * OUT_BLOCK, t + order[i] * rank, y + order[i] * y_stride,
+                            rank);
+#if defined(_OPENMP)
+#pragma omp single
+#endif
+        for (long o = blocks * OUT_BLOCK; o < out; o++) /* the outputs past the last block, one at a time */
+            for (long r = 0; r < rows; r++)
+                if (slots[r] >= 0 && slots[r] < count) {
+                    const float *row_t = t + r * rank, *b = bt + slots[r] * rank * out;
+                    float sum = 0.0f;
+                    for (long j = 0; j < rank; j++) sum += row_t[j] * b[j * out + o];
+                    y[r * y_stride + o] += sum;
+                }
+    }
+    free(order), free(t);
     return 0;
 }
