@@ -98,10 +98,10 @@ def stage(served: dict[str, torch.Tensor], path: str, version: str, cfg: EngineC
         raise RequestError(f"'{path}' is neither a model folder nor a .gguf file", "model_path")
     inputs = None if cfg.matmul_inputs == "auto" else getattr(torch, cfg.matmul_inputs)
     try:
-        with probed_kernels():  # the served layers' kernels and shapes passed the probe at start-up
+        with probed_kernels():  # the served layers' kernels, shapes and fusions passed the probe at start-up
             model, _ = load_weights(resolve_model(path, cfg.cache_dir), cfg.dtype, device, quantization, cfg.cache_dir,
                                     inputs, release=False)  # the step loop releases once the copy is in  # fmt: skip
-        staged = _fused_like(model, layers) if layers else dict(model.state_dict(keep_vars=True))
+            staged = _fused_like(model, layers) if layers else dict(model.state_dict(keep_vars=True))
     except RequestError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever the folder holds, the client hears why it cannot serve

@@ -300,10 +300,18 @@ def test_a_kernel_that_does_not_reproduce_its_weights_is_refused(monkeypatch):
         Int4Linear(Int4Weights.quantize(_weight()), None, torch.bfloat16, CPU)
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("inputs", [torch.int8, torch.int16, torch.float32])
-def test_weights_read_from_a_files_nibbles_pack_as_unpacked_ones_do(inputs):
-    """A weight swap packs a GGUF's int4 bits from the file's nibbles without unpacking each weight:
-    the same kernel layout, byte for byte, as packing the unpacked weights."""
+def test_weights_read_from_a_files_nibbles_pack_as_unpacked_ones_do(inputs, native, monkeypatch):
+    """A load packs a GGUF's int4 bits from the file's nibbles without unpacking each weight: the
+    same kernel layout, byte for byte, as packing the unpacked weights — in one pass of
+    ``q4_pack_nibbles`` (``q4q8_linear.c``), or by torch's operators where the kernels are not loaded."""
+    from gyrfalcon.kernels import native as kernels
+    from gyrfalcon.kernels.quant import q4
+
+    kernels.library(None)
+    if not native:
+        monkeypatch.setattr(q4, "loaded", lambda: None)
     generator = torch.Generator().manual_seed(3)
     for n, k in [(16, 32), (64, 576), (1536, 576)]:
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)

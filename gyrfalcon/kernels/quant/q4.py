@@ -96,6 +96,11 @@ def _from_file_nibbles(disk: torch.Tensor, n: int, k: int, inputs: torch.dtype) 
     middle nibbles of each half)."""
     if inputs not in INTEGER_INPUTS:
         return disk.reshape(n // PANEL, PANEL, k // 2).permute(0, 2, 1)
+    kernels = loaded()
+    if kernels is not None and disk.device.type == "cpu":  # one pass in C (the ops below: eight over the bytes)
+        disk, out = disk.contiguous(), torch.empty(n // PANEL, k // 8, 64, dtype=torch.uint8)
+        if kernels.q4_pack_nibbles(disk.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads()) == 0:
+            return out
     x = disk.contiguous().view(torch.int32)
     t = (x ^ (x >> 8)) & 0x0000FF00
     x = x ^ t ^ (t << 8)
