@@ -26,7 +26,7 @@ from gyrfalcon.engine_api.errors import EngineUnavailable
 from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.kernels.quant.layers import fuse_outputs, probed_kernels
 from gyrfalcon.models.default import resolve_model
-from gyrfalcon.models.loading import load_weights
+from gyrfalcon.models.loading import load_quantized_weights, load_weights
 
 #: the weight version of the weights a server starts with (SGLang's)
 FIRST_VERSION = "default"
@@ -98,9 +98,11 @@ def stage(served: dict[str, torch.Tensor], path: str, version: str, cfg: EngineC
         raise RequestError(f"'{path}' is neither a model folder nor a .gguf file", "model_path")
     inputs = None if cfg.matmul_inputs == "auto" else getattr(torch, cfg.matmul_inputs)
     try:
+        folder = resolve_model(path, cfg.cache_dir)
         with probed_kernels():  # the served layers' kernels, shapes and fusions passed the probe at start-up
-            model, _ = load_weights(resolve_model(path, cfg.cache_dir), cfg.dtype, device, quantization, cfg.cache_dir,
-                                    inputs, release=False)  # the step loop releases once the copy is in  # fmt: skip
+            model = load_quantized_weights(folder, cfg.dtype, device, quantization, cfg.cache_dir, inputs)
+            if model is None:  # the step loop releases what the load freed once the copy is in
+                model, _ = load_weights(folder, cfg.dtype, device, quantization, cfg.cache_dir, inputs, release=False)
             staged = _fused_like(model, layers) if layers else dict(model.state_dict(keep_vars=True))
     except RequestError:
         raise

@@ -166,6 +166,17 @@ def test_the_ggufs_bits_are_kept_exactly(default_model_dir):
             assert torch.equal(bits[name].dequantize(), f.get_tensor(name)), name
 
 
+def test_a_swap_stages_the_served_tensors_from_the_bits_without_the_dequantised_copies(engine, default_model_dir):
+    """``update_weights_from_disk`` of the served folder builds the staged weights on a meta-device
+    model (the folder's fp32 copies of the weights the GGUF's bits replace never read): every served
+    tensor is staged, and equal to the served one bit for bit."""
+    from gyrfalcon.models.loading import load_quantized_weights
+
+    assert load_quantized_weights(default_model_dir, Settings.dtype, "cpu", Settings.quantization) is not None
+    staged = engine.core._stage(default_model_dir, "same")
+    assert len(staged.pairs) > 200 and all(torch.equal(served, new) for served, new in staged.pairs)
+
+
 def test_a_seeded_request_sent_again_repeats_bit_for_bit_from_the_prefix_cache(engine):
     """Twelve seeded requests, then the same twelve again: the second time each finds its prompt's
     blocks cached and computes only the rest, and gets the same tokens and log-probabilities to

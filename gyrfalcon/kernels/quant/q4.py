@@ -81,7 +81,7 @@ def pack(weights: Int4Weights, inputs: torch.dtype) -> tuple[torch.Tensor, torch
         v = weights.q.to(torch.uint8).reshape(n // PANEL, PANEL, k // 2, 2)
         nibbles = (v[..., 0] | (v[..., 1] << 4)).permute(0, 2, 1)
     parts = [weights.scale, weights.minimum]
-    if any(not torch.equal(p.half().float(), p.float()) for p in parts):
+    if any(p.dtype != torch.float16 and not torch.equal(p.half().float(), p.float()) for p in parts):
         raise UnsupportedQuantization("the int4 kernels take fp16 scales and minimums")
     scales = torch.stack([p.half().reshape(n // PANEL, PANEL, k // GROUP) for p in parts], 2)
     return nibbles.contiguous(), scales.permute(0, 3, 2, 1).contiguous()
