@@ -2,7 +2,9 @@
 
 A folder of the served model's architecture (or a GGUF of its shape) is loaded exactly as the
 served weights were — the same dtype, device, ``--quantization`` and matmul inputs, the same fused
-q/k/v and gate/up layers — into tensors of its own, and every tensor is held against the served
+q/k/v and gate/up layers (a converted GGUF in int4 on a model made on the meta device, its
+dequantised copies of the weights the bits replace never read: ``load_quantized_weights``) — into
+tensors of its own, and every tensor is held against the served
 one (name, shape, dtype) before anything changes: a mismatch is a 400 naming it, and the served
 weights stay as they are. The engine's step loop then copies the staged tensors into the served
 ones between two steps (:meth:`StagedWeights.apply`): in place, so the decode path's compiled step,
