@@ -150,6 +150,12 @@ def encode_refusal(exc: BaseException) -> list[Any]:
     return ["internal", f"{type(exc).__name__}: {exc}"]
 
 
+#: the one key of a control call's answer that carries a refusal (:func:`encode_refusal`) instead of
+#: a result: Ray replicas answer refusals so (what a Ray call raises reaches the caller wrapped, its
+#: kind and param lost)
+REFUSED = "refused"
+
+
 def raise_refusal(data: list[Any]) -> None:
     kind = data[0]
     if kind == "request":

@@ -291,8 +291,11 @@ def _unavailable(exc: BaseException) -> EngineUnavailable:
 
 
 def _answered(answers: list[Any]) -> list[Any]:
-    """Every replica's answer to a control call, or the first failure raised: the change has
-    reached every replica, or the caller hears that it has not."""
+    """Every replica's answer to a control call, or the first refusal (as the core raised it) or
+    failure raised: the change has reached every replica, or the caller hears that it has not."""
+    for answer in answers:
+        if isinstance(answer, dict) and codec.REFUSED in answer:
+            codec.raise_refusal(answer[codec.REFUSED])
     for answer in answers:
         if isinstance(answer, BaseException):
             raise ShuttingDown(f"an engine replica did not apply the change ({type(answer).__name__}: {answer})")

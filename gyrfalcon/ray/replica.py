@@ -8,22 +8,39 @@ API side still answers a refusal before it commits a status; then each item is
 fewer, larger items). A call the caller cancels (its client went away) aborts the request.
 
 The other methods are small calls: ``info``, ``health``, ``stats``, and ``finish_choice`` and
-``abort``, which the API side broadcasts to every replica (unknown ids are ignored).
+``abort``, which the API side broadcasts to every replica (unknown ids are ignored), and the control
+plane's, broadcast too, which answer a refusal as ``{codec.REFUSED: refusal}`` (the API side raises
+it as it is: a 400 or 404 naming its field, not a replica's failure).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
 import queue
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from gyrfalcon.engine_api import codec
+from gyrfalcon.errors import RequestError
 
 log = logging.getLogger(__name__)
+
+
+def _refusals_answered(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A control call that answers its core's refusal (see the module docstring) instead of raising it."""
+
+    @functools.wraps(method)
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except RequestError as exc:
+            return {codec.REFUSED: codec.encode_refusal(exc)}
+
+    return call
 
 
 class EngineReplica:
@@ -79,9 +96,11 @@ class EngineReplica:
     def finish_choice(self, request_id: str, index: int, stop_reason: str | int | None = None) -> None:
         self.core.finish_choice(request_id, index, stop_reason)
 
+    @_refusals_answered
     def pause(self, mode: str, clear_cache: bool) -> list[Any]:
         return codec.encode_result(self.core.pause(mode, clear_cache))
 
+    @_refusals_answered
     def resume(self) -> list[Any]:
         return codec.encode_result(self.core.resume())
 
@@ -91,21 +110,26 @@ class EngineReplica:
     def abort_requests(self, group_ids: list[str] | None) -> int:
         return self.core.abort_requests(group_ids)
 
+    @_refusals_answered
     def update_weights(self, model_path: str, weight_version: str | None, flush_cache: bool = True) -> str:
         return self.core.update_weights(model_path, weight_version, flush_cache)
 
+    @_refusals_answered
     def sleep(self, level: int) -> list[Any]:
         return codec.encode_result(self.core.sleep(level))
 
+    @_refusals_answered
     def wake_up(self, tags: list[str] | None) -> list[Any]:
         return codec.encode_result(self.core.wake_up(tags))
 
     def sleep_state(self) -> list[Any]:
         return codec.encode_result(self.core.sleep_state())
 
+    @_refusals_answered
     def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False) -> None:
         self.core.load_lora_adapter(lora_name, lora_path, load_inplace)
 
+    @_refusals_answered
     def unload_lora_adapter(self, lora_name: str) -> None:
         self.core.unload_lora_adapter(lora_name)
 

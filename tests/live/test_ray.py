@@ -25,7 +25,7 @@ RAY_ARGS = ["--ray", "--served-model-name", "tiny", "--max-model-len", "256", "-
             "--num-threads", "1", "--dtype", "float32", "--replica-cpus", "0.5", "--drain-timeout", "5",
             # autoscaling 1 → 2 by ongoing requests, shortened delays
             "--replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "2", "--upscale-delay-s", "0",
-            "--downscale-delay-s", "4", "--enable-rl-endpoints"]  # fmt: skip
+            "--downscale-delay-s", "4", "--enable-rl-endpoints", "--enable-lora", "--max-loras", "2"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +150,31 @@ def test_the_control_routes_answer_once_every_replica_has_applied_them(ray_serve
     assert requests.post(url + "/inference/v1/abort_requests", json={}, timeout=60).json()["status"] == "aborted"
     ok = requests.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}, timeout=60)
     assert ok.status_code == 200, ok.text
+    # a refusal reaches the client as the replicas' core raised it: a 404 naming the field, not a 503
+    missing = requests.post(url + "/update_weights_from_disk", json={"model_path": "/not/there"}, timeout=60)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model_path", missing.text
+
+
+def test_lora_adapters_load_on_every_replica(ray_server, tiny_model_dir, tmp_path):
+    from tests.unit.test_lora import write_adapter
+
+    url = ray_server.url
+    folder = write_adapter(tiny_model_dir, tmp_path / "adapter", seed=1)
+    loaded = requests.post(url + "/v1/load_lora_adapter", json={"lora_name": "first", "lora_path": str(folder)}, timeout=60)
+    assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'first' added successfully.", loaded.text
+    assert [m["id"] for m in requests.get(url + "/v1/models", timeout=10).json()["data"]] == ["tiny", "first"]
+    ask = {"prompt": "hi", "max_tokens": 4, "temperature": 0, "logprobs": 1}
+    adapted = requests.post(url + "/v1/completions", json={"model": "first", **ask}, timeout=60)
+    base = requests.post(url + "/v1/completions", json={"model": "tiny", **ask}, timeout=60)
+    assert adapted.status_code == base.status_code == 200, adapted.text
+    assert adapted.json()["choices"][0]["logprobs"] != base.json()["choices"][0]["logprobs"]
+    missing = requests.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/not/there"}, timeout=60)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "lora_path", missing.text
+    twice = requests.post(url + "/v1/load_lora_adapter", json={"lora_name": "first", "lora_path": str(folder)}, timeout=60)
+    assert twice.status_code == 400 and "already been loaded" in twice.json()["error"]["message"], twice.text
+    assert requests.post(url + "/v1/unload_lora_adapter", json={"lora_name": "first"}, timeout=60).status_code == 200
+    gone = requests.post(url + "/v1/completions", json={"model": "first", **ask}, timeout=60)
+    assert gone.status_code == 404, gone.text
 
 
 def test_a_client_that_goes_away_aborts_its_request_on_the_replica(ray_server):

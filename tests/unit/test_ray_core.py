@@ -95,9 +95,12 @@ class Handle:
 
     def broadcast(self, method, *args):
         self.broadcasts.append((method, *args))
+        handle = self
 
         class Response:
             async def results_async(self, **_):
+                if method in getattr(handle, "answers", {}):
+                    return handle.answers[method]
                 if method == "health":
                     return [codec.encode_health(EngineHealth(ready=True))]
                 return [{"running": 2, "pid": 7, "kv_block_size": 16}, {"running": 1, "pid": 8, "kv_block_size": 16}]
@@ -142,6 +145,33 @@ def test_a_refusal_is_raised_with_its_param(make_core):
     with pytest.raises(RequestError) as info:
         core.submit(_request())
     assert info.value.param == "structured_outputs"
+
+
+def test_a_control_calls_refusal_is_raised_as_the_core_raised_it(make_core):
+    """A replica answers a refused load or weight update (the LoRA adapter's path, the weights'
+    shapes) rather than raising it, which Ray would wrap: the caller hears the 400 or 404 naming the
+    field, before any replica's failure."""
+    from gyrfalcon.errors import Kind
+    from gyrfalcon.ray.replica import EngineReplica
+
+    class Core:
+        def load_lora_adapter(self, *args):
+            raise RequestError("'/x' does not exist on the server", "lora_path", type=Kind.NOT_FOUND)
+
+        def shutdown(self, *args, **kwargs):
+            pass
+
+    replica = EngineReplica.__new__(EngineReplica)
+    replica.core = Core()
+    refused = replica.load_lora_adapter("a", "/x")
+    core = make_core([])
+    core._handle.answers = {"load_lora_adapter": [RuntimeError("a replica died"), refused]}
+    with pytest.raises(RequestError) as info:
+        core.load_lora_adapter("a", "/x")
+    assert (info.value.param, info.value.type) == ("lora_path", Kind.NOT_FOUND)
+    core._handle.answers = {"update_weights": [RuntimeError("a replica died"), "v2"]}
+    with pytest.raises(ShuttingDown):
+        core.update_weights("/y", "v2")
 
 
 def test_a_dead_pick_is_placed_again_and_back_pressure_is_a_503(make_core):
