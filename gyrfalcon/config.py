@@ -123,8 +123,12 @@ class Settings:
     lora_modules: list[str] = option(help="adapters served from start-up, each NAME=PATH (a PEFT folder) or vLLM's JSON "
                                           "object {\"name\", \"path\", \"base_model_name\"}",
                                      factory=list, nargs="+", group=LORA)  # fmt: skip
-    max_loras: int = option(1, "most adapters held at once (each a slot of its own)", group=LORA)
+    max_loras: int = option(1, "adapters requests run with at once (vLLM's; the slots are max(--max-loras, "
+                                 "--max-cpu-loras); an adapter no slot holds is read back when a request needs it)",
+                            group=LORA)  # fmt: skip
     max_lora_rank: int = option(16, "the largest rank an adapter may have", group=LORA)
+    max_cpu_loras: int | None = option(None, "adapters kept in slots at once (vLLM's; default --max-loras)", type=int,
+                                       group=LORA)  # fmt: skip
     enforce_eager: bool = option(False, "never capture or compile decode steps", action="store_true")
     #: On by default: on the default model it takes the batch-1 step from about 18 to 13 ms, and the
     #: compiled step serves only if it gives the eager step's logits to the last bit (checked at

@@ -81,7 +81,8 @@ class Sequence(ChoiceProgress):
         self.block_hashes: list[bytes] = []
         #: the scheduler's weights epoch when this sequence's KV began (its prefix-cache keys carry it)
         self.cache_epoch = 0
-        #: the LoRA adapter its rows run with (:class:`~gyrfalcon.engine.lora.peft.LoraAdapter`; None: the base model)
+        #: the LoRA adapter its rows run with (:class:`~gyrfalcon.engine.lora.peft.LoraAdapter`, in a
+        #: slot: set when the scheduler admits it; None: the base model's, or not admitted yet)
         self.lora: Any = None
 
     @property

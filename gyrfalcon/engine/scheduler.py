@@ -93,6 +93,10 @@ class Scheduler:
         self.preemptions = 0
         #: called with each sequence whose KV is released (engine thread)
         self.release_listeners: list[Callable[[Sequence], None]] = []
+        #: what a waiting request needs beyond seats and blocks (its LoRA adapter in a slot), asked
+        #: before it is admitted (engine thread): True admits it, False leaves it waiting (later
+        #: ones may pass), None says it was taken out of the queue (failed)
+        self.admission_check: Callable[[RequestState], bool | None] | None = None
         #: which weights compute KV from now on: one more at each swap (:meth:`weights_replaced`)
         self.weights_epoch = 0
 
@@ -347,6 +351,13 @@ class Scheduler:
             if horizon is not None and state.steps_left(self.prefill_chunk_tokens) > horizon:
                 index += 1
                 continue
+            if self.admission_check is not None:
+                admitted = self.admission_check(state)
+                if admitted is None:
+                    continue  # taken out of the queue: the next one is at the same index
+                if not admitted:
+                    index += 1
+                    continue
             live = state.live_sequences()
             scheduled: list[Scheduled] = []
             for seq in live:

@@ -140,14 +140,12 @@ class TransformersEngine(ControlPlane, LoraControl, EngineCore):
         # the request was validated before (gyrfalcon.validation): only what only the engine knows is checked here
         params = request.sampling
         self.scheduler.check_fits(len(request.prompt_token_ids), params.max_tokens, params.n)
-        adapter = self._adapter_of(request)
+        self._check_adapter(request)
         for processor in self.processors:
             if processor.wants(params, request.extensions):
                 processor.prepare(params, request.extensions)
         stream = CoalescingOutputStream(request.request_id, request.output_kind, on_close=self.abort)
         sequences = choices_of(request, self.eos_token_ids, self._info.max_model_len, self._seeds, self._weights.version)
-        for seq in sequences:
-            seq.lora = adapter
         state = RequestState(request, stream, sequences)
         with self._lock:
             if not self._accepting:

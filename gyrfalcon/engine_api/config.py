@@ -106,19 +106,23 @@ MAX_LORA_RANK = 512
 @dataclass(frozen=True)
 class LoraConfig:
     """vLLM's LoRA flags: ``enable_lora``, the adapters served from start-up (``lora_modules``,
-    ``NAME=PATH`` each), the most held at once (``max_loras``) and the largest rank
-    (``max_lora_rank``)."""
+    :func:`parse_lora_module`'s forms), the largest rank (``max_lora_rank``), and the slots the
+    adapters requests run with take: ``max(max_loras, max_cpu_loras)`` (vLLM's ``max_loras`` bounds
+    the adapters of one batch and its ``max_cpu_loras`` those cached beside; here every slot serves
+    every step, and an adapter no slot holds is read back from its folder when a request needs it)."""
 
     enable_lora: bool = False
     lora_modules: tuple[str, ...] = ()
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @classmethod
     def of(cls, config: Any) -> LoraConfig:
         """The LoRA share of the server's settings or an :class:`EngineConfig` (same names)."""
+        cpu = getattr(config, "max_cpu_loras", None)
         return cls(bool(config.enable_lora), tuple(config.lora_modules or ()), int(config.max_loras),
-                   int(config.max_lora_rank))  # fmt: skip
+                   int(config.max_lora_rank), None if cpu is None else int(cpu))  # fmt: skip
 
     def modules(self) -> dict[str, str]:
         """The adapters to load at start-up, by name (``check`` first)."""
@@ -136,8 +140,8 @@ class LoraConfig:
         names = [parse_lora_module(module)[0] for module in self.lora_modules]
         if len(set(names)) != len(names):
             raise ValueError("--lora-modules: an adapter name is given twice")
-        if len(names) > self.max_loras:
-            raise ValueError(f"--lora-modules: {len(names)} adapters, more than --max-loras {self.max_loras}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras})")
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,7 @@ class EngineConfig:
     lora_modules: tuple[str, ...] = ()
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @classmethod
     def from_settings(cls, settings: Any, model: str) -> EngineConfig:

@@ -236,9 +236,9 @@ RUNTIME_RULES: tuple[RuntimeRule, ...] = (
     RuntimeRule(
         "lora_name_free",
         "lora_name",
-        "POST /v1/load_lora_adapter: no adapter of that name is held (unless load_inplace), and fewer than "
-        "--max-loras are; POST /v1/unload_lora_adapter names one that is (404 otherwise).",
-        "gyrfalcon.engine.lora.registry:LoraRegistry._check_room",
+        "POST /v1/load_lora_adapter: no adapter of that name is loaded (unless load_inplace); POST "
+        "/v1/unload_lora_adapter names one that is (404 otherwise).",
+        "gyrfalcon.engine.lora.registry:LoraRegistry._check_name",
         "engine",
     ),
     RuntimeRule(

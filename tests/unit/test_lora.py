@@ -126,11 +126,16 @@ def _close(got, want) -> None:
 
 
 def test_adapters_compute_what_their_merged_weights_compute_alone_and_beside_each_other(tiny_model_dir, tmp_path):
-    first = write_adapter(tiny_model_dir, tmp_path / "first", seed=1)
-    second = write_adapter(tiny_model_dir, tmp_path / "second", seed=2, rank=8, alpha=4.0, targets=("q_proj", "v_proj", "down_proj"))
+    """Three adapters at vLLM's default --max-loras 1 (two slots): every request gets its merged
+    weights' answer, sent one at a time (each adapter read back into the slot used least recently)
+    and all at once (a third adapter's requests wait for a slot the others free)."""
+    folders = {"first": write_adapter(tiny_model_dir, tmp_path / "first", seed=1),
+               "second": write_adapter(tiny_model_dir, tmp_path / "second", seed=2, rank=8, alpha=4.0,
+                                       targets=("q_proj", "v_proj", "down_proj")),
+               "third": write_adapter(tiny_model_dir, tmp_path / "third", seed=3, targets=("o_proj", "up_proj"))}  # fmt: skip
     plain = dict(quantization="none", max_model_len=128)
     expected = {}
-    for name, folder in (("first", first), ("second", second)):
+    for name, folder in folders.items():
         merged = merged_model(tiny_model_dir, folder, tmp_path / f"merged-{name}")
         expected[name] = _answers(tiny_settings(str(merged), **plain),
                                   [EngineRequest(f"{name}{i}", p, SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)],
@@ -138,14 +143,14 @@ def test_adapters_compute_what_their_merged_weights_compute_alone_and_beside_eac
     expected[None] = _answers(tiny_settings(tiny_model_dir, **plain),
                               [EngineRequest(f"base{i}", p, SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)],
                               together=False)  # fmt: skip
-    assert expected["first"] != expected[None] and expected["second"] != expected[None]  # the adapters change answers
-    served = tiny_settings(tiny_model_dir, enable_lora=True, lora_modules=[f"first={first}", f"second={second}"],
-                           max_loras=2, max_lora_rank=8, **plain)  # fmt: skip
-    names = [name for name in ("first", "second", None) for _ in PROMPTS]
+    assert all(expected[name] != expected[None] for name in folders)  # the adapters change answers
+    served = tiny_settings(tiny_model_dir, enable_lora=True, lora_modules=[f"{n}={f}" for n, f in folders.items()],
+                           max_lora_rank=8, **plain)  # fmt: skip
+    names = [name for name in (*folders, None) for _ in PROMPTS]
     requests = [EngineRequest(f"r{i}", PROMPTS[i % 3], SamplingParams(**GREEDY), lora_name=name) for i, name in enumerate(names)]
     alone = _answers(served, requests, together=False)
     mixed = _answers(served, requests, together=True)  # every adapter and the base model in the same steps
-    want = [answer for name in ("first", "second", None) for answer in expected[name]]
+    want = [answer for name in (*folders, None) for answer in expected[name]]
     _close(alone, want)
     _close(mixed, want)
 
@@ -243,8 +248,9 @@ def test_unknown_adapters_and_flags_that_cannot_serve(tiny_model_dir, tmp_path):
 
     with pytest.raises(ValueError, match="needs --enable-lora"):
         Settings(model=tiny_model_dir, lora_modules=["a=/x"]).validate()
-    with pytest.raises(ValueError, match="more than --max-loras 1"):
-        Settings(model=tiny_model_dir, enable_lora=True, lora_modules=["a=/x", "b=/y"]).validate()
+    with pytest.raises(ValueError, match="--max-cpu-loras \\(1\\) must be at least --max-loras \\(2\\)"):
+        Settings(model=tiny_model_dir, enable_lora=True, max_loras=2, max_cpu_loras=1).validate()
+    Settings(model=tiny_model_dir, enable_lora=True, lora_modules=["a=/x", "b=/y"]).validate()  # (vLLM's: more than --max-loras)
     with pytest.raises(ValueError, match="is not NAME=PATH"):
         Settings(model=tiny_model_dir, enable_lora=True, lora_modules=["a"]).validate()
     engine = create_transformers_engine(tiny_settings(tiny_model_dir, enable_lora=True))

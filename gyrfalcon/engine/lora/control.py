@@ -1,13 +1,14 @@
 """The engine's LoRA adapters at run time (``--enable-lora``), mixed into the engine: the registry
 made once the model is loaded (the adapters of ``--lora-modules`` read then: one that cannot serve
 fails the load), an adapter loaded or unloaded while serving (vLLM's ``/v1/load_lora_adapter`` and
-``/v1/unload_lora_adapter``), and the adapter a request names, resolved at submit."""
+``/v1/unload_lora_adapter``), the adapter a request names checked at submit and put in a slot when
+the scheduler admits the request."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gyrfalcon.engine.lora.peft import AdapterError, LoraAdapter
+from gyrfalcon.engine.lora.peft import AdapterError
 from gyrfalcon.engine.lora.registry import LoraRegistry, projection_shapes
 from gyrfalcon.engine_api.config import LoraConfig
 from gyrfalcon.engine_api.types import EngineError, EngineRequest
@@ -22,25 +23,46 @@ class LoraControl:
     lora: LoraRegistry | None = None
 
     def _make_lora(self, runner: Any) -> None:
-        """Once the model is loaded: the registry, with the start-up adapters in it."""
+        """Once the model is loaded: the registry, with the start-up adapters in it, and the
+        scheduler asking it for each request's adapter before admitting it."""
         config = LoraConfig.of(self.engine_config)
         if not config.enable_lora:
             return
         if runner.direct is None:
             raise ValueError(f"--enable-lora needs the direct forward, and this model runs {runner.model_impl}")
         self.lora = LoraRegistry(projection_shapes(runner.direct.layers), config.max_loras, config.max_lora_rank,
-                                 self.device)  # fmt: skip
+                                 self.device, config.max_cpu_loras)  # fmt: skip
         for name, path in config.modules().items():
             self.lora.load(name, path)
+        self.scheduler.admission_check = self._admit_adapter
 
-    def _adapter_of(self, request: EngineRequest) -> LoraAdapter | None:
-        """The adapter ``request`` runs with (a 404 naming ``model`` when none of its name is held)."""
-        if request.lora_name is None:
-            return None
-        adapter = self.lora.get(request.lora_name) if self.lora is not None else None
-        if adapter is None:
+    def _check_adapter(self, request: EngineRequest) -> None:
+        """A 404 naming ``model`` when ``request`` names an adapter not loaded."""
+        if request.lora_name is not None and (self.lora is None or not self.lora.known(request.lora_name)):
             raise RequestError(f"The model `{request.lora_name}` does not exist.", "model", type=Kind.NOT_FOUND)
-        return adapter
+
+    def _admit_adapter(self, state: Any) -> bool | None:
+        """(The scheduler, before admitting ``state``) its adapter in a slot, its sequences running
+        with it: True; False while every slot holds an adapter of a running request (it waits);
+        None when the adapter cannot serve any more (its folder changed or went): the request ends
+        with that error."""
+        name = state.request.lora_name
+        if name is None or self.lora is None:
+            return True
+        in_use = frozenset(seq.lora.serial for running in self.scheduler.running for seq in running.sequences
+                           if seq.lora is not None)  # fmt: skip
+        try:
+            adapter = self.lora.acquire(name, in_use)
+        except AdapterError as exc:
+            if self.scheduler.remove(state.request.request_id) is not None:
+                self._fail(state, EngineError(str(exc), type=Kind.NOT_FOUND if not exc.found else Kind.INVALID,
+                                              param="model"))  # fmt: skip
+            return None
+        if adapter is None:
+            return False
+        for seq in state.sequences:
+            seq.lora = adapter
+        return True
 
     def _registry(self, param: str) -> LoraRegistry:
         if self.lora is None:
@@ -84,7 +106,7 @@ class LoraControl:
                 "lora_max": self.lora.max_loras}  # fmt: skip
 
     def lora_adapters(self) -> list[list[str]]:
-        return [] if self.lora is None else [[adapter.name, adapter.path] for adapter in self.lora.held()]
+        return [] if self.lora is None else [[name, path] for name, path in self.lora.held()]
 
 
 def _refusal(exc: AdapterError) -> RequestError:

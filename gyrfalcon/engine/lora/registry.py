@@ -1,12 +1,16 @@
-"""The adapters an engine holds, by name: at most ``--max-loras`` of them, each checked against the
-served layers when it is loaded (:func:`~gyrfalcon.engine.lora.peft.read_adapter`) and written into
-a slot of every projection's stacked factors — ``A`` ``[slots · r, in]``, ``B`` transposed
-``[slots · r, out]`` with the adapter's scaling in it (a slot's rows whole, for ``lora_add.c``),
-``r`` the largest rank, zeros past an adapter's own — so that a
-step computes every adapter's product for a projection in two matmuls
-(:mod:`~gyrfalcon.engine.lora.step`). There is one slot more than ``--max-loras``: an adapter
-unloaded or replaced keeps its slot while requests still run with it, and a load reclaims the slots
-of those no request holds any more."""
+"""The adapters an engine serves, by name, as vLLM keeps them: every adapter loaded is known (its
+folder checked against the served layers when it is loaded, :func:`~gyrfalcon.engine.lora.peft.read_adapter`),
+and a fixed number of slots hold the ones requests run with — ``max(--max-loras,
+--max-cpu-loras)`` of them and one more. A slot is a place in every projection's stacked factors,
+``A`` ``[slots · r, in]`` and ``B`` transposed ``[slots · r, out]`` with the adapter's scaling in it
+(a slot's rows whole, for ``lora_add.c``), ``r`` the largest rank, zeros past an adapter's own, so
+that a step computes every row's adapter product for a projection in one call
+(:mod:`~gyrfalcon.engine.lora.step`).
+
+A request's adapter takes a slot when the scheduler admits it (:meth:`LoraRegistry.acquire`): read
+back from its folder where no slot holds it, into a free slot or the one of the adapter used least
+recently that no running request holds; with none, the request waits. An adapter unloaded or
+replaced keeps its slot while requests still run with it."""
 
 from __future__ import annotations
 
@@ -36,46 +40,101 @@ class LoraRegistry:
     thread loads or unloads one."""
 
     def __init__(self, shapes: dict[tuple[int, str], tuple[int, int]], max_loras: int, max_rank: int,
-                 device: torch.device | str) -> None:  # fmt: skip
+                 device: torch.device | str, max_cpu_loras: int | None = None) -> None:  # fmt: skip
         self.shapes, self.max_loras, self.max_rank, self.device = shapes, max_loras, max_rank, str(device)
-        self.slots = max_loras + 1
+        self.slots = max(max_loras, max_cpu_loras or 0) + 1
         #: per ``(layer, module)``: the stacked ``A`` and (scaled) ``Bᵀ`` of every slot
         self.stacks = {key: (torch.zeros(self.slots * max_rank, columns, device=device),
                              torch.zeros(self.slots * max_rank, rows, device=device))
                        for key, (rows, columns) in shapes.items()}  # fmt: skip
         #: the projections some adapter held (or retired) has factors for: the others are left alone
         self.active: set[tuple[int, str]] = set()
-        self._adapters: dict[str, LoraAdapter] = {}
-        self._free = list(range(self.slots))
-        self._retired: list[LoraAdapter] = []  # unloaded or replaced, their slots kept while requests hold them
+        self._known: dict[str, str] = {}  # every adapter loaded: its folder, by name (vLLM's lora_requests)
+        self._adapters: dict[str, LoraAdapter] = {}  # those a slot holds, by name
+        self._owners: dict[int, LoraAdapter] = {}  # each slot's adapter (held, or unloaded or replaced)
+        self._used: dict[int, int] = {}  # each slot's last acquisition (the least recent is given up first)
         self._lock = threading.Lock()
         self._loads = 0
+        self._ticks = 0
 
     def load(self, name: str, path: str, replace: bool = False, in_use: frozenset[int] = frozenset()) -> LoraAdapter:
-        """Read and hold the adapter of ``path`` as ``name`` (``replace``: in place of one of that
-        name); an :class:`AdapterError` when it cannot serve, its name is taken, ``max_loras`` are
-        held, or no slot is free (``in_use``: the serials of the adapters requests still hold);
-        nothing held changes then."""
-        self._check_room(name, replace)
+        """Read, check and know the adapter of ``path`` as ``name`` (``replace``: in place of one of
+        that name), in a slot if one is free (else it takes one when a request needs it); an
+        :class:`AdapterError` when it cannot serve or its name is taken, nothing changed then.
+        ``in_use``: the serials of the adapters requests hold."""
+        self._check_name(name, replace)
         adapter = read_adapter(name, path, self.shapes, self.max_rank, self.device)
         with self._lock:
-            self._check_room(name, replace)
-            for old in [a for a in self._retired if a.serial not in in_use]:
-                self._retired.remove(old)
-                self._free.append(old.slot)
-            if not self._free:
-                raise AdapterError("no slot is free: requests of an adapter unloaded or replaced still run (retry "
-                                   "when they have finished)", "lora_name")  # fmt: skip
-            self._loads += 1
-            adapter.serial, adapter.slot, adapter.stacks, adapter.active = self._loads, self._free.pop(0), self.stacks, self.active
-            adapter.columns = (adapter.slot * self.max_rank, (adapter.slot + 1) * self.max_rank)
-            self._write(adapter)
-            self.active.update(adapter.factors)
-            adapter.factors = {}  # (the stacks hold them now: not twice in memory)
-            if name in self._adapters:
-                self._retired.append(self._adapters[name])
-            self._adapters[name] = adapter
+            self._check_name(name, replace)
+            self._known[name] = path
+            self._adapters.pop(name, None)  # (a replaced adapter keeps its slot while requests hold it)
+            slot = self._free_slot(in_use, evict=False)
+            if slot is not None:
+                self._place(adapter, slot)
         return adapter
+
+    def acquire(self, name: str, in_use: frozenset[int]) -> LoraAdapter | None:
+        """The adapter ``name`` in a slot (read back from its folder where none holds it, into a free
+        slot or the least recently used one whose adapter no running request holds: ``in_use``, their
+        serials); None when every slot is in use (the request waits); an :class:`AdapterError` when
+        the name is not known or its folder no longer serves."""
+        with self._lock:
+            held = self._adapters.get(name)
+            if held is not None:
+                self._touch(held.slot)
+                return held
+            if name not in self._known:
+                raise AdapterError(f"The lora adapter '{name}' cannot be found.", "model", found=False)
+            if self._free_slot(in_use, evict=True, take=False) is None:
+                return None
+            path = self._known[name]
+        adapter = read_adapter(name, path, self.shapes, self.max_rank, self.device)  # (the slow part: unlocked)
+        with self._lock:
+            if self._known.get(name) != path:  # unloaded or replaced meanwhile: asked again next step
+                return None
+            held = self._adapters.get(name)
+            if held is not None:
+                return held
+            slot = self._free_slot(in_use, evict=True)
+            if slot is None:
+                return None
+            self._place(adapter, slot)
+            self._touch(slot)
+            return adapter
+
+    def _free_slot(self, in_use: frozenset[int] | set[int], evict: bool, take: bool = True) -> int | None:
+        """(Under the lock) a slot no adapter holds, else one of an unloaded or replaced adapter no
+        request holds, else (``evict``) the least recently used one of a held adapter no running
+        request holds, given up (``take``); None when there is none."""
+        free = [slot for slot in range(self.slots) if slot not in self._owners]
+        if free:
+            return free[0]
+        idle = [slot for slot, owner in self._owners.items() if owner.serial not in in_use
+                and (evict or self._adapters.get(owner.name) is not owner)]  # fmt: skip
+        if not idle:
+            return None
+        retired = [slot for slot in idle if self._adapters.get(self._owners[slot].name) is not self._owners[slot]]
+        slot = retired[0] if retired else min(idle, key=lambda s: self._used.get(s, 0))
+        if take:
+            owner = self._owners.pop(slot)
+            if self._adapters.get(owner.name) is owner:
+                del self._adapters[owner.name]  # still known: read back when a request needs it
+        return slot
+
+    def _place(self, adapter: LoraAdapter, slot: int) -> None:
+        """(Under the lock) ``adapter`` into ``slot`` (no adapter's now): its factors written, held by name."""
+        self._loads += 1
+        adapter.serial, adapter.slot, adapter.stacks, adapter.active = self._loads, slot, self.stacks, self.active
+        adapter.columns = (slot * self.max_rank, (slot + 1) * self.max_rank)
+        self._write(adapter)
+        self.active.update(adapter.factors)
+        adapter.factors = {}  # (the stacks hold them now: not twice in memory)
+        self._owners[slot] = adapter
+        self._adapters[adapter.name] = adapter
+
+    def _touch(self, slot: int) -> None:
+        self._ticks += 1
+        self._used[slot] = self._ticks
 
     @torch.no_grad()
     def _write(self, adapter: LoraAdapter) -> None:
@@ -100,23 +159,22 @@ class LoraRegistry:
                 torch.mul(b.T, adapter.scaling, out=bt_stack[first : first + rank])
             a_stack[first + rank : end], bt_stack[first + rank : end] = 0, 0
 
-    def _check_room(self, name: str, replace: bool) -> None:
-        if name in self._adapters and not replace:
+    def _check_name(self, name: str, replace: bool) -> None:
+        if name in self._known and not replace:
             raise AdapterError(f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in "
                                "place, set 'load_inplace' to True.", "lora_name")  # fmt: skip
-        if name not in self._adapters and len(self._adapters) >= self.max_loras:
-            raise AdapterError(f"{self.max_loras} adapters are loaded, the most --max-loras allows (unload one first)",
-                               "lora_name")  # fmt: skip
 
     def unload(self, name: str) -> None:
+        """Forget ``name``: its slot is given up once no request holds it."""
         with self._lock:
-            adapter = self._adapters.pop(name, None)
-            if adapter is None:
+            if self._known.pop(name, None) is None:
                 raise AdapterError(f"The lora adapter '{name}' cannot be found.", "lora_name", found=False)
-            self._retired.append(adapter)
+            self._adapters.pop(name, None)
 
-    def get(self, name: str) -> LoraAdapter | None:
-        return self._adapters.get(name)
+    def known(self, name: str) -> bool:
+        return name in self._known
 
-    def held(self) -> list[LoraAdapter]:
-        return list(self._adapters.values())
+    def held(self) -> list[tuple[str, str]]:
+        """Every adapter known, ``(name, folder)``, in the order they were loaded."""
+        with self._lock:
+            return list(self._known.items())
