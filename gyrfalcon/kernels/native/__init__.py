@@ -66,6 +66,7 @@ _SIGNATURES = {
     "lora_add": ([_POINTER, _LONG] + [_POINTER] * 4 + [_LONG] * 6 + [_INT], _INT),
     "silu_mul": ([_POINTER] * 3 + [_LONG], None),
     "q4_pack_nibbles": ([_POINTER] * 2 + [_LONG] * 2 + [_INT], _INT),
+    "q4_pack_scales": ([_POINTER] * 3 + [_LONG] * 2, _INT),
 }
 
 

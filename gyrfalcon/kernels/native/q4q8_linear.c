@@ -281,3 +281,20 @@ int q4_pack_nibbles(const uint8_t *disk, uint8_t *out, long n, long k, int threa
         }
     return 0;
 }
+
+/* This file's scales (the layout above: per panel, per block, the 16 columns' scales then their
+ * minimums, fp16 bits) from a file's scale[n][k / 32] and minimum[n][k / 32]. Returns 0, or -2 for
+ * a shape the layout does not take. */
+int q4_pack_scales(const uint16_t *scale, const uint16_t *minimum, uint16_t *out, long n, long k) {
+    if (n % 16 || k % 32) return -2;
+    long blocks = k / 32;
+    for (long p = 0; p < n / 16; p++)
+        for (long b = 0; b < blocks; b++) {
+            uint16_t *to = out + (p * blocks + b) * 32;
+            for (long c = 0; c < 16; c++) {
+                to[c] = scale[(16 * p + c) * blocks + b];
+                to[16 + c] = minimum[(16 * p + c) * blocks + b];
+            }
+        }
+    return 0;
+}

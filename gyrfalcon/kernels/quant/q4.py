@@ -83,6 +83,12 @@ def pack(weights: Int4Weights, inputs: torch.dtype) -> tuple[torch.Tensor, torch
     parts = [weights.scale, weights.minimum]
     if any(p.dtype != torch.float16 and not torch.equal(p.half().float(), p.float()) for p in parts):
         raise UnsupportedQuantization("the int4 kernels take fp16 scales and minimums")
+    kernels = loaded()
+    if kernels is not None and all(p.device.type == "cpu" for p in parts):  # one pass in C
+        scale, minimum = (p.half().contiguous() for p in parts)
+        scales = torch.empty(n // PANEL, k // GROUP, 2, PANEL, dtype=torch.float16)
+        if kernels.q4_pack_scales(scale.data_ptr(), minimum.data_ptr(), scales.data_ptr(), n, k) == 0:
+            return nibbles.contiguous(), scales
     scales = torch.stack([p.half().reshape(n // PANEL, PANEL, k // GROUP) for p in parts], 2)
     return nibbles.contiguous(), scales.permute(0, 3, 2, 1).contiguous()
 
