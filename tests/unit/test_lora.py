@@ -155,6 +155,30 @@ def test_adapters_compute_what_their_merged_weights_compute_alone_and_beside_eac
     _close(mixed, want)
 
 
+def test_speculation_with_adapters_changes_no_answer(tiny_model_dir, tmp_path):
+    """n-gram drafts verified with the adapters' products in the rows: each request's tokens and
+    logprobs (seeded and greedy) are the ones it gets without speculation, and drafts were made."""
+    from tests.unit.test_speculative import NGRAM
+
+    first = write_adapter(tiny_model_dir, tmp_path / "first", seed=1)
+    second = write_adapter(tiny_model_dir, tmp_path / "second", seed=2, targets=("q_proj", "down_proj"))
+    lora = dict(quantization="int4", enable_lora=True, lora_modules=[f"first={first}", f"second={second}"], max_loras=2,
+                max_model_len=256)  # fmt: skip
+    params = [dict(temperature=0.0), dict(temperature=0.8, seed=5)]
+    requests = [EngineRequest(f"r{i}-{j}", [5, 6, 7, 8] * 4, SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1, **p),
+                              lora_name=name) for i, name in enumerate(("first", "second", None)) for j, p in enumerate(params)]  # fmt: skip
+    plain = _answers(tiny_settings(tiny_model_dir, **lora), requests, together=False)
+    engine = create_transformers_engine(tiny_settings(tiny_model_dir, speculative_config=NGRAM, **lora))
+    try:
+        assert engine.wait_ready(60).ready
+        finals = [list(engine.submit(r))[-1] for r in requests]
+        speculated = [(c.token_ids, c.logprobs.logprobs) for f in finals for c in f.outputs]
+        assert engine.core.stats()["spec_decode_num_drafts"] > 0
+    finally:
+        engine.shutdown(0)
+    assert speculated == plain
+
+
 def test_two_adapters_never_share_cached_blocks(tiny_model_dir, tmp_path):
     """A prompt of two full blocks cached by the base model's request is not where an adapter's
     request of the same prompt starts: its KV is the adapter's own (the prefix cache keys by adapter)."""
