@@ -29,6 +29,7 @@ from gyrfalcon.serving.responses import conversation_after
 from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.logtext import loggable
 from gyrfalcon.serving.runner import FORMATTERS, StreamedResponse, complete, stream_chunks, submit_all
+from gyrfalcon.engine_api.config import parse_lora_module
 
 
 access_log = logging.getLogger("gyrfalcon.access")
@@ -90,8 +91,10 @@ class ModelsResource:
              "max_model_len": info.max_model_len, "permission": [{"id": f"modelperm-{name}", **permission}]}  # fmt: skip
             for name in self.ctx.served_model_names
         ]
+        # a start-up adapter's base_model_name (vLLM's JSON form of --lora-modules) is its parent
+        parents = {(name, path): base for name, path, base in map(parse_lora_module, self.ctx.settings.lora_modules or ())}
         for name, path in await offload(self.ctx.engine.lora_adapters):  # vLLM's cards of adapters
-            data.append({**data[0], "id": name, "root": path, "parent": root,
+            data.append({**data[0], "id": name, "root": path, "parent": parents.get((name, path)) or root,
                          "permission": [{"id": f"modelperm-{name}", **permission}]})  # fmt: skip
         if self.ctx.settings.enable_rl_endpoints:  # a rollout server's weights change: say which serve
             for card in data:

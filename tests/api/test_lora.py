@@ -83,6 +83,18 @@ def test_adapters_load_and_unload_while_serving(served, tmp_path):
     assert client.simulate_post("/v1/completions", json={**BODY, "model": "second"}).status_code == 404
 
 
+def test_a_start_up_adapters_base_model_name_is_its_parent(served, tiny_model_dir):
+    """vLLM's JSON form of --lora-modules: its base_model_name (one of the served names) is the card's parent."""
+    engine, _, first, _ = served
+    import json
+
+    module = json.dumps({"name": "first", "path": str(first), "base_model_name": "alias"})
+    settings = tiny_settings(tiny_model_dir, enable_lora=True, lora_modules=[module], served_model_name=["tiny", "alias"])
+    settings.validate()
+    cards = {card["id"]: card for card in api_client(served_app(engine, settings)).simulate_get("/v1/models").json["data"]}
+    assert (cards["first"]["root"], cards["first"]["parent"]) == (str(first), "alias")
+
+
 def test_without_the_flag_there_are_no_adapter_routes(tiny_engine, tiny_model_dir):
     settings = tiny_settings(tiny_model_dir, served_model_name=["tiny"])
     client = api_client(served_app(tiny_engine, settings))

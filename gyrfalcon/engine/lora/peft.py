@@ -82,8 +82,9 @@ def file_tensors(path: Path) -> dict[str, np.ndarray]:
 @dataclass
 class LoraAdapter:
     """An adapter's low-rank factors by ``(layer, module)``: ``A`` ``[r, in]``, ``B`` ``[out, r]``
-    (on the CPU numpy views of its file: :func:`file_tensors`); a row's projection gains ``scaling · (x Aᵀ) Bᵀ``. Loaded into the registry, they
-    move into its stacked factors (:mod:`~gyrfalcon.engine.lora.registry`) and ``factors`` empties."""
+    (on the CPU numpy views of its file: :func:`file_tensors`); a row's projection gains
+    ``scaling · (x Aᵀ) Bᵀ``. Placed in a slot of the registry, they move into its stacked factors
+    (:mod:`~gyrfalcon.engine.lora.registry`) and ``factors`` empties."""
 
     name: str
     path: str

@@ -93,7 +93,8 @@ class LoraRegistry:
             if self._known.get(name) != path:  # unloaded or replaced meanwhile: asked again next step
                 return None
             held = self._adapters.get(name)
-            if held is not None:
+            if held is not None:  # (placed by a load meanwhile)
+                self._touch(held.slot)
                 return held
             slot = self._free_slot(in_use, evict=True)
             if slot is None:
@@ -109,12 +110,14 @@ class LoraRegistry:
         free = [slot for slot in range(self.slots) if slot not in self._owners]
         if free:
             return free[0]
-        idle = [slot for slot, owner in self._owners.items() if owner.serial not in in_use
-                and (evict or self._adapters.get(owner.name) is not owner)]  # fmt: skip
-        if not idle:
-            return None
+        idle = [slot for slot, owner in self._owners.items() if owner.serial not in in_use]
         retired = [slot for slot in idle if self._adapters.get(self._owners[slot].name) is not self._owners[slot]]
-        slot = retired[0] if retired else min(idle, key=lambda s: self._used.get(s, 0))
+        if retired:
+            slot = retired[0]
+        elif evict and idle:
+            slot = min(idle, key=lambda s: self._used.get(s, 0))
+        else:
+            return None
         if take:
             owner = self._owners.pop(slot)
             if self._adapters.get(owner.name) is owner:

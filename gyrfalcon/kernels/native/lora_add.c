@@ -13,6 +13,7 @@
  * order, of product times Bt, added to y once. */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "vectors.h"
@@ -93,7 +94,8 @@ int lora_add(const float *x, long x_stride, const float *a, const float *bt, con
              long y_stride, long rows, long in, long out, long rank, long width, int threads) {
     if (rank > MAX_RANK) return -2;
     long count = width / rank, held = 0;
-    long *order = malloc(sizeof(long) * (rows + count + 1)), *first = order + rows;
+    /* order[rows], then first[count + 1] and next[count + 1] */
+    long *order = malloc(sizeof(long) * (rows + 2 * (count + 1))), *first = order + rows, *next = first + count + 1;
     float *t = malloc(sizeof(float) * (rows * rank + 1));
     if (order == NULL || t == NULL) {
         free(order), free(t);
@@ -104,17 +106,9 @@ int lora_add(const float *x, long x_stride, const float *a, const float *bt, con
     for (long r = 0; r < rows; r++)
         if (slots[r] >= 0 && slots[r] < count) first[slots[r] + 1]++, held++;
     for (long s = 0; s < count; s++) first[s + 1] += first[s];
-    {
-        long *next = malloc(sizeof(long) * (count + 1));
-        if (next == NULL) {
-            free(order), free(t);
-            return -1;
-        }
-        memcpy(next, first, sizeof(long) * (count + 1));
-        for (long r = 0; r < rows; r++)
-            if (slots[r] >= 0 && slots[r] < count) order[next[slots[r]]++] = r;
-        free(next);
-    }
+    memcpy(next, first, sizeof(long) * (count + 1));
+    for (long r = 0; r < rows; r++)
+        if (slots[r] >= 0 && slots[r] < count) order[next[slots[r]]++] = r;
     (void)threads;
     long groups = (rank + 3) / 4; /* A's rows four at a time (the last group may be shorter) */
 #if defined(_OPENMP)
