@@ -275,6 +275,11 @@ def test_unknown_adapters_and_flags_that_cannot_serve(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="--max-cpu-loras \\(1\\) must be at least --max-loras \\(2\\)"):
         Settings(model=tiny_model_dir, enable_lora=True, max_loras=2, max_cpu_loras=1).validate()
     Settings(model=tiny_model_dir, enable_lora=True, lora_modules=["a=/x", "b=/y"]).validate()  # (vLLM's: more than --max-loras)
+    for module, why in (('{"name": "a"}', "needs a name and a path"), ('{"name": "a", "path": "/x", "rank": 8}', "rank not served"),
+                        ('{"name": "a", "path": "/x", "base_model_name": "other"}', "base_model_name 'other' is not a served"),
+                        ('{"name": ', "is not a JSON object")):  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            Settings(model=tiny_model_dir, enable_lora=True, lora_modules=[module], served_model_name=["tiny"]).validate()
     with pytest.raises(ValueError, match="is not NAME=PATH"):
         Settings(model=tiny_model_dir, enable_lora=True, lora_modules=["a"]).validate()
     engine = create_transformers_engine(tiny_settings(tiny_model_dir, enable_lora=True))
