@@ -87,8 +87,7 @@ class ControlPlane:
         if runner is None or not self._thread.is_alive():
             raise ShuttingDown(self._health.message or "the engine is not running")
         layers = runner.direct.layers if runner.direct is not None else []
-        return stage(served_tensors(runner.model, layers), path, version, self.engine_config, self.device,
-                     self.quantization, layers)  # fmt: skip
+        return stage(runner.model, layers, path, version, self.engine_config, self.device, self.quantization)
 
     def sleep(self, level: int = 1) -> SleepState:
         why = sleeping.unsupported(self.device)

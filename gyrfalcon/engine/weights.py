@@ -2,10 +2,9 @@
 
 A folder of the served model's architecture (or a GGUF of its shape) is loaded exactly as the
 served weights were — the same dtype, device, ``--quantization`` and matmul inputs, the same fused
-q/k/v and gate/up layers (a converted GGUF in int4 on a model made on the meta device, its
-dequantised copies of the weights the bits replace never read: ``load_quantized_weights``) — into
-tensors of its own, and every tensor is held against the served
-one (name, shape, dtype) before anything changes: a mismatch is a 400 naming it, and the served
+q/k/v and gate/up layers (a converted GGUF in int4 packed from its bits straight into memory laid
+out as the served one: :mod:`gyrfalcon.engine.restage`) — into tensors of its own, and every
+tensor is held against the served one (name, shape, dtype) before anything changes: a mismatch is a 400 naming it, and the served
 weights stay as they are. The engine's step loop then copies the staged tensors into the served
 ones between two steps (:meth:`StagedWeights.apply`): in place, so the decode path's compiled step,
 captured graphs and native layer loop, which hold the served tensors' memory, compute with the
@@ -24,11 +23,13 @@ from typing import Any
 import torch
 
 from gyrfalcon.engine_api.config import EngineConfig
+from gyrfalcon.engine.model.decoder import fused_parts
+from gyrfalcon.engine.restage import restage
 from gyrfalcon.engine_api.errors import EngineUnavailable
 from gyrfalcon.errors import Kind, RequestError
 from gyrfalcon.kernels.quant.layers import fuse_outputs, probed_kernels
 from gyrfalcon.models.default import resolve_model
-from gyrfalcon.models.loading import load_quantized_weights, load_weights
+from gyrfalcon.models.loading import load_weights
 
 #: the weight version of the weights a server starts with (SGLang's)
 FIRST_VERSION = "default"
@@ -47,10 +48,37 @@ class StagedWeights:
 
     @torch.no_grad()
     def apply(self) -> None:
-        """Copy every staged tensor into the served one (between two steps: the step loop's thread)."""
-        for served, staged in self.pairs:
+        """Copy every staged tensor into the served one (between two steps: the step loop's thread),
+        each byte once: a tensor whose memory is rows of another's (a fused layer's parts), served
+        and staged alike, is copied with it."""
+        for served, staged in _outermost(self.pairs):
             served.copy_(staged)
         self.pairs = []
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """``tensor``'s block of memory and the byte range it covers there (a contiguous tensor)."""
+    start = tensor.storage_offset() * tensor.element_size()
+    return tensor.untyped_storage().data_ptr(), start, start + tensor.nbytes
+
+
+def _outermost(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (served, staged) pairs less those lying inside another pair at the same offset on both
+    sides (contiguous tensors only; of two that cover the same bytes, the first is kept)."""
+    spans = [(_span(s), _span(t)) if s.is_contiguous() and t.is_contiguous() else None for s, t in pairs]
+    by_block: dict[int, list[int]] = {}
+    for i, span in enumerate(spans):
+        if span is not None:
+            by_block.setdefault(span[0][0], []).append(i)
+
+    def inside(i: int, j: int) -> bool:  # pair i lies within pair j
+        (sb, s0, s1), (tb, t0, t1) = spans[i]
+        (_, o0, o1), (ob, u0, u1) = spans[j]
+        return tb == ob and o0 <= s0 and s1 <= o1 and s0 - o0 == t0 - u0 and (s0, s1) != (o0, o1) or (
+            (s0, s1) == (o0, o1) and tb == ob and t0 == u0 and j < i)  # fmt: skip
+
+    dropped = {i for group in by_block.values() for i in group if any(inside(i, j) for j in group if j != i)}
+    return [pair for i, pair in enumerate(pairs) if i not in dropped]
 
 
 def served_tensors(model: Any, layers: list[Any]) -> dict[str, torch.Tensor]:
@@ -71,9 +99,7 @@ def _fused_like(model: Any, layers: list[Any]) -> dict[str, torch.Tensor]:
     wherever the served ones are."""
     tensors = dict(model.state_dict(keep_vars=True))
     for i, (layer, served) in enumerate(zip(model.model.layers, layers)):
-        parts = {"qkv": [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
-                 "gate_up": [layer.mlp.gate_proj, layer.mlp.up_proj]}  # fmt: skip
-        for name, modules in parts.items():
+        for name, modules in fused_parts(layer).items():
             if getattr(served, name) is None:
                 continue
             fused = fuse_outputs(modules)
@@ -88,24 +114,29 @@ def _describe(tensor: torch.Tensor) -> str:
     return f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
 
 
-def stage(served: dict[str, torch.Tensor], path: str, version: str, cfg: EngineConfig, device: str, quantization: str,
-          layers: list[Any]) -> StagedWeights:  # fmt: skip
-    """The weights at ``path`` loaded as the served ones were and checked against ``served``
-    (:func:`served_tensors`); a :class:`RequestError` naming ``model_path`` (the runtime rule
-    ``model_path_fits``) for a path that is not there (a 404), is not a model, does not load, or
-    whose tensors differ from the served ones in name, shape or dtype."""
+def stage(model: Any, layers: list[Any], path: str, version: str, cfg: EngineConfig, device: str,
+          quantization: str) -> StagedWeights:  # fmt: skip
+    """The weights at ``path`` loaded as the served ones (``model``'s, and its fused ``layers``':
+    :func:`served_tensors`) were, and checked against them; a :class:`RequestError` naming
+    ``model_path`` (the runtime rule ``model_path_fits``) for a path that is not there (a 404), is
+    not a model, does not load, or whose tensors differ from the served ones in name, shape or dtype.
+    A converted GGUF served in int4 is packed straight into memory laid out as the served one
+    (:func:`~gyrfalcon.engine.restage.restage`) where it matches exactly; anything else is loaded
+    as start-up loads it."""
     if not os.path.exists(path):
         raise RequestError(f"'{path}' does not exist on the server", "model_path", type=Kind.NOT_FOUND)
     if not (os.path.isdir(path) or (path.endswith(".gguf") and os.path.isfile(path))):
         raise RequestError(f"'{path}' is neither a model folder nor a .gguf file", "model_path")
+    served = served_tensors(model, layers)
     inputs = None if cfg.matmul_inputs == "auto" else getattr(torch, cfg.matmul_inputs)
     try:
         folder = resolve_model(path, cfg.cache_dir)
-        with probed_kernels():  # the served layers' kernels, shapes and fusions passed the probe at start-up
-            model = load_quantized_weights(folder, cfg.dtype, device, quantization, cfg.cache_dir, inputs)
-            if model is None:  # the step loop releases what the load freed once the copy is in
-                model, _ = load_weights(folder, cfg.dtype, device, quantization, cfg.cache_dir, inputs, release=False)
-            staged = _fused_like(model, layers) if layers else dict(model.state_dict(keep_vars=True))
+        staged = restage(model, layers, served, folder)
+        if staged is None:
+            with probed_kernels():  # the served layers' kernels, shapes and fusions passed the probe at start-up
+                # the step loop releases what the load freed once the copy is in
+                loaded, _ = load_weights(folder, cfg.dtype, device, quantization, cfg.cache_dir, inputs, release=False)
+                staged = _fused_like(loaded, layers) if layers else dict(loaded.state_dict(keep_vars=True))
     except RequestError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever the folder holds, the client hears why it cannot serve

@@ -102,50 +102,6 @@ def load_weights(path: str | os.PathLike[str], dtype: str | None = "float32", de
     return model, report
 
 
-def load_quantized_weights(path: str | os.PathLike[str], dtype: str | None, device: str, quantization: str,
-                           cache_dir: str | None = None, inputs: Any = None):  # fmt: skip
-    """:func:`load_weights`' model for a converted GGUF served in ``int4`` on the CPU, built without
-    reading the folder's dequantised copies of the weights its bits replace: the model made on the
-    meta device, the folder's other tensors (norms, biases, any weight without bits) read into it,
-    then :func:`~gyrfalcon.kernels.quant.apply.quantize_model` as a load does. None where that does
-    not apply (another mode, device or folder), or where a tensor is left on the meta device (a
-    kernel that fell back to the dequantised weight): the caller loads as :func:`load_weights` does.
-
-    Its rotary tables and other buffers not in the files stay on the meta device: it is for weights
-    to be copied into a served model's (a swap, :mod:`gyrfalcon.engine.weights`), not to run."""
-    import torch
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from gyrfalcon.kernels.quant.apply import quantize_model
-    from gyrfalcon.kernels.quant.q4 import q4_kernel
-    from gyrfalcon.models.default import cache_root
-    from gyrfalcon.models.gguf_bits import BITS_FILE, read_bits
-
-    device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
-    files = sorted(str(p) for p in Path(path).glob("*.safetensors") if p.name != BITS_FILE)
-    if device != "cpu" or not q4_kernel() or not files or resolve_quantization(quantization, path, torch_dtype, device) != "int4":
-        return None
-    bits = read_bits(path)
-    if bits is None:
-        return None
-    config = AutoConfig.from_pretrained(os.fspath(path), local_files_only=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    model.eval()
-    tensors = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            tensors.update({name: f.get_tensor(name).to(torch_dtype) for name in f.keys() if name not in bits})
-    model.load_state_dict(tensors, strict=False, assign=True)
-    compute = inputs if inputs is not None else kernel_dtype(torch_dtype, device, "int4")
-    quantize_model(model, "int4", bits, compute, device, kernels=cache_root(cache_dir) / "kernels")
-    if any(t.is_meta for t in model.state_dict().values()):
-        return None
-    return model
-
-
 #: bytes under which a parameter left after quantising is copied out of the weights file
 SMALL_TENSOR_BYTES = 1 << 20
 

@@ -166,15 +166,60 @@ def test_the_ggufs_bits_are_kept_exactly(default_model_dir):
             assert torch.equal(bits[name].dequantize(), f.get_tensor(name)), name
 
 
-def test_a_swap_stages_the_served_tensors_from_the_bits_without_the_dequantised_copies(engine, default_model_dir):
-    """``update_weights_from_disk`` of the served folder builds the staged weights on a meta-device
-    model (the folder's fp32 copies of the weights the GGUF's bits replace never read): every served
-    tensor is staged, and equal to the served one bit for bit."""
-    from gyrfalcon.models.loading import load_quantized_weights
+def test_a_swap_packs_the_bits_into_the_served_layout_as_start_up_does(engine, default_model_dir):
+    """``update_weights_from_disk`` of the served folder packs the GGUF's bits straight into memory
+    laid out as the served tensors are (no model built, the folder's fp32 copies of the weights the
+    bits replace never read): every served tensor is staged, equal to the served one bit for bit,
+    and the copy writes each fused layer's memory once (its parts are views of it)."""
+    from gyrfalcon.engine.restage import restage
+    from gyrfalcon.engine.weights import _outermost, _span, served_tensors
 
-    assert load_quantized_weights(default_model_dir, Settings.dtype, "cpu", Settings.quantization) is not None
+    runner = engine.core.runner
+    layers = runner.direct.layers
+    served = served_tensors(runner.model, layers)
+    assert restage(runner.model, layers, served, default_model_dir) is not None
     staged = engine.core._stage(default_model_dir, "same")
-    assert len(staged.pairs) > 200 and all(torch.equal(served, new) for served, new in staged.pairs)
+    assert len(staged.pairs) == len(served) and all(torch.equal(served, new) for served, new in staged.pairs)
+    spans = [_span(s) for s, _ in _outermost(staged.pairs)]
+    assert len(spans) <= len(served) - 5 * len(layers)  # q, k, v, gate and up go with their fused layers
+    assert all(a[0] != b[0] or a[2] <= b[1] or b[2] <= a[1] for i, a in enumerate(spans) for b in spans[i + 1 :])
+    for tensor, _ in staged.pairs:  # each byte copied once, and every served tensor's bytes copied
+        block, start, end = _span(tensor)
+        assert any(block == b and a <= start and end <= e for b, a, e in spans)
+
+
+def test_a_swap_packs_nothing_it_cannot_match_exactly(engine, default_model_dir, tmp_path):
+    """The packing path declines a folder whose bits miss one served layer's (it would be
+    re-quantised from the fp32 copy) and one with a tensor the served model has not: such folders
+    go the way start-up loads them, where the rules of what fits live."""
+    import os
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from gyrfalcon.engine.restage import restage
+    from gyrfalcon.engine.weights import served_tensors
+    from gyrfalcon.models.gguf_bits import BITS_FILE
+
+    runner = engine.core.runner
+    served = served_tensors(runner.model, runner.direct.layers)
+    missing = "model.layers.3.mlp.down_proj.weight"
+    for case in ("missing", "extra"):
+        folder = tmp_path / case
+        folder.mkdir()
+        for name in os.listdir(default_model_dir):
+            if name != BITS_FILE:
+                os.symlink(os.path.join(default_model_dir, name), folder / name)
+        with safe_open(os.path.join(default_model_dir, BITS_FILE), framework="pt") as f:
+            kinds = dict(f.metadata())
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+        if case == "missing":
+            tensors = {key: t for key, t in tensors.items() if not key.startswith(missing)}
+            kinds.pop(missing)
+        save_file(tensors, str(folder / BITS_FILE), metadata=kinds)
+        if case == "extra":
+            save_file({"model.layers.0.mlp.extra.weight": torch.zeros(4)}, str(folder / "more.safetensors"))
+        assert restage(runner.model, runner.direct.layers, served, folder) is None, case
 
 
 def test_a_seeded_request_sent_again_repeats_bit_for_bit_from_the_prefix_cache(engine):

@@ -324,3 +324,24 @@ def test_weights_read_from_a_files_nibbles_pack_as_unpacked_ones_do(inputs, nati
             got = pack(from_file, inputs) if not native else None
         got = got if got is not None else pack(from_file, inputs)
         assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_a_q8_tables_panels_are_laid_out_alike_in_c_and_by_the_operators(monkeypatch):
+    """``q8_pack_panels`` (``q8_linear.c``, a weight swap's packing of the head) lays a ``Q8_0``
+    table out in the kernel's panels byte for byte as torch's operators do, a last partial panel
+    padded with zeros."""
+    from gyrfalcon.kernels import native as kernels
+    from gyrfalcon.kernels.quant import q8
+
+    kernels.library(None)
+    generator = torch.Generator().manual_seed(4)
+    for n, k in [(16, 32), (1000, 576), (37, 64)]:
+        table = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+        scale = torch.rand(n, k // 32, generator=generator).half()
+        native = q8.panels(table, scale)
+        with monkeypatch.context() as patched:
+            patched.setattr(q8, "loaded", lambda: None)
+            operators = q8.panels(table, scale)
+        assert all(torch.equal(a, b) for a, b in zip(native, operators))
+        assert torch.equal(native[0][-1, :, n % 16 or 16 :], torch.zeros_like(native[0][-1, :, n % 16 or 16 :]))
+        assert torch.equal(native[0][:, 5].reshape(-1)[:n], table[:, 5])

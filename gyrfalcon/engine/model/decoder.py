@@ -99,6 +99,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def fused_parts(layer: torch.nn.Module) -> dict[str, list[torch.nn.Module]]:
+    """A decoder layer's projections that the direct forward computes in one product each, by the
+    fused layer's name (:class:`_Layer`'s ``qkv`` and ``gate_up``), in the order of its outputs."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return {"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "gate_up": [mlp.gate_proj, mlp.up_proj]}
+
+
 class _Layer:
     """One decoder layer's modules, its fused projections and its attention's sliding window."""
 
@@ -107,8 +114,9 @@ class _Layer:
         self.attn, self.mlp = attn, mlp
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.qkv = fuse_outputs([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.gate_up = fuse_outputs([mlp.gate_proj, mlp.up_proj])
+        #: the projections each fused layer joins
+        self.parts = fused_parts(layer)
+        self.qkv, self.gate_up = fuse_outputs(self.parts["qkv"]), fuse_outputs(self.parts["gate_up"])
         self.widths = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
         window = getattr(attn, "sliding_window", None)
         if window is None and config.model_type == "mistral":

@@ -67,6 +67,7 @@ _SIGNATURES = {
     "silu_mul": ([_POINTER] * 3 + [_LONG], None),
     "q4_pack_nibbles": ([_POINTER] * 2 + [_LONG] * 2 + [_INT], _INT),
     "q4_pack_scales": ([_POINTER] * 3 + [_LONG] * 2, _INT),
+    "q8_pack_panels": ([_POINTER] * 2 + [_LONG] * 2 + [_INT], _INT),
 }
 
 

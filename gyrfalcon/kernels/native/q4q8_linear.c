@@ -258,25 +258,30 @@ int q4q16_linear(const float *x, const uint8_t *nibbles, const uint16_t *sc, flo
 }
 
 /* This file's nibbles (the layout above) from a file's: disk[n][k / 2], byte t of a row holding its
- * weights 2t (low nibble) and 2t + 1. In one pass, each output byte once: byte 4c + j of group g of
- * panel p is q[16p + c][8g + j] | q[16p + c][8g + 4 + j] << 4. Returns 0, or -2 for a shape the
- * layout does not take. */
+ * weights 2t (low nibble) and 2t + 1. In one pass, each output word once: bytes 4c .. 4c + 3 of
+ * group g of panel p hold q[16p + c][8g + j] | q[16p + c][8g + 4 + j] << 4, which is the row's four
+ * bytes of that group read as one little-endian word, its nibbles q0 q1 .. q7 shuffled to
+ * q0 q4 q1 q5 q2 q6 q3 q7 by two swaps (bytes 1 and 2, then the middle nibbles of each half).
+ * Returns 0, or -2 for a shape the layout does not take. */
 int q4_pack_nibbles(const uint8_t *disk, uint8_t *out, long n, long k, int threads) {
     if (n % 16 || k % 32) return -2;
     long groups = k / 8, row_bytes = k / 2;
     (void)threads;
 #if defined(_OPENMP)
-#pragma omp parallel for num_threads(threads) schedule(static) if (n * k >= (1L << 22))
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * k >= (1L << 18))
 #endif
     for (long p = 0; p < n / 16; p++)
-        for (long g = 0; g < groups; g++) {
-            uint8_t *to = out + (p * groups + g) * 64;
-            for (long c = 0; c < 16; c++) {
-                const uint8_t *from = disk + (16 * p + c) * row_bytes + 4 * g; /* weights 8g .. 8g + 7 */
-                uint32_t word = (uint32_t)from[0] | (uint32_t)from[1] << 8 | (uint32_t)from[2] << 16 |
-                                (uint32_t)from[3] << 24;
-                for (int j = 0; j < 4; j++)
-                    to[4 * c + j] = (uint8_t)((word >> (4 * j)) & 0xF) | (uint8_t)(((word >> (4 * (j + 4))) & 0xF) << 4);
+        for (long c = 0; c < 16; c++) {
+            const uint8_t *from = disk + (16 * p + c) * row_bytes;
+            uint8_t *to = out + p * groups * 64 + 4 * c;
+            for (long g = 0; g < groups; g++) {
+                uint32_t x, t;
+                memcpy(&x, from + 4 * g, 4);
+                t = (x ^ (x >> 8)) & 0x0000FF00u;
+                x = x ^ t ^ (t << 8);
+                t = (x ^ (x >> 4)) & 0x00F000F0u;
+                x = x ^ t ^ (t << 4);
+                memcpy(to + g * 64, &x, 4);
             }
         }
     return 0;

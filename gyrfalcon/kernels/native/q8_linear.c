@@ -216,3 +216,48 @@ int q8_linear(const float *x, const int8_t *q, const float *scale, float *out, l
     }
     return failed ? -1 : 0;
 }
+
+/* dst[j][i] = src[i][j] for a 16 x 16 block of bytes (src rows `stride` apart; dst rows 16 apart),
+ * in four rounds of interleaving: bytes, pairs, fours, eights (SSE2, any x86-64) */
+static void transpose_16x16(const int8_t *src, long stride, int8_t *dst) {
+    __m128i a[16], b[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm_loadu_si128((const __m128i *)(src + i * stride));
+    for (int p = 0; p < 8; p++) { /* b[2p + h]: rows 2p, 2p + 1 of columns 8h .. 8h + 7 */
+        b[2 * p] = _mm_unpacklo_epi8(a[2 * p], a[2 * p + 1]);
+        b[2 * p + 1] = _mm_unpackhi_epi8(a[2 * p], a[2 * p + 1]);
+    }
+    for (int q = 0; q < 4; q++) /* a[4q + 2h + g]: rows 4q .. 4q + 3 of columns 8h + 4g .. + 3 */
+        for (int h = 0; h < 2; h++) {
+            a[4 * q + 2 * h] = _mm_unpacklo_epi16(b[4 * q + h], b[4 * q + 2 + h]);
+            a[4 * q + 2 * h + 1] = _mm_unpackhi_epi16(b[4 * q + h], b[4 * q + 2 + h]);
+        }
+    for (int m = 0; m < 2; m++) /* b[8m + 4h + 2g + e]: rows 8m .. 8m + 7 of columns 8h + 4g + 2e, + 1 */
+        for (int hg = 0; hg < 4; hg++) {
+            b[8 * m + 2 * hg] = _mm_unpacklo_epi32(a[8 * m + hg], a[8 * m + 4 + hg]);
+            b[8 * m + 2 * hg + 1] = _mm_unpackhi_epi32(a[8 * m + hg], a[8 * m + 4 + hg]);
+        }
+    for (int j = 0; j < 8; j++) { /* column 2j, then 2j + 1: all 16 rows */
+        _mm_storeu_si128((__m128i *)(dst + 32 * j), _mm_unpacklo_epi64(b[j], b[8 + j]));
+        _mm_storeu_si128((__m128i *)(dst + 32 * j + 16), _mm_unpackhi_epi64(b[j], b[8 + j]));
+    }
+}
+
+/* q8_linear's panels (q[p][k][c] = table[16p + c][k], the last panel's missing rows zero) from a
+ * file's table[n][k]; returns 0, or -2 for a k that is not whole blocks of 16 */
+int q8_pack_panels(const int8_t *table, int8_t *q, long n, long k, int threads) {
+    if (k % 16) return -2;
+    long whole = n / P;
+    (void)threads;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * k >= (1L << 18))
+#endif
+    for (long p = 0; p < whole; p++)
+        for (long kk = 0; kk < k; kk += 16) transpose_16x16(table + P * p * k + kk, k, q + (p * k + kk) * P);
+    if (n % P) {
+        int8_t *last = q + whole * k * P;
+        memset(last, 0, (size_t)(k * P));
+        for (long c = 0; c < n % P; c++)
+            for (long kk = 0; kk < k; kk++) last[kk * P + c] = table[(P * whole + c) * k + kk];
+    }
+    return 0;
+}

@@ -64,6 +64,12 @@ def q4_fits(n: int, k: int) -> bool:
     return n % PANEL == 0 and k % GROUP == 0
 
 
+def packed_shapes(n: int, k: int, inputs: torch.dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of :func:`pack`'s ``nibbles`` and ``scales`` for an ``[n, k]`` weight."""
+    nibbles = (n // PANEL, k // 8, 64) if inputs in INTEGER_INPUTS else (n // PANEL, k // 2, PANEL)
+    return nibbles, (n // PANEL, k // GROUP, 2, PANEL)
+
+
 def pack(weights: Int4Weights, inputs: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``weights`` in the layout of ``inputs``' kernel — ``nibbles`` per panel of 16 output columns:
     for ``float32`` ``[N / 16, K / 2, 16]`` (byte ``j`` of pair ``t``: column ``16p + j``'s weights
@@ -71,48 +77,60 @@ def pack(weights: Int4Weights, inputs: torch.dtype) -> tuple[torch.Tensor, torch
     of group ``g``: column ``16p + c``'s weights ``8g + j`` and ``8g + 4 + j``) — and ``scales``
     ``[N / 16, K / 32, 2, 16]`` fp16 (each block's scales, then its minimums). The scales must be
     fp16 values (a GGUF's are; :meth:`Int4Weights.quantize` rounds them so)."""
+    shapes = packed_shapes(*weights.shape, inputs)
+    nibbles, scales = torch.empty(shapes[0], dtype=torch.uint8), torch.empty(shapes[1], dtype=torch.float16)
+    pack_into(weights, inputs, nibbles, scales)
+    return nibbles, scales
+
+
+def pack_into(weights: Int4Weights, inputs: torch.dtype, nibbles: torch.Tensor, scales: torch.Tensor) -> None:
+    """:func:`pack` into ``nibbles`` and ``scales``: contiguous CPU tensors of its shapes (a served
+    layer's own memory, or rows of a fused layer's: a weight swap packs into memory laid out as
+    the served tensors are)."""
     n, k = weights.shape
+    if (tuple(nibbles.shape), tuple(scales.shape)) != packed_shapes(n, k, inputs) or not (
+            nibbles.is_contiguous() and scales.is_contiguous()):  # fmt: skip
+        raise ValueError(f"an [{n}, {k}] int4 weight packs into {packed_shapes(n, k, inputs)}, contiguous")
     if weights.nibbles is not None:
-        nibbles = _from_file_nibbles(weights.nibbles, n, k, inputs)
+        _from_file_nibbles(weights.nibbles, n, k, inputs, nibbles)
     elif inputs in INTEGER_INPUTS:
         v = weights.q.to(torch.uint8).reshape(n // PANEL, PANEL, k // 8, 2, 4)
-        nibbles = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(n // PANEL, k // 8, 64)
+        nibbles.copy_((v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(n // PANEL, k // 8, 64))
     else:
         v = weights.q.to(torch.uint8).reshape(n // PANEL, PANEL, k // 2, 2)
-        nibbles = (v[..., 0] | (v[..., 1] << 4)).permute(0, 2, 1)
+        nibbles.copy_((v[..., 0] | (v[..., 1] << 4)).permute(0, 2, 1))
     parts = [weights.scale, weights.minimum]
     if any(p.dtype != torch.float16 and not torch.equal(p.half().float(), p.float()) for p in parts):
         raise UnsupportedQuantization("the int4 kernels take fp16 scales and minimums")
     kernels = loaded()
     if kernels is not None and all(p.device.type == "cpu" for p in parts):  # one pass in C
         scale, minimum = (p.half().contiguous() for p in parts)
-        scales = torch.empty(n // PANEL, k // GROUP, 2, PANEL, dtype=torch.float16)
         if kernels.q4_pack_scales(scale.data_ptr(), minimum.data_ptr(), scales.data_ptr(), n, k) == 0:
-            return nibbles.contiguous(), scales
-    scales = torch.stack([p.half().reshape(n // PANEL, PANEL, k // GROUP) for p in parts], 2)
-    return nibbles.contiguous(), scales.permute(0, 3, 2, 1).contiguous()
+            return
+    scales.copy_(torch.stack([p.half().reshape(n // PANEL, PANEL, k // GROUP) for p in parts], 2).permute(0, 3, 2, 1))
 
 
-def _from_file_nibbles(disk: torch.Tensor, n: int, k: int, inputs: torch.dtype) -> torch.Tensor:
+def _from_file_nibbles(disk: torch.Tensor, n: int, k: int, inputs: torch.dtype, out: torch.Tensor) -> None:
     """:func:`pack`'s nibbles straight from a file's (``[N, K // 2]``, weights ``2t`` and ``2t + 1``
-    in byte ``t``), without unpacking each weight: the float layout takes each column's bytes as
-    they are; the integer one wants, in each group of 8 weights, byte ``j`` to hold weights ``j``
-    and ``4 + j``: the group's four bytes read as one little-endian word, their nibbles
+    in byte ``t``) into ``out``, without unpacking each weight: the float layout takes each column's
+    bytes as they are; the integer one wants, in each group of 8 weights, byte ``j`` to hold weights
+    ``j`` and ``4 + j``: the group's four bytes read as one little-endian word, their nibbles
     ``q0 q1 .. q7`` shuffled to ``q0 q4 q1 q5 q2 q6 q3 q7`` by two swaps (bytes 1 and 2, then the
     middle nibbles of each half)."""
     if inputs not in INTEGER_INPUTS:
-        return disk.reshape(n // PANEL, PANEL, k // 2).permute(0, 2, 1)
+        out.copy_(disk.reshape(n // PANEL, PANEL, k // 2).permute(0, 2, 1))
+        return
     kernels = loaded()
     if kernels is not None and disk.device.type == "cpu":  # one pass in C (the ops below: eight over the bytes)
-        disk, out = disk.contiguous(), torch.empty(n // PANEL, k // 8, 64, dtype=torch.uint8)
+        disk = disk.contiguous()
         if kernels.q4_pack_nibbles(disk.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads()) == 0:
-            return out
+            return
     x = disk.contiguous().view(torch.int32)
     t = (x ^ (x >> 8)) & 0x0000FF00
     x = x ^ t ^ (t << 8)
     t = (x ^ (x >> 4)) & 0x00F000F0
     x = x ^ t ^ (t << 4)
-    return x.view(torch.uint8).reshape(n // PANEL, PANEL, k // 8, 4).permute(0, 2, 1, 3).reshape(n // PANEL, k // 8, 64)
+    out.copy_(x.view(torch.uint8).reshape(n // PANEL, PANEL, k // 8, 4).permute(0, 2, 1, 3).reshape(n // PANEL, k // 8, 64))
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:

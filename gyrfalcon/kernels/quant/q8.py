@@ -100,15 +100,38 @@ class Q8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, Q8_0 table, float32 logits"
 
 
+def panel_shapes(n: int, k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The shapes of :func:`panels`' table and scales for an ``[n, k]`` ``Q8_0`` table."""
+    return (-(-n // PANEL), k, PANEL), (-(-n // PANEL), k // GROUP, PANEL)
+
+
 def panels(q8: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A ``Q8_0`` table as ``q8_linear.c`` reads it: panels of :data:`PANEL` rows of ``W`` side by
     side — ``[ceil(N / 16), K, 16]`` int8 and ``[ceil(N / 16), K // 32, 16]`` fp32 scales, the last
     panel padded with zeros — in memory of their own (a view of the file kept it mapped)."""
-    rows = -len(q8) % PANEL
-    q8 = torch.nn.functional.pad(q8, (0, 0, 0, rows)) if rows else q8
-    scale = torch.nn.functional.pad(scale, (0, 0, 0, rows)) if rows else scale
-    return (q8.reshape(-1, PANEL, q8.shape[1]).transpose(1, 2).contiguous(),
-            scale.reshape(-1, PANEL, scale.shape[1]).transpose(1, 2).contiguous())  # fmt: skip
+    shapes = panel_shapes(*q8.shape)
+    out = torch.empty(shapes[0], dtype=torch.int8), torch.empty(shapes[1], dtype=torch.float32)
+    panels_into(q8, scale, *out)
+    return out
+
+
+def panels_into(q8: torch.Tensor, scale: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor) -> None:
+    """:func:`panels` into ``q_out`` and ``scale_out`` (a served head's memory: a weight swap)."""
+    n, k = q8.shape
+    if (tuple(q_out.shape), tuple(scale_out.shape)) != panel_shapes(n, k) or scale.shape != (n, k // GROUP):
+        raise ValueError(f"an [{n}, {k}] Q8_0 table packs into {panel_shapes(n, k)}")
+    whole = n // PANEL
+    kernels = loaded()
+    if kernels is None or not (q8.device.type == "cpu" and q8.is_contiguous() and q_out.is_contiguous()) or \
+            kernels.q8_pack_panels(q8.data_ptr(), q_out.data_ptr(), n, k, torch.get_num_threads()) != 0:  # fmt: skip
+        q_out[:whole].copy_(q8[: whole * PANEL].reshape(whole, PANEL, k).transpose(1, 2))
+        if whole < len(q_out):  # the last panel's rows, then zeros
+            q_out[whole:].zero_()
+            q_out[whole, :, : n - whole * PANEL].copy_(q8[whole * PANEL :].T)
+    scale_out[:whole].copy_(scale[: whole * PANEL].reshape(whole, PANEL, -1).transpose(1, 2))
+    if whole < len(q_out):
+        scale_out[whole:].zero_()
+        scale_out[whole, :, : n - whole * PANEL].copy_(scale[whole * PANEL :].T)
 
 
 def _product(flat: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
