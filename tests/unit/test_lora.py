@@ -313,3 +313,33 @@ def test_unloading_ends_the_requests_waiting_for_the_adapter_and_lets_the_runnin
         assert len(list(running)[-1].outputs[0].token_ids) == 6
     finally:
         engine.shutdown(0)
+
+
+def test_an_adapters_factors_are_laid_into_its_slot_alike_in_c_and_by_numpy(tiny_model_dir, tmp_path, monkeypatch):
+    """``lora_pack`` (``lora_add.c``) writes an adapter's slot of the stacks — ``A`` as it is, ``B``
+    transposed times the scaling, zeros past its rank and for projections it has no factors for —
+    with the bits the numpy pass writes (what a slot last held is overwritten)."""
+    from gyrfalcon.engine.lora import registry as registries
+    from gyrfalcon.kernels import native
+
+    native.library(None)
+    weights = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    shapes = {(int(key.split(".")[2]), key.split(".")[4]): tuple(t.shape) for key, t in weights.items()
+              if key.startswith("model.layers.") and key.split(".")[4] in TARGETS}  # fmt: skip
+    full = write_adapter(tiny_model_dir, tmp_path / "full", seed=1, rank=4, alpha=7.0)
+    some = write_adapter(tiny_model_dir, tmp_path / "some", seed=2, rank=3, alpha=5.0, targets=("q_proj", "down_proj"))
+    stacks = []
+    for kernels in (native.loaded, lambda: None):
+        monkeypatch.setattr(registries, "loaded", kernels)
+        registry = registries.LoraRegistry(shapes, max_loras=2, max_rank=8, device="cpu")
+        for stack in registry.stacks.values():  # what an earlier adapter left in the slots
+            for t in stack:
+                t.normal_(generator=torch.Generator().manual_seed(0))
+        for name, folder in (("full", full), ("some", some)):
+            registry.load(name, str(folder))
+        stacks.append([t.clone() for pair in registry.stacks.values() for t in pair])
+    assert all(torch.equal(a, b) for a, b in zip(*stacks))
+    k_proj = list(shapes).index((0, "k_proj"))
+    assert stacks[0][2 * k_proj][8:16].abs().sum() == 0  # "some" (slot 1) has no k_proj: its rows all zero
+    q_proj = stacks[0][2 * list(shapes).index((0, "q_proj"))]
+    assert q_proj[8 + 3 : 16].abs().sum() == 0 < q_proj[8:11].abs().sum()  # zero past rank 3

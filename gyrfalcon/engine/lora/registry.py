@@ -21,6 +21,12 @@ import numpy as np
 import torch
 
 from gyrfalcon.engine.lora.peft import AdapterError, LoraAdapter, read_adapter
+from gyrfalcon.kernels.native import loaded
+
+
+def _fp32(pair: tuple[Any, Any]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A pair of factors as contiguous fp32 numpy arrays (as read, where they are already)."""
+    return tuple(None if f is None else np.ascontiguousarray(f, dtype=np.float32) for f in pair)  # type: ignore[return-value]
 
 
 def projection_shapes(layers: list[Any]) -> dict[tuple[int, str], tuple[int, int]]:
@@ -56,6 +62,7 @@ class LoraRegistry:
         self._lock = threading.Lock()
         self._loads = 0
         self._ticks = 0
+        self._targets: tuple | None = None  # the stacks' addresses and widths, for lora_pack
 
     def load(self, name: str, path: str, replace: bool = False, in_use: frozenset[int] = frozenset()) -> LoraAdapter:
         """Read, check and know the adapter of ``path`` as ``name`` (``replace``: in place of one of
@@ -141,10 +148,12 @@ class LoraRegistry:
 
     @torch.no_grad()
     def _write(self, adapter: LoraAdapter) -> None:
-        """The adapter's factors into its slot of every projection's stacks (zeros where it has none):
-        one pass over them, the scaling multiplied in as ``B`` is transposed (on the CPU through
-        numpy, whose calls cost a fraction of torch's). The slot is no row's (free): a step reading
-        the stacks meanwhile multiplies it by zero."""
+        """The adapter's factors into its slot of every projection's stacks (zeros where it has none),
+        the scaling multiplied in as ``B`` is transposed: on the CPU in one call of ``lora_pack``
+        (``lora_add.c``, the layout's owner), else one pass over them. The slot is no row's (free):
+        a step reading the stacks meanwhile multiplies it by zero."""
+        if self.device == "cpu" and self._pack(adapter):
+            return
         first, rank, end = adapter.slot * self.max_rank, adapter.rank, (adapter.slot + 1) * self.max_rank
         scaling = np.float32(adapter.scaling)
         for key, (a_stack, bt_stack) in self.stacks.items():
@@ -161,6 +170,26 @@ class LoraRegistry:
             else:
                 torch.mul(b.T, adapter.scaling, out=bt_stack[first : first + rank])
             a_stack[first + rank : end], bt_stack[first + rank : end] = 0, 0
+
+    def _pack(self, adapter: LoraAdapter) -> bool:
+        """:meth:`_write` through ``lora_pack``; False where the kernels are not built here."""
+        kernels = loaded()
+        if kernels is None:
+            return False
+        if self._targets is None:  # the stacks never move: their addresses and widths, once
+            keys = list(self.stacks)
+            self._targets = (keys, *(np.array(v, dtype=np.uint64) for v in (
+                [a.data_ptr() for a, _ in self.stacks.values()], [bt.data_ptr() for _, bt in self.stacks.values()])),
+                *(np.array(v, dtype=np.int64) for v in ([self.shapes[k][1] for k in keys], [self.shapes[k][0] for k in keys])))  # fmt: skip
+        keys, a_stacks, bt_stacks, ins, outs = self._targets
+        sources = [_fp32(adapter.factors.get(key, (None, None))) for key in keys]
+        a_sources = np.array([a.ctypes.data if a is not None else 0 for a, _ in sources], dtype=np.uint64)
+        b_sources = np.array([b.ctypes.data if b is not None else 0 for _, b in sources], dtype=np.uint64)
+        status = kernels.lora_pack(len(keys), a_sources.ctypes.data, b_sources.ctypes.data, a_stacks.ctypes.data,
+                                   bt_stacks.ctypes.data, ins.ctypes.data, outs.ctypes.data,
+                                   adapter.slot * self.max_rank, adapter.rank, self.max_rank,
+                                   float(np.float32(adapter.scaling)), torch.get_num_threads())  # fmt: skip
+        return status == 0
 
     def _check_name(self, name: str, replace: bool) -> None:
         if name in self._known and not replace:
