@@ -17,6 +17,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -39,11 +40,20 @@ class AdapterError(ValueError):
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
 
-def file_tensors(path: Path) -> dict[str, np.ndarray]:
-    """The tensors of the safetensors file ``path`` as numpy arrays — fp32 and fp16 views of its
-    bytes, read in one call; bf16 widened to fp32 — for the registry to copy into its stacks (numpy,
-    not torch: a call of either costs more than the copy of a factor, and an adapter has hundreds);
-    an :class:`AdapterError` for a file that is not safetensors or holds another dtype."""
+class FileTensor(NamedTuple):
+    """Where a tensor of a safetensors file lies: its dtype's name, its shape, and its bytes'
+    offsets in the file (``begin`` .. ``end``)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def file_header(path: Path) -> dict[str, FileTensor]:
+    """The tensors of the safetensors file ``path`` as its header lists them (no data read), each
+    checked to be of a served dtype with its bytes inside the file; an :class:`AdapterError` for a
+    file that is not safetensors or holds another dtype."""
     with open(path, "rb") as f:
         size = path.stat().st_size
         try:
@@ -53,11 +63,9 @@ def file_tensors(path: Path) -> dict[str, np.ndarray]:
             header = json.loads(f.read(length))
             if not isinstance(header, dict):
                 raise ValueError("its header is not a JSON object")
-            data = np.empty(size - 8 - length, dtype=np.uint8)  # (not zeroed first, as a bytearray is)
-            if f.readinto(data) != len(data):
-                raise ValueError("it ends early")
         except (ValueError, struct.error, OSError) as exc:
             raise AdapterError(f"adapter_model.safetensors is not a safetensors file: {exc}") from None
+    start, data = 8 + length, size - 8 - length
     tensors = {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -67,13 +75,33 @@ def file_tensors(path: Path) -> dict[str, np.ndarray]:
                 raise ValueError("its entry is not a JSON object")
             dtype, shape, (begin, end) = _DTYPES[entry["dtype"]], [int(n) for n in entry["shape"]], entry["data_offsets"]
             count = math.prod(shape)
-            if min(shape, default=0) < 0 or not 0 <= begin <= end <= len(data) or end - begin != count * dtype.itemsize:
+            if min(shape, default=0) < 0 or not 0 <= begin <= end <= data or end - begin != count * dtype.itemsize:
                 raise ValueError(f"its bytes {begin}..{end} do not hold {shape} {entry['dtype']}")
         except (KeyError, TypeError, ValueError) as exc:
             detail = f"dtype {entry.get('dtype')!r} is not served (F32, BF16, F16)" if isinstance(exc, KeyError) else exc
             raise AdapterError(f"adapter_model.safetensors: tensor {name}: {detail}") from None
-        array = np.frombuffer(data, dtype, count, begin).reshape(shape)
-        if entry["dtype"] == "BF16":  # bf16 is fp32's upper half
+        tensors[name] = FileTensor(entry["dtype"], tuple(shape), start + begin, start + end)
+    return tensors
+
+
+def file_tensors(path: Path, header: dict[str, FileTensor] | None = None) -> dict[str, np.ndarray]:
+    """The tensors of the safetensors file ``path`` (its :func:`file_header`, or ``header``) as numpy
+    arrays — fp32 and fp16 views of its bytes, read in one call; bf16 widened to fp32 — for the
+    registry to copy into its stacks (numpy, not torch: a call of either costs more than the copy
+    of a factor, and an adapter has hundreds)."""
+    header = file_header(path) if header is None else header
+    start = min((t.begin for t in header.values()), default=0)
+    end = max((t.end for t in header.values()), default=0)
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = np.empty(end - start, dtype=np.uint8)  # (not zeroed first, as a bytearray is)
+        if f.readinto(data) != len(data):
+            raise AdapterError("adapter_model.safetensors ends early")
+    tensors = {}
+    for name, entry in header.items():
+        dtype = _DTYPES[entry.dtype]
+        array = np.frombuffer(data, dtype, math.prod(entry.shape), entry.begin - start).reshape(entry.shape)
+        if entry.dtype == "BF16":  # bf16 is fp32's upper half
             array = (array.astype(np.uint32) << 16).view(np.float32)
         tensors[name] = array
     return tensors
@@ -91,6 +119,8 @@ class LoraAdapter:
     rank: int
     scaling: float
     factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: where each ``(layer, module)``'s ``A`` and ``B`` lie in the weights file (:func:`read_factors` reads them)
+    layout: dict[tuple[int, str], tuple[FileTensor, FileTensor]] = field(default_factory=dict, repr=False)
     #: one number per load (the registry's count), keying its prefix-cache blocks: a name loaded
     #: again with other weights never finds the blocks of the first
     serial: int = 0
@@ -103,9 +133,12 @@ class LoraAdapter:
 
 
 def read_adapter(name: str, path: str, shapes: dict[tuple[int, str], tuple[int, int]], max_rank: int,
-                 device: str = "cpu") -> LoraAdapter:  # fmt: skip
+                 device: str = "cpu", factors: bool = True) -> LoraAdapter:  # fmt: skip
     """The adapter of the PEFT folder ``path`` for layers of ``shapes`` (``(layer, module)`` →
-    ``(out, in)``), refused with an :class:`AdapterError` for anything not served (module docstring)."""
+    ``(out, in)``), refused with an :class:`AdapterError` for anything not served (module
+    docstring): every check reads the config and the weights file's header only. ``factors``: its
+    factors read too (:func:`read_factors`), else only where they lie (``layout``: the registry
+    reads them into a slot itself)."""
     folder, shown = Path(path), path if len(path) <= 200 else path[:200] + "…"
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     try:
@@ -135,9 +168,8 @@ def read_adapter(name: str, path: str, shapes: dict[tuple[int, str], tuple[int, 
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise AdapterError(f"adapter_config.json: lora_alpha must be a number, got {alpha!r}")
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-    tensors = file_tensors(weights_file)
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    halves: dict[tuple[int, str], dict[str, FileTensor]] = {}
+    for key, tensor in file_header(weights_file).items():
         match = _KEY.match(key)
         if match is None or match.group(2) not in TARGETS:
             raise AdapterError(f"tensor {key} is not a LoRA factor of a served projection ({', '.join(TARGETS)})")
@@ -151,12 +183,28 @@ def read_adapter(name: str, path: str, shapes: dict[tuple[int, str], tuple[int, 
             raise AdapterError(f"layer {layer} {module} has lora_{''.join(pair)} without its other factor")
         out, inp = shapes[(layer, module)]
         a, b = pair["A"], pair["B"]
-        if tuple(a.shape) != (rank, inp) or tuple(b.shape) != (out, rank):
+        if a.shape != (rank, inp) or b.shape != (out, rank):
             raise AdapterError(f"layer {layer} {module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit "
                                f"a [{out}, {inp}] projection at rank {rank}")  # fmt: skip
+        adapter.layout[(layer, module)] = (a, b)
+    if not adapter.layout:
+        raise AdapterError(f"'{path}' holds no LoRA factor")
+    if factors:
+        read_factors(adapter, device)
+    return adapter
+
+
+def read_factors(adapter: LoraAdapter, device: str = "cpu") -> None:
+    """``adapter.factors`` read from its weights file (on the CPU numpy arrays, fp32 or fp16;
+    elsewhere fp32 tensors on ``device``)."""
+    weights_file = Path(adapter.path) / "adapter_model.safetensors"
+    wanted = {f"{key}.{half}": entry for key, pair in adapter.layout.items() for half, entry in zip("AB", pair)}
+    try:
+        tensors = file_tensors(weights_file, wanted)
+    except OSError as exc:
+        raise AdapterError(f"adapter_model.safetensors cannot be read: {exc.strerror}") from None
+    for key in adapter.layout:
+        a, b = tensors[f"{key}.A"], tensors[f"{key}.B"]
         if device != "cpu":
             a, b = torch.from_numpy(a.astype(np.float32)).to(device), torch.from_numpy(b.astype(np.float32)).to(device)
-        adapter.factors[(layer, module)] = (a, b)
-    if not adapter.factors:
-        raise AdapterError(f"'{path}' holds no LoRA factor")
-    return adapter
+        adapter.factors[key] = (a, b)

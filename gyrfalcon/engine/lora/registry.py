@@ -14,14 +14,20 @@ replaced keeps its slot while requests still run with it."""
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from gyrfalcon.engine.lora.peft import AdapterError, LoraAdapter, read_adapter
-from gyrfalcon.kernels.native import loaded
+from gyrfalcon.engine.lora.peft import AdapterError, LoraAdapter, read_adapter, read_factors
+from gyrfalcon.kernels.native import PACKING_THREADS, loaded
+
+
+#: the most buffers one ``preadv`` takes (Linux's IOV_MAX)
+_IOV_MAX = 1024
 
 
 def _fp32(pair: tuple[Any, Any]) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -63,6 +69,7 @@ class LoraRegistry:
         self._loads = 0
         self._ticks = 0
         self._targets: tuple | None = None  # the stacks' addresses and widths, for lora_pack
+        self._reserved: set[int] = set()  # slots a load is filling
 
     def load(self, name: str, path: str, replace: bool = False, in_use: frozenset[int] = frozenset()) -> LoraAdapter:
         """Read, check and know the adapter of ``path`` as ``name`` (``replace``: in place of one of
@@ -70,12 +77,16 @@ class LoraRegistry:
         :class:`AdapterError` when it cannot serve or its name is taken, nothing changed then.
         ``in_use``: the serials of the adapters requests hold."""
         self._check_name(name, replace)
-        adapter = read_adapter(name, path, self.shapes, self.max_rank, self.device)
+        adapter = read_adapter(name, path, self.shapes, self.max_rank, self.device, factors=False)
         with self._lock:
             self._check_name(name, replace)
+            slot = self._reserve(in_use, evict=False)
+        self._fill(adapter, slot)
+        with self._lock:
+            self._reserved.discard(slot)
+            self._check_name(name, replace)  # (a load of the same name meanwhile: its slot is free again)
             self._known[name] = path
             self._adapters.pop(name, None)  # (a replaced adapter keeps its slot while requests hold it)
-            slot = self._free_slot(in_use, evict=False)
             if slot is not None:
                 self._place(adapter, slot)
         return adapter
@@ -92,29 +103,42 @@ class LoraRegistry:
                 return held
             if name not in self._known:
                 raise AdapterError(f"The lora adapter '{name}' cannot be found.", "model", found=False)
-            if self._free_slot(in_use, evict=True, take=False) is None:
+            slot = self._reserve(in_use, evict=True)
+            if slot is None:
                 return None
             path = self._known[name]
-        adapter = read_adapter(name, path, self.shapes, self.max_rank, self.device)  # (the slow part: unlocked)
+        try:  # (the slow part: unlocked)
+            adapter = read_adapter(name, path, self.shapes, self.max_rank, self.device, factors=False)
+        except BaseException:
+            with self._lock:
+                self._reserved.discard(slot)
+            raise
+        self._fill(adapter, slot)
         with self._lock:
+            self._reserved.discard(slot)
             if self._known.get(name) != path:  # unloaded or replaced meanwhile: asked again next step
                 return None
             held = self._adapters.get(name)
             if held is not None:  # (placed by a load meanwhile)
                 self._touch(held.slot)
                 return held
-            slot = self._free_slot(in_use, evict=True)
-            if slot is None:
-                return None
             self._place(adapter, slot)
             self._touch(slot)
             return adapter
 
+    def _reserve(self, in_use: frozenset[int], evict: bool) -> int | None:
+        """(Under the lock) :meth:`_free_slot` taken and kept from every other load until this one
+        has filled it (:meth:`_fill`) and placed its adapter, or let it go."""
+        slot = self._free_slot(in_use, evict)
+        if slot is not None:
+            self._reserved.add(slot)
+        return slot
+
     def _free_slot(self, in_use: frozenset[int] | set[int], evict: bool, take: bool = True) -> int | None:
         """(Under the lock) a slot no adapter holds, else one of an unloaded or replaced adapter no
         request holds, else (``evict``) the least recently used one of a held adapter no running
-        request holds, given up (``take``); None when there is none."""
-        free = [slot for slot in range(self.slots) if slot not in self._owners]
+        request holds, given up (``take``); None when there is none. A reserved slot is none of these."""
+        free = [slot for slot in range(self.slots) if slot not in self._owners and slot not in self._reserved]
         if free:
             return free[0]
         idle = [slot for slot, owner in self._owners.items() if owner.serial not in in_use]
@@ -131,14 +155,29 @@ class LoraRegistry:
                 del self._adapters[owner.name]  # still known: read back when a request needs it
         return slot
 
+    def _fill(self, adapter: LoraAdapter, slot: int | None) -> None:
+        """The reserved ``slot`` (no row's: a step reading the stacks meanwhile multiplies it by zero)
+        filled with ``adapter``'s factors; on failure the slot is let go and the error raised."""
+        if slot is None:
+            return
+        adapter.slot = slot
+        try:
+            if self.device == "cpu" and self._read_into_slot(adapter):
+                return
+            read_factors(adapter, self.device)
+            self._write(adapter)
+            adapter.factors = {}  # (the stacks hold them now: not twice in memory)
+        except BaseException:
+            with self._lock:
+                self._reserved.discard(slot)
+            raise
+
     def _place(self, adapter: LoraAdapter, slot: int) -> None:
-        """(Under the lock) ``adapter`` into ``slot`` (no adapter's now): its factors written, held by name."""
+        """(Under the lock) ``adapter``, filled into ``slot`` (no adapter's now), held by name."""
         self._loads += 1
         adapter.serial, adapter.slot, adapter.stacks, adapter.active = self._loads, slot, self.stacks, self.active
         adapter.columns = (slot * self.max_rank, (slot + 1) * self.max_rank)
-        self._write(adapter)
-        self.active.update(adapter.factors)
-        adapter.factors = {}  # (the stacks hold them now: not twice in memory)
+        self.active.update(adapter.layout)
         self._owners[slot] = adapter
         self._adapters[adapter.name] = adapter
 
@@ -171,25 +210,83 @@ class LoraRegistry:
                 torch.mul(b.T, adapter.scaling, out=bt_stack[first : first + rank])
             a_stack[first + rank : end], bt_stack[first + rank : end] = 0, 0
 
-    def _pack(self, adapter: LoraAdapter) -> bool:
-        """:meth:`_write` through ``lora_pack``; False where the kernels are not built here."""
-        kernels = loaded()
-        if kernels is None:
-            return False
-        if self._targets is None:  # the stacks never move: their addresses and widths, once
+    def _stack_targets(self) -> tuple:
+        """The stacks' keys, addresses and widths as ``lora_pack`` takes them (the stacks never move)."""
+        if self._targets is None:
             keys = list(self.stacks)
             self._targets = (keys, *(np.array(v, dtype=np.uint64) for v in (
                 [a.data_ptr() for a, _ in self.stacks.values()], [bt.data_ptr() for _, bt in self.stacks.values()])),
-                *(np.array(v, dtype=np.int64) for v in ([self.shapes[k][1] for k in keys], [self.shapes[k][0] for k in keys])))  # fmt: skip
-        keys, a_stacks, bt_stacks, ins, outs = self._targets
-        sources = [_fp32(adapter.factors.get(key, (None, None))) for key in keys]
-        a_sources = np.array([a.ctypes.data if a is not None else 0 for a, _ in sources], dtype=np.uint64)
-        b_sources = np.array([b.ctypes.data if b is not None else 0 for _, b in sources], dtype=np.uint64)
+                *(np.array(v, dtype=np.int64) for v in ([self.shapes[k][1] for k in keys], [self.shapes[k][0] for k in keys])),
+                [(a.numpy(), bt.numpy()) for a, bt in self.stacks.values()])  # fmt: skip
+        return self._targets
+
+    def _lay(self, adapter: LoraAdapter, a_sources: np.ndarray, b_sources: np.ndarray) -> bool:
+        """``lora_pack`` of the factors at ``a_sources`` and ``b_sources`` (addresses by stack, 0 where
+        the adapter has none) into its slot; False where the kernels are not built here."""
+        kernels = loaded()
+        if kernels is None:
+            return False
+        keys, a_stacks, bt_stacks, ins, outs, _ = self._stack_targets()
         status = kernels.lora_pack(len(keys), a_sources.ctypes.data, b_sources.ctypes.data, a_stacks.ctypes.data,
                                    bt_stacks.ctypes.data, ins.ctypes.data, outs.ctypes.data,
                                    adapter.slot * self.max_rank, adapter.rank, self.max_rank,
-                                   float(np.float32(adapter.scaling)), torch.get_num_threads())  # fmt: skip
-        return status == 0
+                                   float(np.float32(adapter.scaling)), PACKING_THREADS)  # fmt: skip
+        if status:
+            raise MemoryError("lora_pack could not allocate a buffer")
+        return True
+
+    def _pack(self, adapter: LoraAdapter) -> bool:
+        """:meth:`_write` of factors read already, through ``lora_pack``; False where it cannot."""
+        keys = self._stack_targets()[0]
+        sources = [_fp32(adapter.factors.get(key, (None, None))) for key in keys]
+        a_sources = np.array([a.ctypes.data if a is not None else 0 for a, _ in sources], dtype=np.uint64)
+        b_sources = np.array([b.ctypes.data if b is not None else 0 for _, b in sources], dtype=np.uint64)
+        return self._lay(adapter, a_sources, b_sources)
+
+    def _read_into_slot(self, adapter: LoraAdapter) -> bool:
+        """An fp32 adapter's file read straight into its slot in one ``preadv`` (``A`` into its rows
+        as it lies; ``B`` into the rows of its transpose, which ``lora_pack`` then writes in place):
+        the file's bytes copied once. False where that does not apply (another dtype, tensors that
+        overlap, no kernels, no ``preadv``, a short read): the caller reads the factors first."""
+        if loaded() is None or not hasattr(os, "preadv"):
+            return False
+        if any(entry.dtype != "F32" for pair in adapter.layout.values() for entry in pair):
+            return False
+        keys, a_stacks, bt_stacks, ins, outs, arrays = self._stack_targets()
+        first, rank = adapter.slot * self.max_rank, adapter.rank
+        present = np.array([key in adapter.layout for key in keys])
+        a_sources = np.where(present, a_stacks + (first * ins * 4).astype(np.uint64), 0).astype(np.uint64)
+        b_sources = np.where(present, bt_stacks + (first * outs * 4).astype(np.uint64), 0).astype(np.uint64)
+        pieces = []
+        for j, key in enumerate(keys):
+            pair = adapter.layout.get(key)
+            if pair is not None:
+                a_array, bt_array = arrays[j]
+                pieces.append((pair[0].begin, pair[0].end, a_array[first : first + rank]))
+                pieces.append((pair[1].begin, pair[1].end, bt_array[first : first + rank]))
+        pieces.sort(key=lambda piece: piece[0])
+        buffers, at = [], pieces[0][0]
+        for begin, end, view in pieces:
+            if begin < at:
+                return False
+            if begin > at:  # bytes between tensors: read and dropped
+                buffers.append(bytearray(begin - at))
+            buffers.append(memoryview(view).cast("B"))
+            at = end
+        offset = pieces[0][0]
+        fd = os.open(Path(adapter.path) / "adapter_model.safetensors", os.O_RDONLY)
+        try:
+            for i in range(0, len(buffers), _IOV_MAX):
+                chunk = buffers[i : i + _IOV_MAX]
+                size = sum(len(b) for b in chunk)
+                if os.preadv(fd, chunk, offset) != size:
+                    return False
+                offset += size
+        except OSError as exc:
+            raise AdapterError(f"adapter_model.safetensors cannot be read: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+        return self._lay(adapter, a_sources, b_sources)
 
     def _check_name(self, name: str, replace: bool) -> None:
         if name in self._known and not replace:

@@ -158,24 +158,38 @@ int lora_add(const float *x, long x_stride, const float *a, const float *bt, con
  * stacks: for projection j, rows of a_stack[j] (`in[j]` wide) from a[j] [rank][in[j]] as they are,
  * rows of bt_stack[j] (`out[j]` wide) from b[j] [out[j]][rank] transposed and times `scaling` (the
  * layout lora_add reads), the slot's rows past `rank` zero; a[j] or b[j] NULL: the projection's
- * slot rows all zero (the adapter has no factors there). Each value is one product, rounded once:
- * the bits numpy's `b.T * scaling` gives. Returns 0. */
+ * slot rows all zero (the adapter has no factors there). a[j] may be the slot's own rows (the file
+ * read straight into them) and b[j] the slot's first rank · out[j] values of bt_stack[j] (read
+ * there as they lie in the file). Each value is one product, rounded once: the bits numpy's
+ * `b.T * scaling` gives. Returns 0, or -1 if a buffer for B could not be allocated. */
 int lora_pack(long count, const float *const *a, const float *const *b, float *const *a_stack, float *const *bt_stack,
               const long *in, const long *out, long first, long rank, long max_rank, float scaling, int threads) {
+    int failed = 0;
     (void)threads;
 #if defined(_OPENMP)
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 8) reduction(| : failed)
 #endif
     for (long j = 0; j < count; j++) {
         float *as = a_stack[j] + first * in[j], *bs = bt_stack[j] + first * out[j];
         long kept = a[j] != NULL && b[j] != NULL ? rank : 0;
-        if (kept) memcpy(as, a[j], sizeof(float) * (size_t)(kept * in[j]));
+        const float *from = kept ? b[j] : NULL;
+        float *copy = NULL;
+        if (kept && a[j] != as) memcpy(as, a[j], sizeof(float) * (size_t)(kept * in[j]));
         memset(as + kept * in[j], 0, sizeof(float) * (size_t)((max_rank - kept) * in[j]));
+        if (from == bs) { /* B lies where its transpose goes: moved aside first */
+            if ((copy = malloc(sizeof(float) * (size_t)(out[j] * rank))) == NULL) {
+                failed = 1;
+                continue;
+            }
+            memcpy(copy, from, sizeof(float) * (size_t)(out[j] * rank));
+            from = copy;
+        }
         for (long o = 0; o < (kept ? out[j] : 0); o++) {
-            const float *row = b[j] + o * rank;
+            const float *row = from + o * rank;
             for (long r = 0; r < rank; r++) bs[r * out[j] + o] = row[r] * scaling;
         }
         memset(bs + kept * out[j], 0, sizeof(float) * (size_t)((max_rank - kept) * out[j]));
+        free(copy);
     }
-    return 0;
+    return failed ? -1 : 0;
 }

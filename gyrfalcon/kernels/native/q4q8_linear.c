@@ -268,7 +268,7 @@ int q4_pack_nibbles(const uint8_t *disk, uint8_t *out, long n, long k, int threa
     long groups = k / 8, row_bytes = k / 2;
     (void)threads;
 #if defined(_OPENMP)
-#pragma omp parallel for num_threads(threads) schedule(static) if (n * k >= (1L << 18))
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * k >= (1L << 22))
 #endif
     for (long p = 0; p < n / 16; p++)
         for (long c = 0; c < 16; c++) {

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from gyrfalcon.kernels.native import KernelUnavailable, library, loaded, operator
+from gyrfalcon.kernels.native import PACKING_THREADS, KernelUnavailable, library, loaded, operator
 from gyrfalcon.kernels.native.cpu import cpu
 from gyrfalcon.kernels.quant.layers import UnsupportedQuantization, check_rows_alone
 from gyrfalcon.kernels.quant.weights import GROUP, Int4Weights
@@ -123,7 +123,7 @@ def _from_file_nibbles(disk: torch.Tensor, n: int, k: int, inputs: torch.dtype, 
     kernels = loaded()
     if kernels is not None and disk.device.type == "cpu":  # one pass in C (the ops below: eight over the bytes)
         disk = disk.contiguous()
-        if kernels.q4_pack_nibbles(disk.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads()) == 0:
+        if kernels.q4_pack_nibbles(disk.data_ptr(), out.data_ptr(), n, k, PACKING_THREADS) == 0:
             return
     x = disk.contiguous().view(torch.int32)
     t = (x ^ (x >> 8)) & 0x0000FF00

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from gyrfalcon.kernels.native import KernelUnavailable, library, loaded, operator
+from gyrfalcon.kernels.native import PACKING_THREADS, KernelUnavailable, library, loaded, operator
 from gyrfalcon.kernels.quant.layers import UnsupportedQuantization, check_rows_alone
 from gyrfalcon.kernels.quant.weights import GROUP
 
@@ -123,7 +123,7 @@ def panels_into(q8: torch.Tensor, scale: torch.Tensor, q_out: torch.Tensor, scal
     whole = n // PANEL
     kernels = loaded()
     if kernels is None or not (q8.device.type == "cpu" and q8.is_contiguous() and q_out.is_contiguous()) or \
-            kernels.q8_pack_panels(q8.data_ptr(), q_out.data_ptr(), n, k, torch.get_num_threads()) != 0:  # fmt: skip
+            kernels.q8_pack_panels(q8.data_ptr(), q_out.data_ptr(), n, k, PACKING_THREADS) != 0:  # fmt: skip
         q_out[:whole].copy_(q8[: whole * PANEL].reshape(whole, PANEL, k).transpose(1, 2))
         if whole < len(q_out):  # the last panel's rows, then zeros
             q_out[whole:].zero_()
