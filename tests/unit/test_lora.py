@@ -343,3 +343,27 @@ def test_an_adapters_factors_are_laid_into_its_slot_alike_in_c_and_by_numpy(tiny
     assert stacks[0][2 * k_proj][8:16].abs().sum() == 0  # "some" (slot 1) has no k_proj: its rows all zero
     q_proj = stacks[0][2 * list(shapes).index((0, "q_proj"))]
     assert q_proj[8 + 3 : 16].abs().sum() == 0 < q_proj[8:11].abs().sum()  # zero past rank 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_adapter_is_served_as_its_exact_fp32_values(tiny_model_dir, tmp_path, dtype):
+    """PEFT often saves adapters in the model's 16-bit dtype: such a file (read into numpy, then laid
+    out) fills a slot with exactly what the same values saved in fp32 (read straight into the slot) do."""
+    from gyrfalcon.engine.lora.registry import LoraRegistry
+    from gyrfalcon.kernels import native
+
+    native.library(None)
+    weights = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    shapes = {(int(key.split(".")[2]), key.split(".")[4]): tuple(t.shape) for key, t in weights.items()
+              if key.startswith("model.layers.") and key.split(".")[4] in TARGETS}  # fmt: skip
+    source = write_adapter(tiny_model_dir, tmp_path / "source", seed=5, rank=4)
+    tensors = load_file(str(source / "adapter_model.safetensors"))
+    for name, convert in (("half", lambda t: t.to(dtype)), ("wide", lambda t: t.to(dtype).float())):
+        shutil.copytree(source, tmp_path / name)
+        save_file({k: convert(t).contiguous() for k, t in tensors.items()}, str(tmp_path / name / "adapter_model.safetensors"))
+    stacks = []
+    for name in ("half", "wide"):
+        registry = LoraRegistry(shapes, max_loras=1, max_rank=8, device="cpu")
+        registry.load(name, str(tmp_path / name))
+        stacks.append([t.clone() for pair in registry.stacks.values() for t in pair])
+    assert all(torch.equal(a, b) for a, b in zip(*stacks)) and any(t.abs().sum() > 0 for t in stacks[0])
