@@ -218,8 +218,12 @@ int q8_linear(const float *x, const int8_t *q, const float *scale, float *out, l
 }
 
 /* dst[j][i] = src[i][j] for a 16 x 16 block of bytes (src rows `stride` apart; dst rows 16 apart),
- * in four rounds of interleaving: bytes, pairs, fours, eights (SSE2, any x86-64) */
+ * in four rounds of interleaving: bytes, pairs, fours, eights (SSE2, any x86-64; elsewhere a loop) */
 static void transpose_16x16(const int8_t *src, long stride, int8_t *dst) {
+#if !defined(__SSE2__)
+    for (int i = 0; i < 16; i++)
+        for (int j = 0; j < 16; j++) dst[16 * j + i] = src[i * stride + j];
+#else
     __m128i a[16], b[16];
     for (int i = 0; i < 16; i++) a[i] = _mm_loadu_si128((const __m128i *)(src + i * stride));
     for (int p = 0; p < 8; p++) { /* b[2p + h]: rows 2p, 2p + 1 of columns 8h .. 8h + 7 */
@@ -240,6 +244,7 @@ static void transpose_16x16(const int8_t *src, long stride, int8_t *dst) {
         _mm_storeu_si128((__m128i *)(dst + 32 * j), _mm_unpacklo_epi64(b[j], b[8 + j]));
         _mm_storeu_si128((__m128i *)(dst + 32 * j + 16), _mm_unpackhi_epi64(b[j], b[8 + j]));
     }
+#endif
 }
 
 /* q8_linear's panels (q[p][k][c] = table[16p + c][k], the last panel's missing rows zero) from a
