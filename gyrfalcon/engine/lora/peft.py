@@ -109,10 +109,11 @@ def file_tensors(path: Path, header: dict[str, FileTensor] | None = None) -> dic
 
 @dataclass
 class LoraAdapter:
-    """An adapter's low-rank factors by ``(layer, module)``: ``A`` ``[r, in]``, ``B`` ``[out, r]``
-    (on the CPU numpy views of its file: :func:`file_tensors`); a row's projection gains
-    ``scaling · (x Aᵀ) Bᵀ``. Placed in a slot of the registry, they move into its stacked factors
-    (:mod:`~gyrfalcon.engine.lora.registry`) and ``factors`` empties."""
+    """An adapter's low-rank factors by ``(layer, module)``: ``A`` ``[r, in]``, ``B`` ``[out, r]``;
+    a row's projection gains ``scaling · (x Aᵀ) Bᵀ``. ``layout`` says where each lies in its file;
+    ``factors`` holds them once read (:func:`read_factors`; on the CPU numpy views of the file).
+    The registry fills a slot of its stacked factors with them (:mod:`~gyrfalcon.engine.lora.registry`,
+    an fp32 file read straight into the slot), and ``factors`` empties."""
 
     name: str
     path: str
