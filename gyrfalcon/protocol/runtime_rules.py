@@ -80,7 +80,8 @@ RUNTIME_RULES: tuple[RuntimeRule, ...] = (
         "model_served",
         "model",
         "model, when given, is a served model name, or with --enable-lora a loaded LoRA adapter's (which the "
-        "engine decides at submit); 404 otherwise. The served spec's enum lists the names without --enable-lora.",
+        "engine decides at submit; for tokenize, detokenize and an echo of the prompt alone, the engine's "
+        "adapters are asked); 404 otherwise. The served spec's enum lists the names without --enable-lora.",
         "gyrfalcon.protocol.translate:Translator._model_name",
     ),
     RuntimeRule(

@@ -209,6 +209,9 @@ class Translator:
         sampling = requests[0].sampling
         stream_options = fields.get("stream_options") or {}
         echo = bool(fields.get("echo", False))
+        prompt_only = _answered_without_the_engine(fields, sampling)
+        if prompt_only:
+            self._model_name(model, answered_here=True)
         return ServingRequest(
             endpoint=fields.endpoint,
             model=model,
@@ -227,7 +230,7 @@ class Translator:
             logprobs=fields.get("logprobs"),
             user=fields.get("user"),
             recorded={name: fields.get(name) for name in RECORDED_FIELDS if fields.has(name)},
-            prompt_only=_answered_without_the_engine(fields, sampling),
+            prompt_only=prompt_only,
             prompt_logprobs=fields.get("prompt_logprobs"),
             tools=tools,
             weight_versions=self.weight_versions,
@@ -241,13 +244,17 @@ class Translator:
             raise RequestError(f"Invalid value for '{param}': {error.message}", param)
         return extensions
 
-    def _model_name(self, requested: str | None) -> str:
+    def _model_name(self, requested: str | None, answered_here: bool = False) -> str:
+        """The model a request names (the first served name when it names none); with LoRA served,
+        another name is an adapter's: the engine knows which it holds and decides at submit, or,
+        for what is answered without it (``answered_here``: tokenizing, an echo of the prompt
+        alone), is asked here. A 404 naming ``model`` for any other name."""
         if requested is None:
             return self.served_model_names[0]
-        # with LoRA served, another name is an adapter's: the engine knows which it holds (a 404 at submit)
-        if requested not in self.served_model_names and "lora" not in self.info.capabilities:
-            raise RequestError(f"The model '{requested}' does not exist", "model", type=Kind.NOT_FOUND)
-        return requested
+        if requested in self.served_model_names or ("lora" in self.info.capabilities and (
+                not answered_here or any(name == requested for name, _ in self.engine.lora_adapters()))):  # fmt: skip
+            return requested
+        raise RequestError(f"The model '{requested}' does not exist", "model", type=Kind.NOT_FOUND)
 
     def _check_limits(self, f: RequestFields) -> None:
         """The deployment limits laid over the served spec (one table), and the bounds the generated
@@ -306,7 +313,7 @@ class Translator:
         model = TOKENIZE.model_of(body)
         chat = model is TOKENIZE.chat_model
         sent = sent_fields(validate(model, body))
-        self._model_name(sent.get("model"))
+        self._model_name(sent.get("model"), answered_here=True)
         if chat:
             self._check_text_length(sent["messages"], "messages")
             ids = self.chat.render(sent["messages"], ChatRendering(sent.get("add_generation_prompt", True)), "messages")
@@ -318,7 +325,7 @@ class Translator:
     def detokenize(self, body: Any) -> str:
         """``POST /detokenize``: the text of token ids inside the vocabulary."""
         sent = sent_fields(validate(DETOKENIZE.model_of(body), body))
-        self._model_name(sent.get("model"))
+        self._model_name(sent.get("model"), answered_here=True)
         self._check_field("tokens", sent["tokens"], "tokens")
         return self.engine.detokenize(sent["tokens"])
 

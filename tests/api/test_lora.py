@@ -56,6 +56,18 @@ def test_a_request_names_its_adapter_as_its_model(served):
     assert "enum" not in spec["components"]["schemas"]["CompletionRequest"]["properties"]["model"]  # adapters come and go
 
 
+def test_what_is_answered_without_the_engine_knows_the_adapters_too(served):
+    """Tokenizing and an echo of the prompt alone never reach the engine: the API asks it which
+    adapters it holds, so an unknown name is a 404 there as everywhere, a loaded one serves."""
+    _, client, _, _ = served
+    echo = {"prompt": [5, 6, 7], "max_tokens": 0, "echo": True}
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5, 6]}), ("/v1/completions", echo)):
+        known = client.simulate_post(path, json={**body, "model": "first"})
+        unknown = client.simulate_post(path, json={**body, "model": "nobody"})
+        assert known.status_code == 200, (path, known.text)
+        assert unknown.status_code == 404 and unknown.json["error"]["param"] == "model", (path, unknown.text)
+
+
 def test_adapters_load_and_unload_while_serving(served, tmp_path):
     engine, client, first, second = served
     load = lambda body: client.simulate_post("/v1/load_lora_adapter", json=body)  # noqa: E731
