@@ -15,11 +15,12 @@ import torch
 
 from gyrfalcon.engine.kv.blocks import BlockPool
 from gyrfalcon.engine.kv.cache import CachePlan, KVShape, PagedKVCache, cache_dtype, plan_cache
+from gyrfalcon.engine.lora.registry import LoraRegistry, projection_shapes
 from gyrfalcon.engine.model.budget import PeakProbe, StepReserve, cuda_peak, measure_reserve, provisional_blocks
 from gyrfalcon.engine.model.fast_check import DecodePath
 from gyrfalcon.engine.model.runner import ModelRunner
 from gyrfalcon.engine.model.work import Work
-from gyrfalcon.engine_api.config import EngineConfig, SpeculativeConfig
+from gyrfalcon.engine_api.config import EngineConfig, LoraConfig, SpeculativeConfig
 from gyrfalcon.engine_api.types import EngineInfo
 from gyrfalcon.models.default import cache_root
 from gyrfalcon.heap import release_freed_memory
@@ -38,7 +39,9 @@ def capture_mode(cfg: EngineConfig, device: str) -> str:
     compiled step (unless ``--no-compile-decode``)."""
     kind = torch.device(device).type
     mode = "off"
-    if not cfg.enforce_eager and not cfg.enable_lora:  # (LoRA rows run the direct forward's operators)
+    # with LoRA on CUDA, steps run the operators (a captured graph would replay the adapters' masks
+    # as captured); on the CPU the compiled step takes each row's slot from a static buffer
+    if not cfg.enforce_eager and not (cfg.enable_lora and kind != "cpu"):
         mode = "cuda-graphs" if kind == "cuda" else "compiled" if kind == "cpu" and cfg.compile_decode else "off"
     if mode == "compiled":  # inductor's code cached beside the models (read at its first use)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root(cfg.cache_dir) / "inductor"))
@@ -203,6 +206,7 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
         log.warning("attention: %s", runner.check_attention(steps, required=cfg.attention_backend == "flex"))
         if not cfg.enforce_eager:  # decode rows' layers in one call where that gives the operators' bits
             log.warning("decode layers: %s", runner.check_layer_loop(scratch))
+        runner.lora_registry = _lora_registry(cfg, runner, device)  # before the decode path's static steps are made
         started = time.perf_counter()
         if runner.decode_steps is not None:
             path = runner.decode_steps.prepare(background=True)
@@ -217,6 +221,15 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
     runner.forwards = 0
     release_freed_memory()  # what fusing the layers and warming up freed (the parts' own copies of fused weights)
     return LoadedModel(runner, pool, plan, path, speculative, speculates)
+
+
+def _lora_registry(cfg: EngineConfig, runner: ModelRunner, device: str) -> LoraRegistry | None:
+    """The LoRA adapters' registry (``--enable-lora``, on the direct forward), its slots empty."""
+    if not cfg.enable_lora or runner.direct is None:
+        return None
+    config = LoraConfig.of(cfg)
+    return LoraRegistry(projection_shapes(runner.direct.layers), config.max_loras, config.max_lora_rank, device,
+                        config.max_cpu_loras)  # fmt: skip
 
 
 def _speculation(cfg: EngineConfig, runner: ModelRunner, scratch: list[int]) -> tuple[str, bool]:

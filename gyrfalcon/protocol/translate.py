@@ -245,15 +245,11 @@ class Translator:
         return extensions
 
     def _model_name(self, requested: str | None, answered_here: bool = False) -> str:
-        """The model a request names (the first served name when it names none); with LoRA served,
-        another name is an adapter's: the engine knows which it holds and decides at submit, or,
-        for what is answered without it (``answered_here``: tokenizing, an echo of the prompt
-        alone), is asked here. A 404 naming ``model`` for any other name."""
-        if requested is None:
-            return self.served_model_names[0]
-        if requested in self.served_model_names or ("lora" in self.info.capabilities and (
-                not answered_here or any(name == requested for name, _ in self.engine.lora_adapters()))):  # fmt: skip
-            return requested
+        """The model named (else the first served name); with LoRA, another name is an adapter's,
+        which the engine decides at submit or, for what it never sees (``answered_here``), here."""
+        if requested is None or requested in self.served_model_names or ("lora" in self.info.capabilities and (
+                not answered_here or requested in dict(self.engine.lora_adapters()))):  # fmt: skip
+            return self.served_model_names[0] if requested is None else requested
         raise RequestError(f"The model '{requested}' does not exist", "model", type=Kind.NOT_FOUND)
 
     def _check_limits(self, f: RequestFields) -> None:

@@ -76,6 +76,60 @@ def test_the_compiled_cpu_step_serves_the_eager_steps_bits(tiny_model_dir, tmp_p
         fast.shutdown(grace=1.0)
 
 
+@pytest.mark.slow
+def test_the_compiled_cpu_step_serves_adapters_to_the_eager_steps_bits(tiny_model_dir, tmp_path, monkeypatch):
+    """With ``--enable-lora`` the compiled decode step takes each row's adapter slot from its
+    bucket's static buffer and every projection's adapter products through the ``lora_product``
+    operator: seeded requests of two adapters and of the base model get, alone (compiled steps of
+    batch 1), the eager engine's tokens and log-probabilities bit for bit, and together (a compiled
+    step of batch 4, the adapters mixed) its tokens; serving compiles nothing more."""
+    import time
+
+    from torch._dynamo.utils import counters
+
+    from gyrfalcon.engine.model import captured
+    from gyrfalcon.plugins.engines import create_transformers_engine
+    from tests.unit.test_lora import write_adapter
+
+    monkeypatch.setattr(captured, "COMPILED_MUST_TAKE", float("inf"))
+    monkeypatch.setattr(captured, "COMPILED_BATCHES", (1, 4))
+    first, second = (write_adapter(tiny_model_dir, tmp_path / name, seed=seed) for name, seed in (("a", 1), ("b", 2)))
+    lora = dict(enable_lora=True, lora_modules=[f"a={first}", f"b={second}"], max_loras=2)
+    eager = create_transformers_engine(tiny_settings(tiny_model_dir, **lora))
+    fast = create_transformers_engine(tiny_settings(tiny_model_dir, enforce_eager=False, cache_dir=str(tmp_path), **lora))
+    names = ["a", None, "b", "a"]
+
+    def requests(tag):
+        return [EngineRequest(f"{tag}{i}", p, SEEDED, lora_name=n) for i, (p, n) in enumerate(zip(PROMPTS, names))]
+
+    def answers(engine, together):
+        if together:
+            streams = [engine.submit(r) for r in requests("t")]
+            outputs = [list(s)[-1].outputs[0] for s in streams]
+        else:
+            outputs = [list(engine.submit(r))[-1].outputs[0] for r in requests("a")]
+        return [(o.token_ids, o.logprobs.logprobs) for o in outputs]
+
+    try:
+        assert eager.wait_ready(timeout=60).ready and fast.wait_ready(timeout=60).ready
+        expected = answers(eager, together=False)
+        base = list(eager.submit(EngineRequest("base", PROMPTS[0], SEEDED)))[-1].outputs[0]
+        assert base.logprobs.logprobs != expected[0][1]  # the adapter changes what the row computes
+        deadline = time.monotonic() + 300
+        while COMPILING in fast.core.decode_path.reason and time.monotonic() < deadline:
+            time.sleep(0.1)
+        path = fast.core.decode_path
+        assert path.name == "compiled" and COMPILING not in path.reason, path
+        steps, frames = fast.core.runner.decode_steps, counters["frames"]["total"]
+        assert answers(fast, together=False) == expected
+        assert _ids(answers(fast, together=True)) == _ids(expected)
+        assert {b.batch for b in steps._buckets.values() if b.compiled and b.runs} == {1, 4}
+        assert counters["frames"]["total"] == frames
+    finally:
+        eager.shutdown(grace=1.0)
+        fast.shutdown(grace=1.0)
+
+
 def _steps(tiny_model_dir, max_batch: int = 4, verdicts=None):
     from gyrfalcon.plugins.engines import create_transformers_engine
 

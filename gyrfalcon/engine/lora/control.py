@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gyrfalcon.engine.lora.peft import AdapterError
-from gyrfalcon.engine.lora.registry import LoraRegistry, projection_shapes
+from gyrfalcon.engine.lora.registry import LoraRegistry
 from gyrfalcon.engine_api.config import LoraConfig
 from gyrfalcon.engine_api.types import EngineError, EngineRequest
 from gyrfalcon.errors import Kind, RequestError
@@ -23,15 +23,15 @@ class LoraControl:
     lora: LoraRegistry | None = None
 
     def _make_lora(self, runner: Any) -> None:
-        """Once the model is loaded: the registry, with the start-up adapters in it, and the
-        scheduler asking it for each request's adapter before admitting it."""
+        """Once the model is loaded: the registry the load made (:func:`~gyrfalcon.engine.setup.load_runner`),
+        with the start-up adapters in it, and the scheduler asking it for each request's adapter
+        before admitting it."""
         config = LoraConfig.of(self.engine_config)
         if not config.enable_lora:
             return
-        if runner.direct is None:
+        if runner.lora_registry is None:
             raise ValueError(f"--enable-lora needs the direct forward, and this model runs {runner.model_impl}")
-        self.lora = LoraRegistry(projection_shapes(runner.direct.layers), config.max_loras, config.max_lora_rank,
-                                 self.device, config.max_cpu_loras)  # fmt: skip
+        self.lora = runner.lora_registry
         for name, path in config.modules().items():
             self.lora.load(name, path)
         self.scheduler.admission_check = self._admit_adapter

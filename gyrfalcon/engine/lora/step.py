@@ -7,6 +7,11 @@ nothing (the idea of vLLM's punica kernels). On the CPU ``lora_add.c`` computes 
 one fixed order, so it gets the same bits alone and in any batch, and ``decode_layers.c`` calls
 the same kernel for steps of decode rows); elsewhere two matmuls a projection over the product
 masked to each row's own slot's columns.
+
+A compiled decode step (:mod:`~gyrfalcon.engine.model.captured`) holds its rows' slots in a static
+buffer of its bucket (:meth:`LoraRows.static`) and calls the kernel through the operator
+``gyrfalcon::lora_product`` for every projection, whichever adapters are loaded: a projection no
+adapter targets has zeros in every slot, so it adds nothing, as the eager step, which skips it, does.
 """
 
 from __future__ import annotations
@@ -29,6 +34,17 @@ class LoraRows:
         self.width = next(iter(stacks.values()))[0].shape[0]
         self._device = device
         self._mask: torch.Tensor | None = None
+
+    @classmethod
+    def static(cls, rows: int, registry: Any, device: torch.device | str) -> LoraRows:
+        """Rows of a static decode step (a bucket of ``rows``), every one the base model's until a
+        step writes its slot into :attr:`slots` (:meth:`fill`); over ``registry``'s stacks."""
+        return cls(torch.full((rows,), -1, dtype=torch.long), registry.max_rank, registry.stacks, registry.active, device)
+
+    def fill(self, adapters: Sequence[Any]) -> None:
+        """Each row's slot from ``adapters`` (an adapter or None per row), the rest the base model's."""
+        slots = [-1 if adapter is None else adapter.slot for adapter in adapters]
+        self.slots.copy_(torch.tensor(slots + [-1] * (len(self.slots) - len(slots)), dtype=torch.long))
 
     @classmethod
     def of(cls, spans: Sequence[tuple[Any, int, int]], device: torch.device | str) -> LoraRows | None:
@@ -67,6 +83,10 @@ class LoraRows:
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
         """Add every row's adapter product of ``module`` in ``layer`` to ``y`` (``x``: the
         projection's input rows, all of the step's)."""
+        if torch.compiler.is_compiling():  # the operator keeps the kernel inside the graph
+            a, bt = self.stacks[(layer, module)]
+            y += _lora_product(x, a, bt, self.slots, self.rank)
+            return
         if (layer, module) not in self.active:
             return
         a, bt = self.stacks[(layer, module)]
@@ -82,3 +102,21 @@ class LoraRows:
             y.addmm_((x @ a.T).mul_(self.mask), bt)
         else:
             y.add_((((x.float() @ a.T) * self.mask) @ bt).to(y.dtype))
+
+
+def _product(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, slots: torch.Tensor, rank: int) -> torch.Tensor:
+    """Each row's adapter product alone (``[T, out]``, zeros for a row of none), by ``lora_add``
+    into zeros: added to ``y`` it gives the bits the kernel's own addition into ``y`` does."""
+    x = x.float() if x.stride(-1) == 1 and x.dtype == torch.float32 else x.float().contiguous()
+    y = torch.zeros(x.shape[0], bt.shape[1])
+    if x.shape[0]:
+        status = native.loaded().lora_add(x.data_ptr(), x.stride(0), a.data_ptr(), bt.data_ptr(), slots.data_ptr(),
+                                          y.data_ptr(), y.stride(0), x.shape[0], x.shape[1], y.shape[1], rank,
+                                          a.shape[0], torch.get_num_threads())  # fmt: skip
+        if status:
+            raise ValueError(f"lora_add refused a rank of {rank} (status {status})")
+    return y
+
+
+_lora_product = native.operator("lora_product(Tensor x, Tensor a, Tensor bt, Tensor slots, int rank) -> Tensor", _product,
+                                lambda x, a, bt, slots, rank: x.new_empty((x.shape[0], bt.shape[1])))

@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from gyrfalcon.engine.lora.step import LoraRows
 from gyrfalcon.engine.model import graphs, staging
 from gyrfalcon.engine.model.attention import StepMetadata
 from gyrfalcon.engine.model.buckets import Bucket, StepRunner
@@ -164,9 +165,13 @@ class DecodeSteps(CompiledMode):
                             decode_positions=rows_at, decode_only=True, attention=self.runner.attention,
                             rows_in_place=self.runner.rows_in_place)  # fmt: skip
         ids, positions = ids.view(1, batch), positions.view(1, batch)
+        registry = getattr(self.runner, "lora_registry", None)
+        if registry is not None:  # (--enable-lora) each row's adapter slot, a static buffer of its own
+            step.lora = LoraRows.static(batch, registry, self.runner.device)
         if self.mode == "compiled":  # one compiled graph per batch bucket for every width: the width is dynamic
             torch._dynamo.maybe_mark_dynamic(step.decode_blocks, 1)
-            for tensor, dim in ((ids, 1), (positions, 1), (slots, 0), (rows_at, 0), (step.decode_blocks, 0)):
+            statics = [(ids, 1), (positions, 1), (slots, 0), (rows_at, 0), (step.decode_blocks, 0)]
+            for tensor, dim in statics + ([(step.lora.slots, 0)] if step.lora is not None else []):
                 torch._dynamo.mark_static(tensor, dim)
         return Bucket(batch, width, ids, positions, step, flat)
 
@@ -198,6 +203,8 @@ class DecodeSteps(CompiledMode):
         bucket.step.slot_mapping.copy_(positions % bs)
         bucket.step.decode_positions.copy_(positions)
         bucket.step.decode_blocks.zero_()
+        if bucket.step.lora is not None:
+            bucket.step.lora.fill([])  # the base model's rows
 
     @torch.inference_mode()
     def prepare(self, background: bool = False) -> DecodePath:
@@ -338,6 +345,8 @@ class DecodeSteps(CompiledMode):
         sent = staging.send_step([values, rows], table, riding(works), self.runner.device)
         bucket.flat[: len(values)].copy_(sent[0], non_blocking=True)
         table.rows(sent[1], out=bucket.step.decode_blocks)
+        if bucket.step.lora is not None:
+            bucket.step.lora.fill([getattr(w.owner, "lora", None) for w in works])
         bucket.runs += 1
         if bucket.graph is not None:
             bucket.graph.replay()

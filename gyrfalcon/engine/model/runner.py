@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -85,6 +86,9 @@ class ModelRunner:
                                                shape.num_kv_heads, shape.head_dim)  # fmt: skip
         #: every running sequence's blocks, kept on the device between steps
         self.block_table = BlockTable(-(-max_model_len // cache.block_size), self.device)
+        #: the LoRA adapters' registry (``--enable-lora``; set before the decode path is prepared):
+        #: a static decode step's rows read their slots' factors from it
+        self.lora_registry: Any = None
         self.decode_steps = None
         if capture != "off":
             self.decode_steps = DecodeSteps(self, max_batch, max_model_len, mode=capture, verdicts=verdicts)
