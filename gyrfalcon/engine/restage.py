@@ -7,15 +7,16 @@ gets a twin at its own offset there, and the layers' kernels pack the bits into 
 (:func:`~gyrfalcon.kernels.quant.q4.pack_into`, :func:`~gyrfalcon.kernels.quant.q8.panels_into`):
 no model is built, nothing is packed twice, a fused layer is never joined from its parts, and the
 folder's fp32 copies of the weights the bits replace are never read. The step loop then copies
-each block once (:func:`outermost`).
+each block once (``engine.weights._outermost``).
 
-It stages only what matches exactly — every served tensor written from a source of its shape,
-every tensor of the folder used — and otherwise declines (None): the caller then loads the folder
-as start-up does, where what does not fit is refused and named (:func:`gyrfalcon.engine.weights.stage`,
-the one home of those rules)."""
+It stages only what matches exactly — an fp32 stream, a config of the served architecture, every
+served tensor written from a source of its shape, every tensor of the folder used — and otherwise
+declines (None): the caller then loads the folder as start-up does, where what does not fit is
+refused and named (:func:`gyrfalcon.engine.weights.stage`, the one home of those rules)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -34,22 +35,34 @@ class _Decline(Exception):
 def restage(model: Any, layers: list[Any], served: dict[str, torch.Tensor], folder: str | Path) -> dict[str, torch.Tensor] | None:
     """Each of ``served``'s tensors (:func:`~gyrfalcon.engine.weights.served_tensors` of ``model``
     and its fused ``layers``) made again from ``folder``'s GGUF bits and other tensors, in memory of
-    its own with the served memory's layout; None where that does not apply or does not match exactly."""
+    its own with the served memory's layout; None where that does not apply or does not match
+    exactly, or anything in the folder cannot be read (the load start-up does then names why)."""
+    try:
+        return _restage(model, layers, served, Path(folder))
+    except Exception:  # noqa: BLE001 - declined: the caller's load decides, and says why it cannot serve
+        return None
+
+
+def _restage(model: Any, layers: list[Any], served: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor] | None:
     from safetensors import safe_open
 
-    if any(t.device.type != "cpu" for t in served.values()) or not any(isinstance(m, Q4Linear) for m in model.modules()):
+    if (any(t.device.type != "cpu" or not t.is_contiguous() for t in served.values())
+            or not any(isinstance(m, Q4Linear) for m in model.modules())
+            or getattr(model, "dtype", None) != torch.float32  # (another stream rounds biases and norms on the way)
+            or (folder / "model.safetensors.index.json").exists() or not _same_architecture(model, folder)):  # fmt: skip
         return None
     bits = read_bits(folder)
-    files = sorted(p for p in Path(folder).glob("*.safetensors") if p.name != BITS_FILE)
+    files = sorted(p for p in folder.glob("*.safetensors") if p.name != BITS_FILE)
     if not bits or not files:
         return None
     blocks: dict[int, torch.Tensor] = {}
     twins = {}
     for name, tensor in served.items():
         storage = tensor.untyped_storage()
-        block = blocks.setdefault(storage.data_ptr(), torch.empty(storage.nbytes(), dtype=torch.uint8))
-        twins[name] = torch.empty(0, dtype=tensor.dtype).set_(block.untyped_storage(), tensor.storage_offset(),
-                                                               tensor.shape, tensor.stride())  # fmt: skip
+        if storage.data_ptr() not in blocks:
+            blocks[storage.data_ptr()] = torch.empty(storage.nbytes(), dtype=torch.uint8)
+        twins[name] = torch.empty(0, dtype=tensor.dtype).set_(blocks[storage.data_ptr()].untyped_storage(),
+                                                               tensor.storage_offset(), tensor.shape, tensor.stride())  # fmt: skip
     handles = [safe_open(str(file), framework="pt") for file in files]
     keys = {key: f for f in handles for key in f.keys()}
     writer = _Writer(twins, served)
@@ -68,6 +81,18 @@ def restage(model: Any, layers: list[Any], served: dict[str, torch.Tensor], fold
     except _Decline:
         return None
     return twins
+
+
+def _same_architecture(model: Any, folder: Path) -> bool:
+    """Whether ``folder`` has a config of the served model's architecture (the load reads it: a
+    folder without one, or of another, is for it to refuse)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    served = model.config
+    return (isinstance(config, dict) and config.get("model_type") == served.model_type
+            and config.get("architectures") == getattr(served, "architectures", None))  # fmt: skip
 
 
 class _Writer:

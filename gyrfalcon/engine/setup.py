@@ -206,7 +206,7 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
         log.warning("attention: %s", runner.check_attention(steps, required=cfg.attention_backend == "flex"))
         if not cfg.enforce_eager:  # decode rows' layers in one call where that gives the operators' bits
             log.warning("decode layers: %s", runner.check_layer_loop(scratch))
-        runner.lora_registry = _lora_registry(cfg, runner, device)  # before the decode path's static steps are made
+        _attach_lora(cfg, runner, device)  # before the decode path's static steps are made
         started = time.perf_counter()
         if runner.decode_steps is not None:
             path = runner.decode_steps.prepare(background=True)
@@ -214,7 +214,8 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
             path = DecodePath("native", runner.direct.layer_loop.describe())
         else:
             path = DecodePath("eager", "--enforce-eager" if cfg.enforce_eager else
-                              "--enable-lora, and the decode layers' loop does not serve here" if cfg.enable_lora else
+                              "--enable-lora, where the compiled step does not serve adapters (CUDA, or a stream "
+                              "other than fp32)" if cfg.enable_lora else
                               "--no-compile-decode" if device == "cpu" else "no fast path on this device")  # fmt: skip
         log.warning("decode path: %s (prepared in %.1f s)", path.describe(), time.perf_counter() - started)
         speculative, speculates = _speculation(cfg, runner, scratch)
@@ -223,13 +224,17 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
     return LoadedModel(runner, pool, plan, path, speculative, speculates)
 
 
-def _lora_registry(cfg: EngineConfig, runner: ModelRunner, device: str) -> LoraRegistry | None:
-    """The LoRA adapters' registry (``--enable-lora``, on the direct forward), its slots empty."""
+def _attach_lora(cfg: EngineConfig, runner: ModelRunner, device: str) -> None:
+    """``--enable-lora`` (on the direct forward): the adapters' registry, its slots empty, as the
+    runner's; the compiled step, whose adapter products are the fp32 kernel's, only on an fp32 stream."""
     if not cfg.enable_lora or runner.direct is None:
-        return None
+        return
     config = LoraConfig.of(cfg)
-    return LoraRegistry(projection_shapes(runner.direct.layers), config.max_loras, config.max_lora_rank, device,
-                        config.max_cpu_loras)  # fmt: skip
+    with torch.inference_mode(False):  # loads write its stacks in place outside inference mode
+        runner.lora_registry = LoraRegistry(projection_shapes(runner.direct.layers), config.max_loras,
+                                            config.max_lora_rank, device, config.max_cpu_loras)  # fmt: skip
+    if runner.model.dtype != torch.float32:
+        runner.decode_steps = None
 
 
 def _speculation(cfg: EngineConfig, runner: ModelRunner, scratch: list[int]) -> tuple[str, bool]:

@@ -190,8 +190,8 @@ def test_a_swap_packs_the_bits_into_the_served_layout_as_start_up_does(engine, d
 
 def test_a_swap_packs_nothing_it_cannot_match_exactly(engine, default_model_dir, tmp_path):
     """The packing path declines a folder whose bits miss one served layer's (it would be
-    re-quantised from the fp32 copy) and one with a tensor the served model has not: such folders
-    go the way start-up loads them, where the rules of what fits live."""
+    re-quantised from the fp32 copy), one with a tensor the served model has not, and one without
+    a config: such folders go the way start-up loads them, where the rules of what fits live."""
     import os
 
     from safetensors import safe_open
@@ -204,11 +204,11 @@ def test_a_swap_packs_nothing_it_cannot_match_exactly(engine, default_model_dir,
     runner = engine.core.runner
     served = served_tensors(runner.model, runner.direct.layers)
     missing = "model.layers.3.mlp.down_proj.weight"
-    for case in ("missing", "extra"):
+    for case in ("missing", "extra", "no config"):
         folder = tmp_path / case
         folder.mkdir()
         for name in os.listdir(default_model_dir):
-            if name != BITS_FILE:
+            if name != BITS_FILE and not (case == "no config" and name == "config.json"):
                 os.symlink(os.path.join(default_model_dir, name), folder / name)
         with safe_open(os.path.join(default_model_dir, BITS_FILE), framework="pt") as f:
             kinds = dict(f.metadata())

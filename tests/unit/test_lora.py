@@ -258,6 +258,7 @@ def test_an_adapter_of_another_shape_or_module_is_refused(tiny_model_dir, tmp_pa
     (_safetensors({"x": {"dtype": "I8", "shape": [4], "data_offsets": [0, 4]}}, 4), "dtype 'I8' is not served"),
     (_safetensors({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, 8), "do not hold \\[4\\] F32"),
     (_safetensors({"x": {"dtype": "F32", "shape": [-1, 4], "data_offsets": [0, 16]}}, 16), "do not hold"),
+    (_safetensors({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4.0]}}, 4), "not whole numbers"),
 ])  # fmt: skip
 def test_a_weights_file_that_is_not_safetensors_is_refused_naming_why(tiny_model_dir, tmp_path, content, why):
     folder = write_adapter(tiny_model_dir, tmp_path / "bad", seed=3)
@@ -367,3 +368,26 @@ def test_a_16_bit_adapter_is_served_as_its_exact_fp32_values(tiny_model_dir, tmp
         registry.load(name, str(tmp_path / name))
         stacks.append([t.clone() for pair in registry.stacks.values() for t in pair])
     assert all(torch.equal(a, b) for a, b in zip(*stacks)) and any(t.abs().sum() > 0 for t in stacks[0])
+
+
+def test_a_weights_file_written_again_between_its_header_and_its_data_is_refused(tiny_model_dir, tmp_path):
+    """The header is read (and checked) first, the factors later, straight into a slot: if the file
+    was written again meanwhile (a trainer saving the next version), the load is refused, the slot
+    given back, rather than old offsets served over new bytes."""
+    from gyrfalcon.engine.lora.registry import LoraRegistry
+    from gyrfalcon.kernels import native
+
+    native.library(None)
+    weights = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    shapes = {(int(key.split(".")[2]), key.split(".")[4]): tuple(t.shape) for key, t in weights.items()
+              if key.startswith("model.layers.") and key.split(".")[4] in TARGETS}  # fmt: skip
+    folder = write_adapter(tiny_model_dir, tmp_path / "a", seed=1)
+    registry = LoraRegistry(shapes, max_loras=1, max_rank=8, device="cpu")
+    adapter = read_adapter("a", str(folder), shapes, max_rank=8, factors=False)
+    write_adapter(tiny_model_dir, tmp_path / "a", seed=2, rank=2)  # the next version, other offsets
+    with registry._lock:
+        slot = registry._reserve(frozenset(), evict=False)
+    with pytest.raises(AdapterError, match="changed while it was read"):
+        registry._fill(adapter, slot)
+    assert not registry._reserved
+    assert registry.load("a", str(folder)).rank == 2  # read again whole, it serves

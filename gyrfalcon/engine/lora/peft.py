@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -50,12 +51,20 @@ class FileTensor(NamedTuple):
     end: int
 
 
-def file_header(path: Path) -> dict[str, FileTensor]:
+def file_identity(fd: int) -> tuple[int, int, int, int]:
+    """What tells one version of an open file from another: device, inode, size, modification time."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def file_header(path: Path) -> tuple[dict[str, FileTensor], tuple[int, int, int, int]]:
     """The tensors of the safetensors file ``path`` as its header lists them (no data read), each
-    checked to be of a served dtype with its bytes inside the file; an :class:`AdapterError` for a
-    file that is not safetensors or holds another dtype."""
+    checked to be of a served dtype with its bytes inside the file, and the file's
+    :func:`file_identity` (its data read later must come from the same file); an
+    :class:`AdapterError` for a file that is not safetensors or holds another dtype."""
     with open(path, "rb") as f:
-        size = path.stat().st_size
+        identity = file_identity(f.fileno())
+        size = identity[2]
         try:
             (length,) = struct.unpack("<Q", f.read(8))
             if length > size - 8:
@@ -75,24 +84,29 @@ def file_header(path: Path) -> dict[str, FileTensor]:
                 raise ValueError("its entry is not a JSON object")
             dtype, shape, (begin, end) = _DTYPES[entry["dtype"]], [int(n) for n in entry["shape"]], entry["data_offsets"]
             count = math.prod(shape)
+            if type(begin) is not int or type(end) is not int:
+                raise ValueError(f"its data_offsets {entry['data_offsets']} are not whole numbers")
             if min(shape, default=0) < 0 or not 0 <= begin <= end <= data or end - begin != count * dtype.itemsize:
                 raise ValueError(f"its bytes {begin}..{end} do not hold {shape} {entry['dtype']}")
         except (KeyError, TypeError, ValueError) as exc:
             detail = f"dtype {entry.get('dtype')!r} is not served (F32, BF16, F16)" if isinstance(exc, KeyError) else exc
             raise AdapterError(f"adapter_model.safetensors: tensor {name}: {detail}") from None
         tensors[name] = FileTensor(entry["dtype"], tuple(shape), start + begin, start + end)
-    return tensors
+    return tensors, identity
 
 
-def file_tensors(path: Path, header: dict[str, FileTensor] | None = None) -> dict[str, np.ndarray]:
-    """The tensors of the safetensors file ``path`` (its :func:`file_header`, or ``header``) as numpy
-    arrays — fp32 and fp16 views of its bytes, read in one call; bf16 widened to fp32 — for the
-    registry to copy into its stacks (numpy, not torch: a call of either costs more than the copy
-    of a factor, and an adapter has hundreds)."""
-    header = file_header(path) if header is None else header
+def file_tensors(path: Path, header: dict[str, FileTensor] | None = None,
+                 identity: tuple[int, int, int, int] | None = None) -> dict[str, np.ndarray]:  # fmt: skip
+    """The tensors of the safetensors file ``path`` (its :func:`file_header`, or ``header`` read
+    from the file of ``identity``) as numpy arrays — fp32 and fp16 views of its bytes, read in one
+    call; bf16 widened to fp32 — for the registry to copy into its stacks (numpy, not torch: a call
+    of either costs more than the copy of a factor, and an adapter has hundreds)."""
+    if header is None:
+        header, identity = file_header(path)
     start = min((t.begin for t in header.values()), default=0)
     end = max((t.end for t in header.values()), default=0)
     with open(path, "rb") as f:
+        check_identity(f.fileno(), identity)
         f.seek(start)
         data = np.empty(end - start, dtype=np.uint8)  # (not zeroed first, as a bytearray is)
         if f.readinto(data) != len(data):
@@ -105,6 +119,14 @@ def file_tensors(path: Path, header: dict[str, FileTensor] | None = None) -> dic
             array = (array.astype(np.uint32) << 16).view(np.float32)
         tensors[name] = array
     return tensors
+
+
+def check_identity(fd: int, identity: tuple[int, int, int, int] | None) -> None:
+    """An :class:`AdapterError` unless the open file ``fd`` is the one whose header was read
+    (``identity``: a trainer may write the folder again meanwhile, and old offsets over new bytes
+    would serve other factors without a word)."""
+    if identity is not None and file_identity(fd) != identity:
+        raise AdapterError("adapter_model.safetensors changed while it was read: load the adapter again")
 
 
 @dataclass
@@ -122,6 +144,8 @@ class LoraAdapter:
     factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     #: where each ``(layer, module)``'s ``A`` and ``B`` lie in the weights file (:func:`read_factors` reads them)
     layout: dict[tuple[int, str], tuple[FileTensor, FileTensor]] = field(default_factory=dict, repr=False)
+    #: the weights file's :func:`file_identity` when its header was read
+    file_id: tuple[int, int, int, int] | None = None
     #: one number per load (the registry's count), keying its prefix-cache blocks: a name loaded
     #: again with other weights never finds the blocks of the first
     serial: int = 0
@@ -150,27 +174,13 @@ def read_adapter(name: str, path: str, shapes: dict[tuple[int, str], tuple[int, 
     except OSError as exc:  # a name too long for the file system (none such exists), a folder it may not read
         missing = exc.errno in (errno.ENAMETOOLONG, errno.ENOENT, errno.ENOTDIR)
         raise AdapterError(f"'{shown}' cannot be read: {exc.strerror}", found=not missing) from None
-    try:
-        config = json.loads(config_file.read_text())
-    except ValueError as exc:
-        raise AdapterError(f"{config_file.name} is not JSON: {exc}") from None
-    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"peft_type {config.get('peft_type')!r} is not served (LORA is)")
-    for key, neutral in (("bias", "none"), ("use_dora", False), ("modules_to_save", None), ("rank_pattern", {}),
-                         ("alpha_pattern", {}), ("fan_in_fan_out", False)):  # fmt: skip
-        value = config.get(key)
-        if value is not None and value != neutral and value not in ([], {}):
-            raise AdapterError(f"adapter_config.json: {key} {config.get(key)!r} is not served")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise AdapterError(f"adapter_config.json: r must be a positive integer, got {rank!r}")
-    if rank > max_rank:
-        raise AdapterError(f"the adapter's rank {rank} is above --max-lora-rank {max_rank}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise AdapterError(f"adapter_config.json: lora_alpha must be a number, got {alpha!r}")
-    scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    rank, scaling = _rank_and_scaling(config_file, max_rank)
     halves: dict[tuple[int, str], dict[str, FileTensor]] = {}
-    for key, tensor in file_header(weights_file).items():
+    try:
+        header, identity = file_header(weights_file)
+    except OSError as exc:  # gone or unreadable since the checks above
+        raise AdapterError(f"adapter_model.safetensors cannot be read: {exc.strerror}") from None
+    for key, tensor in header.items():
         match = _KEY.match(key)
         if match is None or match.group(2) not in TARGETS:
             raise AdapterError(f"tensor {key} is not a LoRA factor of a served projection ({', '.join(TARGETS)})")
@@ -178,7 +188,7 @@ def read_adapter(name: str, path: str, shapes: dict[tuple[int, str], tuple[int, 
         if (layer, module) not in shapes:
             raise AdapterError(f"tensor {key}: the served model has no layer {layer} {module}")
         halves.setdefault((layer, module), {})[half] = tensor
-    adapter = LoraAdapter(name, str(path), rank, float(scaling))
+    adapter = LoraAdapter(name, str(path), rank, float(scaling), file_id=identity)
     for (layer, module), pair in sorted(halves.items()):
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"layer {layer} {module} has lora_{''.join(pair)} without its other factor")
@@ -195,13 +205,40 @@ def read_adapter(name: str, path: str, shapes: dict[tuple[int, str], tuple[int, 
     return adapter
 
 
+def _rank_and_scaling(config_file: Path, max_rank: int) -> tuple[int, float]:
+    """The rank and scaling an ``adapter_config.json`` asks for, refused with an :class:`AdapterError`
+    for anything not served (the module docstring)."""
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError as exc:
+        raise AdapterError(f"{config_file.name} is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{config_file.name} is not a JSON object")
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"peft_type {config.get('peft_type')!r} is not served (LORA is)")
+    for key, neutral in (("bias", "none"), ("use_dora", False), ("modules_to_save", None), ("rank_pattern", {}),
+                         ("alpha_pattern", {}), ("fan_in_fan_out", False)):  # fmt: skip
+        value = config.get(key)
+        if value is not None and value != neutral and value not in ([], {}):
+            raise AdapterError(f"adapter_config.json: {key} {config.get(key)!r} is not served")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise AdapterError(f"adapter_config.json: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise AdapterError(f"the adapter's rank {rank} is above --max-lora-rank {max_rank}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise AdapterError(f"adapter_config.json: lora_alpha must be a number, got {alpha!r}")
+    scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    return rank, scaling
+
+
 def read_factors(adapter: LoraAdapter, device: str = "cpu") -> None:
     """``adapter.factors`` read from its weights file (on the CPU numpy arrays, fp32 or fp16;
     elsewhere fp32 tensors on ``device``)."""
     weights_file = Path(adapter.path) / "adapter_model.safetensors"
     wanted = {f"{key}.{half}": entry for key, pair in adapter.layout.items() for half, entry in zip("AB", pair)}
     try:
-        tensors = file_tensors(weights_file, wanted)
+        tensors = file_tensors(weights_file, wanted, adapter.file_id)
     except OSError as exc:
         raise AdapterError(f"adapter_model.safetensors cannot be read: {exc.strerror}") from None
     for key in adapter.layout:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gyrfalcon.engine.lora.peft import AdapterError, LoraAdapter, read_adapter, read_factors
+from gyrfalcon.engine.lora.peft import AdapterError, LoraAdapter, check_identity, read_adapter, read_factors
 from gyrfalcon.kernels.native import PACKING_THREADS, loaded
 
 
@@ -103,16 +103,15 @@ class LoraRegistry:
                 return held
             if name not in self._known:
                 raise AdapterError(f"The lora adapter '{name}' cannot be found.", "model", found=False)
-            slot = self._reserve(in_use, evict=True)
-            if slot is None:
+            if self._free_slot(in_use, evict=True, take=False) is None:
                 return None
             path = self._known[name]
-        try:  # (the slow part: unlocked)
-            adapter = read_adapter(name, path, self.shapes, self.max_rank, self.device, factors=False)
-        except BaseException:
-            with self._lock:
-                self._reserved.discard(slot)
-            raise
+        # checked before a slot is taken (a folder that no longer serves evicts nothing), then read
+        adapter = read_adapter(name, path, self.shapes, self.max_rank, self.device, factors=False)
+        with self._lock:
+            slot = self._reserve(in_use, evict=True)
+        if slot is None:
+            return None
         self._fill(adapter, slot)
         with self._lock:
             self._reserved.discard(slot)
@@ -156,8 +155,8 @@ class LoraRegistry:
         return slot
 
     def _fill(self, adapter: LoraAdapter, slot: int | None) -> None:
-        """The reserved ``slot`` (no row's: a step reading the stacks meanwhile multiplies it by zero)
-        filled with ``adapter``'s factors; on failure the slot is let go and the error raised."""
+        """The reserved ``slot`` (no row's: no step reads it) filled with ``adapter``'s factors; on
+        failure the slot is let go and an :class:`AdapterError` raised."""
         if slot is None:
             return
         adapter.slot = slot
@@ -167,10 +166,13 @@ class LoraRegistry:
             read_factors(adapter, self.device)
             self._write(adapter)
             adapter.factors = {}  # (the stacks hold them now: not twice in memory)
-        except BaseException:
+        except BaseException as exc:
             with self._lock:
                 self._reserved.discard(slot)
-            raise
+            if isinstance(exc, AdapterError) or not isinstance(exc, Exception):
+                raise
+            # (the step loop admits requests through here: what fails is the request's, not the loop's)
+            raise AdapterError(f"adapter_model.safetensors cannot be read: {type(exc).__name__}: {exc}") from None
 
     def _place(self, adapter: LoraAdapter, slot: int) -> None:
         """(Under the lock) ``adapter``, filled into ``slot`` (no adapter's now), held by name."""
@@ -189,8 +191,8 @@ class LoraRegistry:
     def _write(self, adapter: LoraAdapter) -> None:
         """The adapter's factors into its slot of every projection's stacks (zeros where it has none),
         the scaling multiplied in as ``B`` is transposed: on the CPU in one call of ``lora_pack``
-        (``lora_add.c``, the layout's owner), else one pass over them. The slot is no row's (free):
-        a step reading the stacks meanwhile multiplies it by zero."""
+        (``lora_add.c``, the layout's owner), else one pass over them. The slot is no row's: no step
+        reads it meanwhile."""
         if self.device == "cpu" and self._pack(adapter):
             return
         first, rank, end = adapter.slot * self.max_rank, adapter.rank, (adapter.slot + 1) * self.max_rank
@@ -274,8 +276,12 @@ class LoraRegistry:
             buffers.append(memoryview(view).cast("B"))
             at = end
         offset = pieces[0][0]
-        fd = os.open(Path(adapter.path) / "adapter_model.safetensors", os.O_RDONLY)
         try:
+            fd = os.open(Path(adapter.path) / "adapter_model.safetensors", os.O_RDONLY)
+        except OSError as exc:
+            raise AdapterError(f"adapter_model.safetensors cannot be read: {exc.strerror}") from None
+        try:
+            check_identity(fd, adapter.file_id)
             for i in range(0, len(buffers), _IOV_MAX):
                 chunk = buffers[i : i + _IOV_MAX]
                 size = sum(len(b) for b in chunk)

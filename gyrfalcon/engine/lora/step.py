@@ -45,6 +45,7 @@ class LoraRows:
         """Each row's slot from ``adapters`` (an adapter or None per row), the rest the base model's."""
         slots = [-1 if adapter is None else adapter.slot for adapter in adapters]
         self.slots.copy_(torch.tensor(slots + [-1] * (len(self.slots) - len(slots)), dtype=torch.long))
+        self._mask = None  # (made again from these slots where the operators need it)
 
     @classmethod
     def of(cls, spans: Sequence[tuple[Any, int, int]], device: torch.device | str) -> LoraRows | None:
@@ -107,10 +108,14 @@ class LoraRows:
 def _product(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, slots: torch.Tensor, rank: int) -> torch.Tensor:
     """Each row's adapter product alone (``[T, out]``, zeros for a row of none), by ``lora_add``
     into zeros: added to ``y`` it gives the bits the kernel's own addition into ``y`` does."""
-    x = x.float() if x.stride(-1) == 1 and x.dtype == torch.float32 else x.float().contiguous()
-    y = torch.zeros(x.shape[0], bt.shape[1])
+    kernels = native.loaded()
+    if kernels is None or x.shape[0] != slots.shape[0] or x.device.type != "cpu":
+        raise ValueError(f"lora_product takes [T, in] CPU rows beside T slots and the kernels, got {list(x.shape)} "
+                         f"rows and {slots.shape[0]} slots")  # fmt: skip
+    x = x if x.stride(-1) == 1 and x.dtype == torch.float32 else x.float().contiguous()
+    y = torch.zeros(x.shape[0], bt.shape[1], dtype=torch.float32)
     if x.shape[0]:
-        status = native.loaded().lora_add(x.data_ptr(), x.stride(0), a.data_ptr(), bt.data_ptr(), slots.data_ptr(),
+        status = kernels.lora_add(x.data_ptr(), x.stride(0), a.data_ptr(), bt.data_ptr(), slots.data_ptr(),
                                           y.data_ptr(), y.stride(0), x.shape[0], x.shape[1], y.shape[1], rank,
                                           a.shape[0], torch.get_num_threads())  # fmt: skip
         if status:
@@ -119,4 +124,4 @@ def _product(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, slots: torch.Te
 
 
 _lora_product = native.operator("lora_product(Tensor x, Tensor a, Tensor bt, Tensor slots, int rank) -> Tensor", _product,
-                                lambda x, a, bt, slots, rank: x.new_empty((x.shape[0], bt.shape[1])))
+                                lambda x, a, bt, slots, rank: x.new_empty((x.shape[0], bt.shape[1]), dtype=torch.float32))

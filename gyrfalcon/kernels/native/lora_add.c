@@ -2,7 +2,8 @@
  * slots[b] is not -1, where A_s is rows s·rank … (s+1)·rank of the stacked A [width, in] and Bt_s
  * the same rows of the stacked, transposed B [width, out] (scaled by the adapter's scaling:
  * gyrfalcon/engine/lora/registry.py). Called by gyrfalcon/engine/lora/step.py for the operators'
- * steps and by decode_layers.c for steps of decode rows, so both give a row the same bits.
+ * steps (eagerly, and in a compiled step as the operator gyrfalcon::lora_product) and by
+ * decode_layers.c for steps of decode rows, so all give a row the same bits.
  *
  * Why a kernel of our own: with two matmuls over a masked [rows, width] product (the torch
  * operators), a row's sums ran in an order of the BLAS's choosing for the batch's shape, and the

@@ -91,6 +91,9 @@ def pack_into(weights: Int4Weights, inputs: torch.dtype, nibbles: torch.Tensor, 
     if (tuple(nibbles.shape), tuple(scales.shape)) != packed_shapes(n, k, inputs) or not (
             nibbles.is_contiguous() and scales.is_contiguous()):  # fmt: skip
         raise ValueError(f"an [{n}, {k}] int4 weight packs into {packed_shapes(n, k, inputs)}, contiguous")
+    if any(tuple(p.shape) != (n, k // GROUP) for p in (weights.scale, weights.minimum)) or (
+            weights.nibbles is not None and weights.nibbles.dim() != 2):  # (the kernels read that many)  # fmt: skip
+        raise ValueError(f"an [{n}, {k}] int4 weight has [{n}, {k // GROUP}] scales and minimums")
     if weights.nibbles is not None:
         _from_file_nibbles(weights.nibbles, n, k, inputs, nibbles)
     elif inputs in INTEGER_INPUTS:
