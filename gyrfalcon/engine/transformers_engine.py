@@ -44,6 +44,7 @@ from gyrfalcon.engine.spec.drafter import Drafter
 from gyrfalcon.engine_api.errors import SHUTTING_DOWN, ShuttingDown
 from gyrfalcon.errors import RequestError
 from gyrfalcon.heap import QuietTrimmer
+from gyrfalcon.kernels import native
 from gyrfalcon.models.loading import resolve_device, resolve_dtype, resolve_quantization
 
 log = logging.getLogger(__name__)
@@ -284,6 +285,10 @@ class TransformersEngine(ControlPlane, LoraControl, EngineCore):
         return True
 
     def _main(self) -> None:
+        with native.stepping():  # this thread's kernel calls may run on every thread, other threads' on one
+            self._step_loop()
+
+    def _step_loop(self) -> None:
         if not self.prepare():
             return
         assert self.batcher is not None

@@ -193,3 +193,23 @@ def test_the_int4_kernels_give_the_same_bits_built_for_avx2_and_for_avx_512(tmp_
                 assert status == 0
                 outs.append(out)
             assert torch.equal(outs[0], outs[1]), (kernel, rows)
+
+
+def test_only_a_thread_that_steps_an_engine_opens_teams_of_the_kernels():
+    """While a thread steps an engine, a kernel called from any other thread (a load, a swap, a
+    background compile) runs on one thread: a team opened there would throttle the step loop's
+    barriers. With no engine stepping, every thread gets torch's count (benchmarks, tests)."""
+    import threading
+
+    import torch
+
+    from gyrfalcon.kernels import native as kernels
+
+    seen = []
+    elsewhere = threading.Thread(target=lambda: seen.append(kernels.threads()))
+    assert kernels.threads() == torch.get_num_threads()
+    with kernels.stepping():
+        assert kernels.threads() == torch.get_num_threads()
+        elsewhere.start()
+        elsewhere.join()
+    assert seen == [1] and kernels.threads() == torch.get_num_threads()

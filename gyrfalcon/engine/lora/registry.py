@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from gyrfalcon.engine.lora.peft import AdapterError, LoraAdapter, check_identity, read_adapter, read_factors
-from gyrfalcon.kernels.native import PACKING_THREADS, loaded
+from gyrfalcon.kernels.native import loaded, threads
 
 
 #: the most buffers one ``preadv`` takes (Linux's IOV_MAX)
@@ -232,7 +232,7 @@ class LoraRegistry:
         status = kernels.lora_pack(len(keys), a_sources.ctypes.data, b_sources.ctypes.data, a_stacks.ctypes.data,
                                    bt_stacks.ctypes.data, ins.ctypes.data, outs.ctypes.data,
                                    adapter.slot * self.max_rank, adapter.rank, self.max_rank,
-                                   float(np.float32(adapter.scaling)), PACKING_THREADS)  # fmt: skip
+                                   float(np.float32(adapter.scaling)), threads())  # fmt: skip
         if status:
             raise MemoryError("lora_pack could not allocate a buffer")
         return True

@@ -96,7 +96,7 @@ class LoraRows:
                 and y.stride(-1) == 1 and x.stride(-1) == 1 and x.shape[0] == self.slots.shape[0]):  # fmt: skip
             status = kernels.lora_add(x.data_ptr(), x.stride(0), a.data_ptr(), bt.data_ptr(), self.slots.data_ptr(),
                                       y.data_ptr(), y.stride(0), x.shape[0], x.shape[1], y.shape[1], self.rank,
-                                      self.width, torch.get_num_threads())  # fmt: skip
+                                      self.width, native.threads())  # fmt: skip
             if status:
                 raise ValueError(f"lora_add refused a rank of {self.rank} (status {status})")
         elif y.dtype == torch.float32:
@@ -117,7 +117,7 @@ def _product(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, slots: torch.Te
     if x.shape[0]:
         status = kernels.lora_add(x.data_ptr(), x.stride(0), a.data_ptr(), bt.data_ptr(), slots.data_ptr(),
                                           y.data_ptr(), y.stride(0), x.shape[0], x.shape[1], y.shape[1], rank,
-                                          a.shape[0], torch.get_num_threads())  # fmt: skip
+                                          a.shape[0], native.threads())  # fmt: skip
         if status:
             raise ValueError(f"lora_add refused a rank of {rank} (status {status})")
     return y

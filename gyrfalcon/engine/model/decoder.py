@@ -42,7 +42,7 @@ def mean_square(h: torch.Tensor) -> torch.Tensor:
     h = h.contiguous()
     out = torch.empty((*h.shape[:-1], 1))
     if h.numel() and kernels.mean_square(h.data_ptr(), out.data_ptr(), h.numel() // h.shape[-1], h.shape[-1],
-                                         torch.get_num_threads()):  # fmt: skip
+                                         native.threads()):  # fmt: skip
         raise MemoryError("mean_square could not allocate a row's buffer")
     return out
 

@@ -110,7 +110,7 @@ class LayerLoop:
                 cache.block_size, self.decoder.rotary.cos.data_ptr(), self.decoder.rotary.sin.data_ptr(), self.eps,
                 self.scale, CACHE_FORMATS[cache.keys[0].dtype], self.inputs_code,
                 None if lora is None else lora_table.data_ptr(), None if lora is None else lora.slots.data_ptr(),
-                0 if lora is None else lora.rank, 0 if lora is None else lora.width, torch.get_num_threads())
+                0 if lora is None else lora.rank, 0 if lora is None else lora.width, native.threads())
             if status:
                 raise MemoryError(f"decode_layers failed ({status}: -1 a buffer, -2 or -3 a shape a kernel does "
                                   "not take)")

@@ -45,7 +45,7 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         status = kernels.one_query_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), blocks.data_ptr(),
                                              positions.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], keys.shape[1],
                                              q.shape[2], blocks.shape[1], block_size, window, scale,
-                                             CACHE_FORMATS[keys.dtype], torch.get_num_threads())  # fmt: skip
+                                             CACHE_FORMATS[keys.dtype], native.threads())  # fmt: skip
         if status:
             raise MemoryError("one_query_attention could not allocate its scores")
     return out
@@ -105,6 +105,6 @@ class RowsInPlace:
         status = native.loaded().prefill_attention(
             q.data_ptr(), self.keys.data_ptr(), self.values.data_ptr(), blocks.data_ptr(), out.data_ptr(),
             cuts.data_ptr(), len(groups), start, q.shape[1], self.keys.shape[1], q.shape[2], self.block_size,
-            self.window, self.scale, CACHE_FORMATS[self.keys.dtype], torch.get_num_threads())  # fmt: skip
+            self.window, self.scale, CACHE_FORMATS[self.keys.dtype], native.threads())  # fmt: skip
         if status:
             raise MemoryError(f"prefill_attention failed ({status}: -1 a buffer, -2 a group or shape it does not take)")

@@ -32,6 +32,7 @@ and the callers keep torch's kernels (the start-up line says so).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -40,7 +41,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -73,12 +76,30 @@ _SIGNATURES = {
 }
 
 
-#: the threads a packing kernel (``q4_pack_nibbles``, ``q8_pack_panels``, ``lora_pack``) runs on: one.
-#: They run on whichever thread loads (a weight swap's or an adapter load's), and an OpenMP team opened
-#: by a thread other than the step loop's leaves threads that libgomp counts from then on, so it
-#: throttles the spinning at the step loop's own barriers: measured on 2 cores (default model, c=16,
-#: requests over 4 adapters), 0.52-0.66x the base model after loads packed on 2 threads, 0.83x on one.
-PACKING_THREADS = 1
+#: the threads that step an engine (:func:`stepping`): only they open OpenMP teams of these kernels
+_STEPPERS: set[int] = set()
+
+
+@contextlib.contextmanager
+def stepping() -> Iterator[None]:
+    """Mark the calling thread as one that steps an engine (its load, warm-up and step loop) for
+    the time of the block: :func:`threads`."""
+    me = threading.get_ident()
+    _STEPPERS.add(me)
+    try:
+        yield
+    finally:
+        _STEPPERS.discard(me)
+
+
+def threads() -> int:
+    """The threads a kernel called now may run on: torch's count on a thread that steps an engine
+    (:func:`stepping`), or anywhere while none does (a benchmark, a test); one elsewhere. An OpenMP
+    team opened by another thread (a weight swap's, an adapter load's, a background compile's)
+    leaves threads that libgomp counts from then on, so it throttles the spinning at the step loop's
+    own barriers: measured on 2 cores (default model, c=16, requests over 4 adapters), 0.52-0.66x
+    the base model after adapter loads packed on 2 threads, 0.83x on one."""
+    return torch.get_num_threads() if not _STEPPERS or threading.get_ident() in _STEPPERS else 1
 
 
 class KernelUnavailable(RuntimeError):

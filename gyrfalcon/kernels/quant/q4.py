@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from gyrfalcon.kernels.native import PACKING_THREADS, KernelUnavailable, library, loaded, operator
+from gyrfalcon.kernels.native import KernelUnavailable, library, loaded, operator, threads
 from gyrfalcon.kernels.native.cpu import cpu
 from gyrfalcon.kernels.quant.layers import UnsupportedQuantization, check_rows_alone
 from gyrfalcon.kernels.quant.weights import GROUP, Int4Weights
@@ -126,7 +126,7 @@ def _from_file_nibbles(disk: torch.Tensor, n: int, k: int, inputs: torch.dtype, 
     kernels = loaded()
     if kernels is not None and disk.device.type == "cpu":  # one pass in C (the ops below: eight over the bytes)
         disk = disk.contiguous()
-        if kernels.q4_pack_nibbles(disk.data_ptr(), out.data_ptr(), n, k, PACKING_THREADS) == 0:
+        if kernels.q4_pack_nibbles(disk.data_ptr(), out.data_ptr(), n, k, threads()) == 0:
             return
     x = disk.contiguous().view(torch.int32)
     t = (x ^ (x >> 8)) & 0x0000FF00
@@ -217,7 +217,7 @@ class Q4Linear(torch.nn.Module):
             y = torch.empty(flat.shape[0], self.out_features)
             if flat.shape[0]:
                 status = getattr(loaded(), kernel)(flat.data_ptr(), nibbles_at, scales_at, y.data_ptr(), flat.shape[0],
-                                                   self.out_features, self.in_features, torch.get_num_threads())  # fmt: skip
+                                                   self.out_features, self.in_features, threads())  # fmt: skip
                 if status:
                     raise MemoryError(f"{kernel} failed with status {status}")
         if bias is not None:
@@ -269,7 +269,7 @@ def _product(flat: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, in
         assert kernels is not None, "a Q4Linear loads the kernels before its first product"
         kernel = getattr(kernels, KERNELS[fmt])
         status = kernel(flat.data_ptr(), nibbles.data_ptr(), scales.data_ptr(), out.data_ptr(), flat.shape[0], n, k,
-                        torch.get_num_threads())  # fmt: skip
+                        threads())  # fmt: skip
         if status:
             raise MemoryError(f"an int4 kernel failed ({status}: -1 a buffer, -2 no kernel in this build, -3 a shape)")
     return out

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from gyrfalcon.kernels.native import PACKING_THREADS, KernelUnavailable, library, loaded, operator
+from gyrfalcon.kernels.native import KernelUnavailable, library, loaded, operator, threads
 from gyrfalcon.kernels.quant.layers import UnsupportedQuantization, check_rows_alone
 from gyrfalcon.kernels.quant.weights import GROUP
 
@@ -123,7 +123,7 @@ def panels_into(q8: torch.Tensor, scale: torch.Tensor, q_out: torch.Tensor, scal
     whole = n // PANEL
     kernels = loaded()
     if kernels is None or not (q8.device.type == "cpu" and q8.is_contiguous() and q_out.is_contiguous()) or \
-            kernels.q8_pack_panels(q8.data_ptr(), q_out.data_ptr(), n, k, PACKING_THREADS) != 0:  # fmt: skip
+            kernels.q8_pack_panels(q8.data_ptr(), q_out.data_ptr(), n, k, threads()) != 0:  # fmt: skip
         q_out[:whole].copy_(q8[: whole * PANEL].reshape(whole, PANEL, k).transpose(1, 2))
         if whole < len(q_out):  # the last panel's rows, then zeros
             q_out[whole:].zero_()
@@ -144,7 +144,7 @@ def _product(flat: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor, out_feat
         kernels = loaded()
         assert kernels is not None, "a Q8Linear loads the kernels before its first product"
         status = kernels.q8_linear(flat.data_ptr(), q8.data_ptr(), scale.data_ptr(), out.data_ptr(),
-                                   flat.shape[0], out_features, q8.shape[1], torch.get_num_threads())  # fmt: skip
+                                   flat.shape[0], out_features, q8.shape[1], threads())  # fmt: skip
         if status:
             raise MemoryError("q8_linear could not allocate its per-thread buffer")
     return out
