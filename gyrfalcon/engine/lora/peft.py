@@ -121,6 +121,11 @@ def file_tensors(path: Path, header: dict[str, FileTensor] | None = None,
     return tensors
 
 
+def unreadable(why: str) -> AdapterError:
+    """The refusal of a weights file that could not be read (``why``: the system's words)."""
+    return AdapterError(f"adapter_model.safetensors cannot be read: {why}")
+
+
 def check_identity(fd: int, identity: tuple[int, int, int, int] | None) -> None:
     """An :class:`AdapterError` unless the open file ``fd`` is the one whose header was read
     (``identity``: a trainer may write the folder again meanwhile, and old offsets over new bytes
@@ -179,7 +184,7 @@ def read_adapter(name: str, path: str, shapes: dict[tuple[int, str], tuple[int, 
     try:
         header, identity = file_header(weights_file)
     except OSError as exc:  # gone or unreadable since the checks above
-        raise AdapterError(f"adapter_model.safetensors cannot be read: {exc.strerror}") from None
+        raise unreadable(exc.strerror) from None
     for key, tensor in header.items():
         match = _KEY.match(key)
         if match is None or match.group(2) not in TARGETS:
@@ -240,7 +245,7 @@ def read_factors(adapter: LoraAdapter, device: str = "cpu") -> None:
     try:
         tensors = file_tensors(weights_file, wanted, adapter.file_id)
     except OSError as exc:
-        raise AdapterError(f"adapter_model.safetensors cannot be read: {exc.strerror}") from None
+        raise unreadable(exc.strerror) from None
     for key in adapter.layout:
         a, b = tensors[f"{key}.A"], tensors[f"{key}.B"]
         if device != "cpu":

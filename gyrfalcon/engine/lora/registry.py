@@ -17,17 +17,29 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from gyrfalcon.engine.lora.peft import AdapterError, LoraAdapter, check_identity, read_adapter, read_factors
+from gyrfalcon.engine.lora.peft import AdapterError, LoraAdapter, check_identity, read_adapter, read_factors, unreadable
 from gyrfalcon.kernels.native import loaded, threads
 
 
 #: the most buffers one ``preadv`` takes (Linux's IOV_MAX)
 _IOV_MAX = 1024
+
+
+class _StackTable(NamedTuple):
+    """Every projection's stacks as ``lora_pack`` takes them, in one order: their keys, the
+    addresses of ``A`` and ``Bᵀ``, their widths (``in`` and ``out``), and numpy views of them."""
+
+    keys: list[tuple[int, str]]
+    a: np.ndarray
+    bt: np.ndarray
+    ins: np.ndarray
+    outs: np.ndarray
+    arrays: list[tuple[np.ndarray, np.ndarray]]
 
 
 def _fp32(pair: tuple[Any, Any]) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -68,7 +80,7 @@ class LoraRegistry:
         self._lock = threading.Lock()
         self._loads = 0
         self._ticks = 0
-        self._targets: tuple | None = None  # the stacks' addresses and widths, for lora_pack
+        self._targets: _StackTable | None = None  # the stacks' addresses and widths, for lora_pack
         self._reserved: set[int] = set()  # slots a load is filling
 
     def load(self, name: str, path: str, replace: bool = False, in_use: frozenset[int] = frozenset()) -> LoraAdapter:
@@ -172,7 +184,7 @@ class LoraRegistry:
             if isinstance(exc, AdapterError) or not isinstance(exc, Exception):
                 raise
             # (the step loop admits requests through here: what fails is the request's, not the loop's)
-            raise AdapterError(f"adapter_model.safetensors cannot be read: {type(exc).__name__}: {exc}") from None
+            raise unreadable(f"{type(exc).__name__}: {exc}") from None
 
     def _place(self, adapter: LoraAdapter, slot: int) -> None:
         """(Under the lock) ``adapter``, filled into ``slot`` (no adapter's now), held by name."""
@@ -212,14 +224,16 @@ class LoraRegistry:
                 torch.mul(b.T, adapter.scaling, out=bt_stack[first : first + rank])
             a_stack[first + rank : end], bt_stack[first + rank : end] = 0, 0
 
-    def _stack_targets(self) -> tuple:
-        """The stacks' keys, addresses and widths as ``lora_pack`` takes them (the stacks never move)."""
+    def _stack_targets(self) -> _StackTable:
+        """The stacks as ``lora_pack`` takes them (made once: the stacks never move)."""
         if self._targets is None:
             keys = list(self.stacks)
-            self._targets = (keys, *(np.array(v, dtype=np.uint64) for v in (
-                [a.data_ptr() for a, _ in self.stacks.values()], [bt.data_ptr() for _, bt in self.stacks.values()])),
-                *(np.array(v, dtype=np.int64) for v in ([self.shapes[k][1] for k in keys], [self.shapes[k][0] for k in keys])),
-                [(a.numpy(), bt.numpy()) for a, bt in self.stacks.values()])  # fmt: skip
+            pairs = list(self.stacks.values())
+            self._targets = _StackTable(
+                keys, np.array([a.data_ptr() for a, _ in pairs], dtype=np.uint64),
+                np.array([bt.data_ptr() for _, bt in pairs], dtype=np.uint64),
+                np.array([self.shapes[k][1] for k in keys], dtype=np.int64),
+                np.array([self.shapes[k][0] for k in keys], dtype=np.int64), [(a.numpy(), bt.numpy()) for a, bt in pairs])  # fmt: skip
         return self._targets
 
     def _lay(self, adapter: LoraAdapter, a_sources: np.ndarray, b_sources: np.ndarray) -> bool:
@@ -228,9 +242,9 @@ class LoraRegistry:
         kernels = loaded()
         if kernels is None:
             return False
-        keys, a_stacks, bt_stacks, ins, outs, _ = self._stack_targets()
-        status = kernels.lora_pack(len(keys), a_sources.ctypes.data, b_sources.ctypes.data, a_stacks.ctypes.data,
-                                   bt_stacks.ctypes.data, ins.ctypes.data, outs.ctypes.data,
+        table = self._stack_targets()
+        status = kernels.lora_pack(len(table.keys), a_sources.ctypes.data, b_sources.ctypes.data, table.a.ctypes.data,
+                                   table.bt.ctypes.data, table.ins.ctypes.data, table.outs.ctypes.data,
                                    adapter.slot * self.max_rank, adapter.rank, self.max_rank,
                                    float(np.float32(adapter.scaling)), threads())  # fmt: skip
         if status:
@@ -239,8 +253,7 @@ class LoraRegistry:
 
     def _pack(self, adapter: LoraAdapter) -> bool:
         """:meth:`_write` of factors read already, through ``lora_pack``; False where it cannot."""
-        keys = self._stack_targets()[0]
-        sources = [_fp32(adapter.factors.get(key, (None, None))) for key in keys]
+        sources = [_fp32(adapter.factors.get(key, (None, None))) for key in self._stack_targets().keys]
         a_sources = np.array([a.ctypes.data if a is not None else 0 for a, _ in sources], dtype=np.uint64)
         b_sources = np.array([b.ctypes.data if b is not None else 0 for _, b in sources], dtype=np.uint64)
         return self._lay(adapter, a_sources, b_sources)
@@ -254,16 +267,16 @@ class LoraRegistry:
             return False
         if any(entry.dtype != "F32" for pair in adapter.layout.values() for entry in pair):
             return False
-        keys, a_stacks, bt_stacks, ins, outs, arrays = self._stack_targets()
+        table = self._stack_targets()
         first, rank = adapter.slot * self.max_rank, adapter.rank
-        present = np.array([key in adapter.layout for key in keys])
-        a_sources = np.where(present, a_stacks + (first * ins * 4).astype(np.uint64), 0).astype(np.uint64)
-        b_sources = np.where(present, bt_stacks + (first * outs * 4).astype(np.uint64), 0).astype(np.uint64)
+        present = np.array([key in adapter.layout for key in table.keys])
+        a_sources = np.where(present, table.a + (first * table.ins * 4).astype(np.uint64), 0).astype(np.uint64)
+        b_sources = np.where(present, table.bt + (first * table.outs * 4).astype(np.uint64), 0).astype(np.uint64)
         pieces = []
-        for j, key in enumerate(keys):
+        for j, key in enumerate(table.keys):
             pair = adapter.layout.get(key)
             if pair is not None:
-                a_array, bt_array = arrays[j]
+                a_array, bt_array = table.arrays[j]
                 pieces.append((pair[0].begin, pair[0].end, a_array[first : first + rank]))
                 pieces.append((pair[1].begin, pair[1].end, bt_array[first : first + rank]))
         pieces.sort(key=lambda piece: piece[0])
@@ -279,7 +292,7 @@ class LoraRegistry:
         try:
             fd = os.open(Path(adapter.path) / "adapter_model.safetensors", os.O_RDONLY)
         except OSError as exc:
-            raise AdapterError(f"adapter_model.safetensors cannot be read: {exc.strerror}") from None
+            raise unreadable(exc.strerror) from None
         try:
             check_identity(fd, adapter.file_id)
             for i in range(0, len(buffers), _IOV_MAX):
@@ -289,7 +302,7 @@ class LoraRegistry:
                     return False
                 offset += size
         except OSError as exc:
-            raise AdapterError(f"adapter_model.safetensors cannot be read: {exc.strerror}") from None
+            raise unreadable(exc.strerror) from None
         finally:
             os.close(fd)
         return self._lay(adapter, a_sources, b_sources)

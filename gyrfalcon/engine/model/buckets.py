@@ -53,6 +53,8 @@ class StepRunner(Protocol):
     direct: Any
     #: the running sequences' block table (one device tensor)
     block_table: Any
+    #: the LoRA adapters' registry (``--enable-lora``), else None
+    lora_registry: Any
 
     def run_model(self, ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata, kv_offset: int) -> torch.Tensor:
         """One forward of the model over ``ids`` at ``positions``."""

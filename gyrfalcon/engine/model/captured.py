@@ -165,9 +165,8 @@ class DecodeSteps(CompiledMode):
                             decode_positions=rows_at, decode_only=True, attention=self.runner.attention,
                             rows_in_place=self.runner.rows_in_place)  # fmt: skip
         ids, positions = ids.view(1, batch), positions.view(1, batch)
-        registry = getattr(self.runner, "lora_registry", None)
-        if registry is not None:  # (--enable-lora) each row's adapter slot, a static buffer of its own
-            step.lora = LoraRows.static(batch, registry, self.runner.device)
+        if self.runner.lora_registry is not None:  # (--enable-lora) each row's adapter slot, a static buffer of its own
+            step.lora = LoraRows.static(batch, self.runner.lora_registry, self.runner.device)
         if self.mode == "compiled":  # one compiled graph per batch bucket for every width: the width is dynamic
             torch._dynamo.maybe_mark_dynamic(step.decode_blocks, 1)
             statics = [(ids, 1), (positions, 1), (slots, 0), (rows_at, 0), (step.decode_blocks, 0)]
