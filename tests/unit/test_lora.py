@@ -317,9 +317,10 @@ def test_unloading_ends_the_requests_waiting_for_the_adapter_and_lets_the_runnin
 
 
 def test_an_adapters_factors_are_laid_into_its_slot_alike_in_c_and_by_numpy(tiny_model_dir, tmp_path, monkeypatch):
-    """``lora_pack`` (``lora_add.c``) writes an adapter's slot of the stacks — ``A`` as it is, ``B``
-    transposed times the scaling, zeros past its rank and for projections it has no factors for —
-    with the bits the numpy pass writes (what a slot last held is overwritten)."""
+    """``lora_read`` (``lora_add.c``, an fp32 file read straight into the slot) writes an adapter's
+    slot of the stacks — ``A`` as it is, ``B`` transposed times the scaling (rank 8: in tiles of
+    8 x 8; rank 3: a value at a time), zeros past its rank and for projections it has no factors
+    for — with the bits the numpy pass writes (what a slot last held is overwritten)."""
     from gyrfalcon.engine.lora import registry as registries
     from gyrfalcon.kernels import native
 
@@ -327,7 +328,7 @@ def test_an_adapters_factors_are_laid_into_its_slot_alike_in_c_and_by_numpy(tiny
     weights = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
     shapes = {(int(key.split(".")[2]), key.split(".")[4]): tuple(t.shape) for key, t in weights.items()
               if key.startswith("model.layers.") and key.split(".")[4] in TARGETS}  # fmt: skip
-    full = write_adapter(tiny_model_dir, tmp_path / "full", seed=1, rank=4, alpha=7.0)
+    full = write_adapter(tiny_model_dir, tmp_path / "full", seed=1, rank=8, alpha=7.0)
     some = write_adapter(tiny_model_dir, tmp_path / "some", seed=2, rank=3, alpha=5.0, targets=("q_proj", "down_proj"))
     stacks = []
     for kernels in (native.loaded, lambda: None):

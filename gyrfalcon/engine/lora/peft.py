@@ -11,6 +11,7 @@ it, before anything is served with it.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+import orjson
 import torch
 
 #: the projections an adapter may target
@@ -69,30 +71,43 @@ def file_header(path: Path) -> tuple[dict[str, FileTensor], tuple[int, int, int,
             (length,) = struct.unpack("<Q", f.read(8))
             if length > size - 8:
                 raise ValueError("its header runs past the end")
-            header = json.loads(f.read(length))
+            header = orjson.loads(f.read(length))
             if not isinstance(header, dict):
                 raise ValueError("its header is not a JSON object")
-        except (ValueError, struct.error, OSError) as exc:
+        except (ValueError, struct.error, OSError) as exc:  # (orjson's JSONDecodeError is a ValueError)
             raise AdapterError(f"adapter_model.safetensors is not a safetensors file: {exc}") from None
     start, data = 8 + length, size - 8 - length
     tensors = {}
-    for name, entry in header.items():
+    for name, entry in header.items():  # (an adapter has hundreds: each check as cheap as it can be)
         if name == "__metadata__":
             continue
         try:
-            if not isinstance(entry, dict):
-                raise ValueError("its entry is not a JSON object")
-            dtype, shape, (begin, end) = _DTYPES[entry["dtype"]], [int(n) for n in entry["shape"]], entry["data_offsets"]
-            count = math.prod(shape)
+            kind, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            count = _DTYPES[kind].itemsize
+            for n in shape:
+                if type(n) is not int or n < 0:
+                    count = -1
+                    break
+                count *= n
             if type(begin) is not int or type(end) is not int:
                 raise ValueError(f"its data_offsets {entry['data_offsets']} are not whole numbers")
-            if min(shape, default=0) < 0 or not 0 <= begin <= end <= data or end - begin != count * dtype.itemsize:
-                raise ValueError(f"its bytes {begin}..{end} do not hold {shape} {entry['dtype']}")
+            if count < 0 or not 0 <= begin <= end <= data or end - begin != count:
+                raise ValueError(f"its bytes {begin}..{end} do not hold {list(shape)} {kind}")
         except (KeyError, TypeError, ValueError) as exc:
-            detail = f"dtype {entry.get('dtype')!r} is not served (F32, BF16, F16)" if isinstance(exc, KeyError) else exc
-            raise AdapterError(f"adapter_model.safetensors: tensor {name}: {detail}") from None
-        tensors[name] = FileTensor(entry["dtype"], tuple(shape), start + begin, start + end)
+            raise AdapterError(f"adapter_model.safetensors: tensor {name}: {_entry_fault(entry, exc)}") from None
+        tensors[name] = FileTensor(kind, shape, start + begin, start + end)
     return tensors, identity
+
+
+def _entry_fault(entry: object, exc: Exception) -> str:
+    """Why a safetensors header's ``entry`` was refused (``exc``: what its check raised)."""
+    if not isinstance(entry, dict):
+        return "its entry is not a JSON object"
+    if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in _DTYPES:
+        return f"dtype {entry.get('dtype')!r} is not served (F32, BF16, F16)"
+    if isinstance(exc, KeyError):
+        return f"its entry has no {exc}"
+    return str(exc)
 
 
 def file_tensors(path: Path, header: dict[str, FileTensor] | None = None,
@@ -131,7 +146,12 @@ def check_identity(fd: int, identity: tuple[int, int, int, int] | None) -> None:
     (``identity``: a trainer may write the folder again meanwhile, and old offsets over new bytes
     would serve other factors without a word)."""
     if identity is not None and file_identity(fd) != identity:
-        raise AdapterError("adapter_model.safetensors changed while it was read: load the adapter again")
+        raise changed()
+
+
+def changed() -> AdapterError:
+    """The refusal of a weights file written again while it was read."""
+    return AdapterError("adapter_model.safetensors changed while it was read: load the adapter again")
 
 
 @dataclass
@@ -180,25 +200,22 @@ def read_adapter(name: str, path: str, shapes: dict[tuple[int, str], tuple[int, 
         missing = exc.errno in (errno.ENAMETOOLONG, errno.ENOENT, errno.ENOTDIR)
         raise AdapterError(f"'{shown}' cannot be read: {exc.strerror}", found=not missing) from None
     rank, scaling = _rank_and_scaling(config_file, max_rank)
-    halves: dict[tuple[int, str], dict[str, FileTensor]] = {}
     try:
         header, identity = file_header(weights_file)
     except OSError as exc:  # gone or unreadable since the checks above
         raise unreadable(exc.strerror) from None
+    names = _factor_names(tuple(shapes))
+    halves: tuple[dict, dict] = ({}, {})  # each (layer, module)'s A, and its B
     for key, tensor in header.items():
-        match = _KEY.match(key)
-        if match is None or match.group(2) not in TARGETS:
-            raise AdapterError(f"tensor {key} is not a LoRA factor of a served projection ({', '.join(TARGETS)})")
-        layer, module, half = int(match.group(1)), match.group(2), match.group(3)
-        if (layer, module) not in shapes:
-            raise AdapterError(f"tensor {key}: the served model has no layer {layer} {module}")
-        halves.setdefault((layer, module), {})[half] = tensor
+        found = names.get(key) or _factor_of(key, shapes)
+        halves[found[2]][found[:2]] = tensor
     adapter = LoraAdapter(name, str(path), rank, float(scaling), file_id=identity)
-    for (layer, module), pair in sorted(halves.items()):
-        if set(pair) != {"A", "B"}:
-            raise AdapterError(f"layer {layer} {module} has lora_{''.join(pair)} without its other factor")
+    a_of, b_of = halves
+    for layer, module in sorted(a_of.keys() | b_of.keys()):
+        a, b = a_of.get((layer, module)), b_of.get((layer, module))
+        if a is None or b is None:
+            raise AdapterError(f"layer {layer} {module} has lora_{'A' if b is None else 'B'} without its other factor")
         out, inp = shapes[(layer, module)]
-        a, b = pair["A"], pair["B"]
         if a.shape != (rank, inp) or b.shape != (out, rank):
             raise AdapterError(f"layer {layer} {module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit "
                                f"a [{out}, {inp}] projection at rank {rank}")  # fmt: skip
@@ -208,6 +225,31 @@ def read_adapter(name: str, path: str, shapes: dict[tuple[int, str], tuple[int, 
     if factors:
         read_factors(adapter, device)
     return adapter
+
+
+@functools.lru_cache(maxsize=8)
+def _factor_names(projections: tuple[tuple[int, str], ...]) -> dict[str, tuple[int, str, int]]:
+    """The names PEFT gives the factors of ``projections`` (with and without its ``base_model.model.``
+    prefix) → ``(layer, module, 0 for A or 1 for B)``: a look-up instead of a match per tensor."""
+    names = {}
+    for layer, module in projections:
+        parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+        for prefix in ("", "base_model.model."):
+            for half, letter in enumerate("AB"):
+                names[f"{prefix}model.layers.{layer}.{parent}.{module}.lora_{letter}.weight"] = (layer, module, half)
+    return names
+
+
+def _factor_of(key: str, shapes: dict[tuple[int, str], tuple[int, int]]) -> tuple[int, str, int]:
+    """``(layer, module, half)`` of a tensor name :func:`_factor_names` does not list, or an
+    :class:`AdapterError` naming why it cannot serve."""
+    match = _KEY.match(key)
+    if match is None or match.group(2) not in TARGETS:
+        raise AdapterError(f"tensor {key} is not a LoRA factor of a served projection ({', '.join(TARGETS)})")
+    layer, module = int(match.group(1)), match.group(2)
+    if (layer, module) not in shapes:
+        raise AdapterError(f"tensor {key}: the served model has no layer {layer} {module}")
+    return layer, module, "AB".index(match.group(3))
 
 
 def _rank_and_scaling(config_file: Path, max_rank: int) -> tuple[int, float]:

@@ -14,6 +14,7 @@ replaced keeps its slot while requests still run with it."""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from pathlib import Path
@@ -22,24 +23,21 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from gyrfalcon.engine.lora.peft import AdapterError, LoraAdapter, check_identity, read_adapter, read_factors, unreadable
+from gyrfalcon.engine.lora.peft import (AdapterError, LoraAdapter, changed, check_identity, read_adapter, read_factors,
+                                        unreadable)
 from gyrfalcon.kernels.native import loaded, threads
 
 
-#: the most buffers one ``preadv`` takes (Linux's IOV_MAX)
-_IOV_MAX = 1024
-
 
 class _StackTable(NamedTuple):
-    """Every projection's stacks as ``lora_pack`` takes them, in one order: their keys, the
-    addresses of ``A`` and ``Bᵀ``, their widths (``in`` and ``out``), and numpy views of them."""
+    """Every projection's stacks as ``lora_pack`` and ``lora_read`` take them, in one order: their
+    keys, the addresses of ``A`` and ``Bᵀ``, and their widths (``in`` and ``out``)."""
 
     keys: list[tuple[int, str]]
     a: np.ndarray
     bt: np.ndarray
     ins: np.ndarray
     outs: np.ndarray
-    arrays: list[tuple[np.ndarray, np.ndarray]]
 
 
 def _fp32(pair: tuple[Any, Any]) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -225,7 +223,7 @@ class LoraRegistry:
             a_stack[first + rank : end], bt_stack[first + rank : end] = 0, 0
 
     def _stack_targets(self) -> _StackTable:
-        """The stacks as ``lora_pack`` takes them (made once: the stacks never move)."""
+        """The stacks as ``lora_pack`` and ``lora_read`` take them (made once: the stacks never move)."""
         if self._targets is None:
             keys = list(self.stacks)
             pairs = list(self.stacks.values())
@@ -233,79 +231,56 @@ class LoraRegistry:
                 keys, np.array([a.data_ptr() for a, _ in pairs], dtype=np.uint64),
                 np.array([bt.data_ptr() for _, bt in pairs], dtype=np.uint64),
                 np.array([self.shapes[k][1] for k in keys], dtype=np.int64),
-                np.array([self.shapes[k][0] for k in keys], dtype=np.int64), [(a.numpy(), bt.numpy()) for a, bt in pairs])  # fmt: skip
+                np.array([self.shapes[k][0] for k in keys], dtype=np.int64))  # fmt: skip
         return self._targets
 
-    def _lay(self, adapter: LoraAdapter, a_sources: np.ndarray, b_sources: np.ndarray) -> bool:
-        """``lora_pack`` of the factors at ``a_sources`` and ``b_sources`` (addresses by stack, 0 where
-        the adapter has none) into its slot; False where the kernels are not built here."""
+    def _pack(self, adapter: LoraAdapter) -> bool:
+        """:meth:`_write` of factors read already, through ``lora_pack``; False where the kernels
+        are not built here."""
         kernels = loaded()
         if kernels is None:
             return False
         table = self._stack_targets()
-        status = kernels.lora_pack(len(table.keys), a_sources.ctypes.data, b_sources.ctypes.data, table.a.ctypes.data,
-                                   table.bt.ctypes.data, table.ins.ctypes.data, table.outs.ctypes.data,
-                                   adapter.slot * self.max_rank, adapter.rank, self.max_rank,
-                                   float(np.float32(adapter.scaling)), threads())  # fmt: skip
-        if status:
-            raise MemoryError("lora_pack could not allocate a buffer")
-        return True
-
-    def _pack(self, adapter: LoraAdapter) -> bool:
-        """:meth:`_write` of factors read already, through ``lora_pack``; False where it cannot."""
-        sources = [_fp32(adapter.factors.get(key, (None, None))) for key in self._stack_targets().keys]
+        sources = [_fp32(adapter.factors.get(key, (None, None))) for key in table.keys]
         a_sources = np.array([a.ctypes.data if a is not None else 0 for a, _ in sources], dtype=np.uint64)
         b_sources = np.array([b.ctypes.data if b is not None else 0 for _, b in sources], dtype=np.uint64)
-        return self._lay(adapter, a_sources, b_sources)
+        kernels.lora_pack(len(table.keys), a_sources.ctypes.data, b_sources.ctypes.data, table.a.ctypes.data,
+                          table.bt.ctypes.data, table.ins.ctypes.data, table.outs.ctypes.data,
+                          adapter.slot * self.max_rank, adapter.rank, self.max_rank, float(np.float32(adapter.scaling)),
+                          threads())  # fmt: skip
+        return True
 
     def _read_into_slot(self, adapter: LoraAdapter) -> bool:
-        """An fp32 adapter's file read straight into its slot in one ``preadv`` (``A`` into its rows
-        as it lies; ``B`` into the rows of its transpose, which ``lora_pack`` then writes in place):
-        the file's bytes copied once. False where that does not apply (another dtype, tensors that
-        overlap, no kernels, no ``preadv``, a short read): the caller reads the factors first."""
-        if loaded() is None or not hasattr(os, "preadv"):
-            return False
-        if any(entry.dtype != "F32" for pair in adapter.layout.values() for entry in pair):
+        """An fp32 adapter's file read straight into its slot by ``lora_read`` (``lora_add.c``):
+        each ``A`` into its rows as it lies, each ``B`` laid out as it is read, so the file's bytes
+        are copied once and passed over once more. False where that does not apply (another dtype,
+        no kernels): the caller reads the factors first."""
+        kernels = loaded()
+        if kernels is None or any(entry.dtype != "F32" for pair in adapter.layout.values() for entry in pair):
             return False
         table = self._stack_targets()
-        first, rank = adapter.slot * self.max_rank, adapter.rank
-        present = np.array([key in adapter.layout for key in table.keys])
-        a_sources = np.where(present, table.a + (first * table.ins * 4).astype(np.uint64), 0).astype(np.uint64)
-        b_sources = np.where(present, table.bt + (first * table.outs * 4).astype(np.uint64), 0).astype(np.uint64)
-        pieces = []
-        for j, key in enumerate(table.keys):
-            pair = adapter.layout.get(key)
-            if pair is not None:
-                a_array, bt_array = table.arrays[j]
-                pieces.append((pair[0].begin, pair[0].end, a_array[first : first + rank]))
-                pieces.append((pair[1].begin, pair[1].end, bt_array[first : first + rank]))
-        pieces.sort(key=lambda piece: piece[0])
-        buffers, at = [], pieces[0][0]
-        for begin, end, view in pieces:
-            if begin < at:
-                return False
-            if begin > at:  # bytes between tensors: read and dropped
-                buffers.append(bytearray(begin - at))
-            buffers.append(memoryview(view).cast("B"))
-            at = end
-        offset = pieces[0][0]
+        pairs = [adapter.layout.get(key) for key in table.keys]
+        a_at = np.array([-1 if pair is None else pair[0].begin for pair in pairs], dtype=np.int64)
+        b_at = np.array([-1 if pair is None else pair[1].begin for pair in pairs], dtype=np.int64)
         try:
             fd = os.open(Path(adapter.path) / "adapter_model.safetensors", os.O_RDONLY)
         except OSError as exc:
             raise unreadable(exc.strerror) from None
         try:
             check_identity(fd, adapter.file_id)
-            for i in range(0, len(buffers), _IOV_MAX):
-                chunk = buffers[i : i + _IOV_MAX]
-                size = sum(len(b) for b in chunk)
-                if os.preadv(fd, chunk, offset) != size:
-                    return False
-                offset += size
-        except OSError as exc:
-            raise unreadable(exc.strerror) from None
+            status = kernels.lora_read(fd, len(pairs), a_at.ctypes.data, b_at.ctypes.data, table.a.ctypes.data,
+                                       table.bt.ctypes.data, table.ins.ctypes.data, table.outs.ctypes.data,
+                                       adapter.slot * self.max_rank, adapter.rank, self.max_rank,
+                                       float(np.float32(adapter.scaling)))  # fmt: skip
         finally:
             os.close(fd)
-        return self._lay(adapter, a_sources, b_sources)
+        if status == -errno.ENOMEM:
+            raise MemoryError("lora_read could not allocate a buffer")
+        if status < 0:
+            raise unreadable(os.strerror(-status))
+        if status > 0:  # (its size was checked with its header: written again meanwhile)
+            raise changed()
+        return True
 
     def _check_name(self, name: str, replace: bool) -> None:
         if name in self._known and not replace:

@@ -12,7 +12,8 @@ and called through ctypes (which drops the GIL for the call); they need no torch
   ``prefill_attention.c``: a prefill's groups of rows over theirs
   (:mod:`~gyrfalcon.engine.model.one_query`);
 - ``lora_add.c``: the LoRA adapters' products of a step's rows (:mod:`~gyrfalcon.engine.lora.step`),
-  and an adapter's factors laid into its slot of the stacks (:mod:`~gyrfalcon.engine.lora.registry`);
+  and an adapter's factors laid into its slot of the stacks, from memory or straight from its file
+  (:mod:`~gyrfalcon.engine.lora.registry`);
 - ``decode_layers.c``: every decoder layer of a step of decode rows in one call, through the
   kernels above (:mod:`~gyrfalcon.engine.model.layer_loop`).
 
@@ -73,6 +74,7 @@ _SIGNATURES = {
     "q4_pack_scales": ([_POINTER] * 3 + [_LONG] * 2, _INT),
     "q8_pack_panels": ([_POINTER] * 2 + [_LONG] * 2 + [_INT], _INT),
     "lora_pack": ([_LONG] + [_POINTER] * 6 + [_LONG] * 3 + [ctypes.c_float, _INT], _INT),
+    "lora_read": ([_INT, _LONG] + [_POINTER] * 6 + [_LONG] * 3 + [ctypes.c_float], _INT),
 }
 
 
