@@ -19,8 +19,10 @@ callers — the API's executor threads — never touch Ray's loops.
 - ``health`` is ready while any replica is (polled every half second); ``stats`` adds the
   replicas' counters up.
 - The control calls (``pause``, ``resume``, ``pause_state``, ``abort_requests``, ``sleep``,
-  ``wake_up``, ``sleep_state``, ``update_weights``) go to every replica and answer once each has
-  applied them (a pause or a sleep has settled once it has on every one).
+  ``wake_up``, ``sleep_state``, ``update_weights``, the LoRA adapters') go to every replica and
+  answer once each has applied them (a pause or a sleep has settled once it has on every one); a
+  replica started later takes the weights and adapters over from a peer
+  (:mod:`gyrfalcon.ray.replica`).
 """
 
 from __future__ import annotations
@@ -151,7 +153,10 @@ class RayEngineCore(EngineCore):
         _answered(self._run(self._gather("unload_lora_adapter", lora_name), BROADCAST_TIMEOUT_S))
 
     def lora_adapters(self) -> list[list[str]]:
-        return _answered(self._run(self._gather("lora_adapters"), BROADCAST_TIMEOUT_S))[0]
+        """The adapters every replica holds (one a replica could not take over is not served)."""
+        first, *others = _answered(self._run(self._gather("lora_adapters"), BROADCAST_TIMEOUT_S))
+        held = [{tuple(adapter) for adapter in answer} for answer in others]
+        return [adapter for adapter in first if all(tuple(adapter) in h for h in held)]
 
     def abort_requests(self, group_ids: list[str] | None = None) -> int:
         return sum(_answered(self._run(self._gather("abort_requests", group_ids), BROADCAST_TIMEOUT_S)))

@@ -11,11 +11,18 @@ The other methods are small calls: ``info``, ``health``, ``stats``, and ``finish
 ``abort``, which the API side broadcasts to every replica (unknown ids are ignored), and the control
 plane's, broadcast too, which answer a refusal as ``{codec.REFUSED: refusal}`` (the API side raises
 it as it is: a 400 or 404 naming its field, not a replica's failure).
+
+A broadcast reaches the replicas that run when it is made. One started later — autoscaled, or
+replacing one that died — asks a running peer what the control calls made it serve
+(``served_state``: the weights pushed last, the adapters loaded) and takes the same before it takes
+a request, so that no request gets the settings' weights, or a 404 for an adapter, from it.
+Pause and sleep are not taken over: they are the moment's state of the replicas a caller asked.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import json
 import logging
@@ -51,6 +58,9 @@ class EngineReplica:
         from gyrfalcon.config import Settings
 
         self.core = engine_core(Settings(**json.loads(settings_json)))
+        #: the weights the last ``update_weights`` pushed here: (path, version)
+        self._pushed: tuple[str, str] | None = None
+        self._catch_up(_peer_state())
 
     async def generate(self, request: list[Any]) -> AsyncIterator[bytes]:
         """Run one encoded request (see the module docstring for the items)."""
@@ -112,7 +122,12 @@ class EngineReplica:
 
     @_refusals_answered
     def update_weights(self, model_path: str, weight_version: str | None, flush_cache: bool = True) -> str:
-        return self.core.update_weights(model_path, weight_version, flush_cache)
+        return self._push(model_path, weight_version, flush_cache)
+
+    def _push(self, path: str, version: str | None, flush_cache: bool = True) -> str:
+        version = self.core.update_weights(path, version, flush_cache)
+        self._pushed = (path, version)
+        return version
 
     @_refusals_answered
     def sleep(self, level: int) -> list[Any]:
@@ -136,10 +151,58 @@ class EngineReplica:
     def lora_adapters(self) -> list[list[str]]:
         return self.core.lora_adapters()
 
+    def served_state(self) -> dict[str, Any]:
+        """What control calls made this replica serve beyond its settings (module docstring): the
+        weights pushed last, ``[path, version]`` or None, and the adapters, ``[[name, path], …]`` in
+        the order they were loaded."""
+        return {"weights": self._pushed and list(self._pushed), "adapters": self.core.lora_adapters()}
+
+    def _catch_up(self, state: dict[str, Any] | None) -> None:
+        """Serve what a running peer serves (its :meth:`served_state`; None: no peer runs). Weights
+        that cannot be loaded here fail the replica (Ray reports it and starts another): it would
+        answer with other weights than its peers; an adapter that cannot is logged and left out."""
+        if not state or not (state.get("weights") or state.get("adapters")):
+            return
+        wait_ready = getattr(self.core, "wait_ready", None)
+        if wait_ready is not None:
+            wait_ready(CATCH_UP_TIMEOUT_S)
+        if state.get("weights"):
+            path, version = state["weights"]
+            self._push(path, version)
+            log.info("took over the peers' weights %s (%s)", version, path)
+        for name, path in state.get("adapters") or []:
+            try:
+                self.core.load_lora_adapter(name, path)
+            except RequestError as exc:
+                log.warning("could not load the peers' LoRA adapter %s from %s: %s", name, path, exc)
+
     def __del__(self) -> None:
         core = getattr(self, "core", None)
         if core is not None:
             core.shutdown(grace=0.0)
+
+
+#: seconds a new replica waits for its peer's state, and for its engine to be ready to take it over
+CATCH_UP_TIMEOUT_S = 600.0
+
+
+def _peer_state() -> dict[str, Any] | None:
+    """A running peer's :meth:`EngineReplica.served_state`, asked through this deployment's own
+    handle (which routes to running replicas only, so never to this one); None where none runs, or
+    outside Ray Serve. Asked from a thread of its own: Ray refuses a blocking call on its event loop."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        context = serve.get_replica_context()
+    except RayServeException:  # not a replica (a test builds one by hand)
+        return None
+    deployments = serve.status().applications[context.app_name].deployments
+    if not deployments[context.deployment].replica_states.get("RUNNING"):
+        return None
+    handle = serve.get_deployment_handle(context.deployment, context.app_name)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: handle.served_state.remote().result(timeout_s=CATCH_UP_TIMEOUT_S)).result()
 
 
 def _take_ready(stream: Any) -> tuple[list[Any], bool]:

@@ -254,10 +254,27 @@ def _error(events: list) -> dict | None:
     return next((e["error"] for e in events if isinstance(e, dict) and "error" in e), None)
 
 
-def test_autoscaling_and_a_replica_killed_under_load(ray_server):
+def _serves_what_was_pushed(url: str, version: str, adapter: str) -> None:
+    """Every replica serves the weights and the adapter the control routes pushed (the new ones took them over)."""
+    assert requests.get(url + "/weight_version", timeout=10).json()["weight_version"] == version
+    assert adapter in [m["id"] for m in requests.get(url + "/v1/models", timeout=10).json()["data"]]
+
+
+def test_autoscaling_and_a_replica_killed_under_load(ray_server, tiny_model_dir, tmp_path):
     """1 → 2 replicas under load; one killed under load: its clients get an error event at once, new
-    requests succeed meanwhile, Ray starts another; back to 1 replica when idle."""
+    requests succeed meanwhile, Ray starts another; back to 1 replica when idle. The replicas Ray
+    adds serve the weights and the adapter pushed before they started, as the first one does."""
+    from tests.unit.test_lora import write_adapter
+
     assert len(engine_replicas(ray_server)) == 1
+    url = ray_server.url
+    pushed = requests.post(url + "/update_weights_from_disk", json={"model_path": tiny_model_dir, "weight_version": "v3"},
+                           timeout=300)  # fmt: skip
+    assert pushed.status_code == 200, pushed.text
+    folder = write_adapter(tiny_model_dir, tmp_path / "kept", seed=2)
+    loaded = requests.post(url + "/v1/load_lora_adapter", json={"lora_name": "kept", "lora_path": str(folder)}, timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    wait_for(lambda: requests.get(url + "/weight_version", timeout=10).json()["weight_version"] == "v3", 10, "the version")
     # lengths 90 to 222 (60 to 159 until the CPU kernels of 2026-12-04 made streams so short that one
     # clean-clone run killed a replica with none left open): the streams end at different times, so each replica always runs some
     # (with one length, a kill between two batches of a replica cut nothing, in CI)
@@ -266,11 +283,14 @@ def test_autoscaling_and_a_replica_killed_under_load(ray_server):
         replicas = wait_for(lambda: len(engine_replicas(ray_server)) == 2 and engine_replicas(ray_server), 150, "a second replica")
         # the new replica loads the model, then takes requests: kill one only once both run streams
         wait_for(lambda: _serving(ray_server, replicas) == replicas, 120, "both replicas answering")
+        _serves_what_was_pushed(url, "v3", "kept")
         victim = _busiest(replicas)
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         # under load, Ray replaces the killed replica
         wait_for(lambda: victim not in engine_replicas(ray_server) and len(engine_replicas(ray_server)) == 2, 90, "a replacement replica")
+        wait_for(lambda: len(_serving(ray_server, engine_replicas(ray_server))) == 2, 120, "the replacement answering")
+        _serves_what_was_pushed(url, "v3", "kept")
         # Ray may replace the replica within a second; on a loaded machine a 60-token stream takes longer than
         # that, so keep the load on until some requests sent after the kill have been answered
         wait_for(lambda: sum(start > killed_at + 0.5 for start, *_ in list(load.results)) >= 3, 120,
