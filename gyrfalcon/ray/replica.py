@@ -182,14 +182,17 @@ class EngineReplica:
             core.shutdown(grace=0.0)
 
 
-#: seconds a new replica waits for its peer's state, and for its engine to be ready to take it over
+#: seconds a new replica's engine has to be ready to take its peers' state over
 CATCH_UP_TIMEOUT_S = 600.0
+#: seconds a new replica waits for a running peer's answer (then it fails, and Ray starts another)
+PEER_TIMEOUT_S = 60.0
 
 
 def _peer_state() -> dict[str, Any] | None:
     """A running peer's :meth:`EngineReplica.served_state`, asked through this deployment's own
     handle (which routes to running replicas only, so never to this one); None where none runs, or
-    outside Ray Serve. Asked from a thread of its own: Ray refuses a blocking call on its event loop."""
+    outside Ray Serve. Asked from a thread of its own: Ray refuses a blocking call on its event loop.
+    A peer that does not answer fails this replica (it would serve other weights than the peers)."""
     from ray import serve
     from ray.serve.exceptions import RayServeException
 
@@ -197,12 +200,17 @@ def _peer_state() -> dict[str, Any] | None:
         context = serve.get_replica_context()
     except RayServeException:  # not a replica (a test builds one by hand)
         return None
-    deployments = serve.status().applications[context.app_name].deployments
-    if not deployments[context.deployment].replica_states.get("RUNNING"):
+    try:
+        deployment = serve.status().applications[context.app_name].deployments[context.deployment]
+        running = deployment.replica_states.get("RUNNING", 0)
+    except (KeyError, AttributeError) as exc:  # a status without this deployment's replicas: the first
+        log.warning("no running peer found to take the weights and adapters over from (%r)", exc)
+        return None
+    if not running:
         return None
     handle = serve.get_deployment_handle(context.deployment, context.app_name)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(lambda: handle.served_state.remote().result(timeout_s=CATCH_UP_TIMEOUT_S)).result()
+        return pool.submit(lambda: handle.served_state.remote().result(timeout_s=PEER_TIMEOUT_S)).result()
 
 
 def _take_ready(stream: Any) -> tuple[list[Any], bool]:

@@ -211,3 +211,55 @@ def test_finish_choice_is_broadcast_and_stats_are_added_up(make_core):
 def test_add_stats_keeps_non_counts_from_the_first():
     assert add_stats([{"a": 1, "flag": True, "name": "x"}, {"a": 2, "flag": False, "name": "y"}]) == {
         "a": 3, "flag": True, "name": "x", "replicas": 2}
+
+
+def test_a_replica_started_later_takes_its_peers_weights_and_adapters_over():
+    """What a running peer's ``served_state`` says is applied before the replica takes requests:
+    its weights pushed (same path, same version), its adapters loaded in order; an adapter that
+    cannot be loaded here is left out, weights that cannot fail the replica. Its own state then
+    says the same, for the next replica to take over."""
+    from gyrfalcon.ray.replica import EngineReplica
+
+    class Core:
+        def __init__(self) -> None:
+            self.calls, self.adapters = [], []
+
+        def wait_ready(self, timeout):
+            self.calls.append("ready")
+
+        def update_weights(self, path, version, flush_cache=True):
+            if path == "/gone":
+                raise RequestError("'/gone' does not exist on the server", "model_path")
+            self.calls.append(("weights", path, version))
+            return version
+
+        def load_lora_adapter(self, name, path, load_inplace=False):
+            if path == "/missing":
+                raise RequestError("'/missing' does not exist on the server", "lora_path")
+            self.calls.append(("adapter", name))
+            self.adapters.append([name, path])
+
+        def lora_adapters(self):
+            return self.adapters
+
+        def shutdown(self, *args, **kwargs):
+            pass
+
+    replica = EngineReplica.__new__(EngineReplica)
+    replica.core, replica._pushed = Core(), None
+    assert replica.served_state() == {"weights": None, "adapters": []}
+    replica._catch_up(None)  # no peer runs: nothing to take
+    replica._catch_up({"weights": None, "adapters": []})
+    assert replica.core.calls == []
+    peer = {"weights": ["/w", "v7"], "adapters": [["b", "/b"], ["x", "/missing"], ["a", "/a"]]}
+    replica._catch_up(peer)
+    assert replica.core.calls == ["ready", ("weights", "/w", "v7"), ("adapter", "b"), ("adapter", "a")]
+    assert replica.served_state() == {"weights": ["/w", "v7"], "adapters": [["b", "/b"], ["a", "/a"]]}
+    with pytest.raises(RequestError):
+        replica._catch_up({"weights": ["/gone", "v8"], "adapters": []})
+
+
+def test_the_adapters_listed_are_those_every_replica_holds(make_core):
+    core = make_core([])
+    core._handle.answers = {"lora_adapters": [[["a", "/a"], ["b", "/b"]], [["b", "/b"]]]}
+    assert core.lora_adapters() == [["b", "/b"]]
