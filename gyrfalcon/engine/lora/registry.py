@@ -78,7 +78,7 @@ class LoraRegistry:
         self._lock = threading.Lock()
         self._loads = 0
         self._ticks = 0
-        self._targets: _StackTable | None = None  # the stacks' addresses and widths, for lora_pack
+        self._targets: _StackTable | None = None  # the stacks' addresses and widths, for lora_pack and lora_read
         self._reserved: set[int] = set()  # slots a load is filling
 
     def load(self, name: str, path: str, replace: bool = False, in_use: frozenset[int] = frozenset()) -> LoraAdapter:
