@@ -7,7 +7,9 @@ behind it.
 - ``engine`` (``--replicas``, or autoscaled up to ``--max-replicas`` by ongoing requests): one
   :class:`gyrfalcon.ray.replica.EngineReplica` each, with ``--replica-cpus`` CPUs and one GPU where
   the cluster has GPUs; requests are routed by :class:`gyrfalcon.ray.router.PrefixAffinityRouter`
-  (``--routing prefix``) or Ray Serve's power of two choices (``--routing pow2``).
+  (``--routing prefix``) or Ray Serve's power of two choices (``--routing pow2``);
+- ``served-state`` (one replica, no CPU): the control calls' record, which engine replicas started
+  later take over (:mod:`gyrfalcon.ray.state`).
 
 Started by ``gyrfalcon serve --ray`` (:func:`serve_forever`) or ``serve run gyrfalcon.ray:app
 [key=value …]`` (:func:`gyrfalcon.ray.app`; keys are ``gyrfalcon serve``'s options).
@@ -36,8 +38,8 @@ class Ingress:
     """The API on one ingress replica (its ASGI app is built on the replica, see
     ``__serve_build_asgi_app__``)."""
 
-    def __init__(self, engine: Any, settings_json: str, api_keys_file: str | None = None) -> None:
-        self._engine_handle = engine
+    def __init__(self, engine: Any, settings_json: str, api_keys_file: str | None = None, state: Any = None) -> None:
+        self._engine_handle, self._state = engine, state
         self._settings = Settings(**json.loads(settings_json))
         if api_keys_file:
             self._settings.api_keys = read_private_keys_file(api_keys_file)
@@ -48,7 +50,7 @@ class Ingress:
         from gyrfalcon.ray.core import RayEngineCore
 
         settings = self._settings
-        engine = EngineClient(RayEngineCore(self._engine_handle), model_name=settings.served_names()[0])
+        engine = EngineClient(RayEngineCore(self._engine_handle, self._state), model_name=settings.served_names()[0])
         return compose.app(settings, engine, compose.plugins(settings))
 
 
@@ -105,9 +107,11 @@ def application(settings: Settings, api_keys_file: str | None = None) -> Any:
     from ray import serve
 
     from gyrfalcon.ray.replica import EngineReplica
+    from gyrfalcon.ray.state import ServedState
 
     public = settings.to_env()  # without the API keys
-    engine = serve.deployment(EngineReplica, **engine_options(settings)).bind(public)
+    state = serve.deployment(ServedState, name="served-state", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(public)
+    engine = serve.deployment(EngineReplica, **engine_options(settings)).bind(public, state)
     ingress = serve.deployment(
         serve.ingress()(Ingress),
         name="ingress",
@@ -116,7 +120,7 @@ def application(settings: Settings, api_keys_file: str | None = None) -> Any:
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": REPLICA_ENV}},
         graceful_shutdown_timeout_s=settings.drain_timeout,
     )
-    return ingress.bind(engine, public, api_keys_file)
+    return ingress.bind(engine, public, api_keys_file, state)
 
 
 def settings_from_options(options: dict[str, str]) -> tuple[Settings, str | None]:

@@ -20,9 +20,9 @@ callers — the API's executor threads — never touch Ray's loops.
   replicas' counters up.
 - The control calls (``pause``, ``resume``, ``pause_state``, ``abort_requests``, ``sleep``,
   ``wake_up``, ``sleep_state``, ``update_weights``, the LoRA adapters') go to every replica and
-  answer once each has applied them (a pause or a sleep has settled once it has on every one); a
-  replica started later takes the weights and adapters over from a peer
-  (:mod:`gyrfalcon.ray.replica`).
+  answer once each has applied them (a pause or a sleep has settled once it has on every one); the
+  weights' and adapters' calls are then recorded for the replicas Ray starts later
+  (:mod:`gyrfalcon.ray.state`).
 """
 
 from __future__ import annotations
@@ -65,8 +65,10 @@ _NOT_ADDED = frozenset({"pid", "kv_block_size"})
 class RayEngineCore(EngineCore):
     """An :class:`EngineCore` whose engines are the replicas behind ``handle`` (see the module)."""
 
-    def __init__(self, handle: Any, *, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
+    def __init__(self, handle: Any, state: Any = None, *, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
         self._handle = handle
+        #: the application's :class:`~gyrfalcon.ray.state.ServedState` (a handle), where control calls are recorded
+        self._state = state
         self._streaming = handle.options(stream=True)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="gyrfalcon-ray-link", daemon=True)
@@ -133,7 +135,9 @@ class RayEngineCore(EngineCore):
         is the error, and the others may already serve the new weights)."""
         answers = self._run(self._gather("update_weights", model_path, weight_version, flush_cache, timeout=UPDATE_TIMEOUT_S),
                             UPDATE_TIMEOUT_S)  # fmt: skip
-        return str(_answered(answers)[0])
+        version = str(_answered(answers)[0])
+        self._record("weights", model_path, version)
+        return version
 
     def sleep(self, level: int = 1) -> SleepState:
         return _slept(self._run(self._gather("sleep", level), BROADCAST_TIMEOUT_S))
@@ -148,9 +152,21 @@ class RayEngineCore(EngineCore):
         """Every replica loads it; answered once all have (one that refuses is the error)."""
         _answered(self._run(self._gather("load_lora_adapter", lora_name, lora_path, load_inplace, timeout=UPDATE_TIMEOUT_S),
                             UPDATE_TIMEOUT_S))  # fmt: skip
+        self._record("adapter", lora_name, lora_path)
 
     def unload_lora_adapter(self, lora_name: str) -> None:
         _answered(self._run(self._gather("unload_lora_adapter", lora_name), BROADCAST_TIMEOUT_S))
+        self._record("adapter", lora_name, None)
+
+    def _record(self, method: str, *args: Any) -> None:
+        """A control call every replica applied, recorded for the replicas Ray starts later
+        (:mod:`gyrfalcon.ray.state`); the call stands where the record fails, which is logged."""
+        if self._state is None:
+            return
+        try:
+            self._run(getattr(self._state, method).remote(*args), BROADCAST_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the replicas serve it; only later ones will not
+            log.warning("could not record %s%r for the replicas started later", method, args, exc_info=True)
 
     def lora_adapters(self) -> list[list[str]]:
         """The adapters every replica holds (one a replica could not take over is not served)."""

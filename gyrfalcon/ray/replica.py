@@ -13,10 +13,10 @@ plane's, broadcast too, which answer a refusal as ``{codec.REFUSED: refusal}`` (
 it as it is: a 400 or 404 naming its field, not a replica's failure).
 
 A broadcast reaches the replicas that run when it is made. One started later — autoscaled, or
-replacing one that died — asks a running peer what the control calls made it serve
-(``served_state``: the weights pushed last, the adapters loaded) and takes the same before it takes
-a request, so that no request gets the settings' weights, or a 404 for an adapter, from it.
-Pause and sleep are not taken over: they are the moment's state of the replicas a caller asked.
+replacing one that died — takes over what the calls made before it recorded
+(:mod:`gyrfalcon.ray.state`: the weights pushed last, the adapters loaded or unloaded at run time)
+once its model is loaded and before it takes a request, so that no request gets the settings'
+weights, or a 404 for an adapter, from it. Pause and sleep are not taken over.
 """
 
 from __future__ import annotations
@@ -53,14 +53,15 @@ def _refusals_answered(method: Callable[..., Any]) -> Callable[..., Any]:
 class EngineReplica:
     """Holds one engine core, built from ``settings_json`` (:meth:`gyrfalcon.config.Settings.to_env`)."""
 
-    def __init__(self, settings_json: str) -> None:
+    def __init__(self, settings_json: str, state: Any = None) -> None:
         from gyrfalcon.compose import engine_core
         from gyrfalcon.config import Settings
 
         self.core = engine_core(Settings(**json.loads(settings_json)))
-        #: the weights the last ``update_weights`` pushed here: (path, version)
-        self._pushed: tuple[str, str] | None = None
-        self._catch_up(_peer_state())
+        #: the weights the last ``update_weights`` pushed here: [path, version]
+        self._pushed: list[str] | None = None
+        if state is not None:  # (a handle of the application's ServedState)
+            self._take_over(lambda: _asked(state.get))
 
     async def generate(self, request: list[Any]) -> AsyncIterator[bytes]:
         """Run one encoded request (see the module docstring for the items)."""
@@ -126,7 +127,7 @@ class EngineReplica:
 
     def _push(self, path: str, version: str | None, flush_cache: bool = True) -> str:
         version = self.core.update_weights(path, version, flush_cache)
-        self._pushed = (path, version)
+        self._pushed = [path, version]
         return version
 
     @_refusals_answered
@@ -151,30 +152,37 @@ class EngineReplica:
     def lora_adapters(self) -> list[list[str]]:
         return self.core.lora_adapters()
 
-    def served_state(self) -> dict[str, Any]:
-        """What control calls made this replica serve beyond its settings (module docstring): the
-        weights pushed last, ``[path, version]`` or None, and the adapters, ``[[name, path], …]`` in
-        the order they were loaded."""
-        return {"weights": self._pushed and list(self._pushed), "adapters": self.core.lora_adapters()}
-
-    def _catch_up(self, state: dict[str, Any] | None) -> None:
-        """Serve what a running peer serves (its :meth:`served_state`; None: no peer runs). Weights
-        that cannot be loaded here fail the replica (Ray reports it and starts another): it would
-        answer with other weights than its peers; an adapter that cannot is logged and left out."""
-        if not state or not (state.get("weights") or state.get("adapters")):
-            return
+    def _take_over(self, recorded: Callable[[], dict[str, Any]]) -> None:
+        """Once the model is loaded, serve what ``recorded()`` says the control calls made the
+        replicas serve (:meth:`gyrfalcon.ray.state.ServedState.get`), asked again after each take-over
+        until two answers agree (a call made meanwhile is taken too). Weights that cannot be loaded
+        here fail the replica (Ray reports it and starts another): it would answer with other
+        weights than the others; an adapter that cannot is logged and left out."""
         wait_ready = getattr(self.core, "wait_ready", None)
         if wait_ready is not None:
-            wait_ready(CATCH_UP_TIMEOUT_S)
-        if state.get("weights"):
+            wait_ready(TAKE_OVER_TIMEOUT_S)
+        taken = None
+        for _ in range(TAKE_OVER_ROUNDS):
+            state = recorded()
+            if state == taken:
+                return
+            self._apply(state)
+            taken = state
+
+    def _apply(self, state: dict[str, Any]) -> None:
+        if state["weights"] and state["weights"] != self._pushed:
             path, version = state["weights"]
             self._push(path, version)
-            log.info("took over the peers' weights %s (%s)", version, path)
-        for name, path in state.get("adapters") or []:
+            log.info("took over the weights %s pushed from %s", version, path)
+        held = dict(self.core.lora_adapters())  # (those of --lora-modules among them)
+        for name, path in state["adapters"]:
             try:
-                self.core.load_lora_adapter(name, path)
+                if path is None and name in held:
+                    self.core.unload_lora_adapter(name)
+                elif path is not None and held.get(name) != path:
+                    self.core.load_lora_adapter(name, path, name in held)
             except RequestError as exc:
-                log.warning("could not load the peers' LoRA adapter %s from %s: %s", name, path, exc)
+                log.warning("could not take over the LoRA adapter %s (%s): %s", name, path, exc)
 
     def __del__(self) -> None:
         core = getattr(self, "core", None)
@@ -182,35 +190,19 @@ class EngineReplica:
             core.shutdown(grace=0.0)
 
 
-#: seconds a new replica's engine has to be ready to take its peers' state over
-CATCH_UP_TIMEOUT_S = 600.0
-#: seconds a new replica waits for a running peer's answer (then it fails, and Ray starts another)
-PEER_TIMEOUT_S = 60.0
+#: seconds a new replica's engine has to be ready to take the recorded state over
+TAKE_OVER_TIMEOUT_S = 600.0
+#: the most times a new replica asks for the recorded state (it stops once two answers agree)
+TAKE_OVER_ROUNDS = 5
+#: seconds a call to the recorded state may take
+STATE_TIMEOUT_S = 30.0
 
 
-def _peer_state() -> dict[str, Any] | None:
-    """A running peer's :meth:`EngineReplica.served_state`, asked through this deployment's own
-    handle (which routes to running replicas only, so never to this one); None where none runs, or
-    outside Ray Serve. Asked from a thread of its own: Ray refuses a blocking call on its event loop.
-    A peer that does not answer fails this replica (it would serve other weights than the peers)."""
-    from ray import serve
-    from ray.serve.exceptions import RayServeException
-
-    try:
-        context = serve.get_replica_context()
-    except RayServeException:  # not a replica (a test builds one by hand)
-        return None
-    try:
-        deployment = serve.status().applications[context.app_name].deployments[context.deployment]
-        running = deployment.replica_states.get("RUNNING", 0)
-    except (KeyError, AttributeError) as exc:  # a status without this deployment's replicas: the first
-        log.warning("no running peer found to take the weights and adapters over from (%r)", exc)
-        return None
-    if not running:
-        return None
-    handle = serve.get_deployment_handle(context.deployment, context.app_name)
+def _asked(method: Any) -> Any:
+    """``method.remote()``'s answer (a deployment handle's method), waited for on a thread of its
+    own: Ray refuses a blocking wait on a replica's event loop, where a constructor runs."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(lambda: handle.served_state.remote().result(timeout_s=PEER_TIMEOUT_S)).result()
+        return pool.submit(lambda: method.remote().result(timeout_s=STATE_TIMEOUT_S)).result()
 
 
 def _take_ready(stream: Any) -> tuple[list[Any], bool]:

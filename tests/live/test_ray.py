@@ -263,7 +263,8 @@ def _serves_what_was_pushed(url: str, version: str, adapter: str) -> None:
 def test_autoscaling_and_a_replica_killed_under_load(ray_server, tiny_model_dir, tmp_path):
     """1 → 2 replicas under load; one killed under load: its clients get an error event at once, new
     requests succeed meanwhile, Ray starts another; back to 1 replica when idle. The replicas Ray
-    adds serve the weights and the adapter pushed before they started, as the first one does."""
+    adds serve the weights and the adapter pushed before they started, as the first one does, even
+    the one replacing the only replica (no peer left)."""
     from tests.unit.test_lora import write_adapter
 
     assert len(engine_replicas(ray_server)) == 1
@@ -309,9 +310,18 @@ def test_autoscaling_and_a_replica_killed_under_load(ray_server, tiny_model_dir,
     later = [events for start, _, _, events in results if start > killed_at + 0.5]
     assert later and all(_error(events) is None for events in later), "requests after the kill succeed"
     # idle: back to one replica after the (shortened) downscale delay
-    wait_for(lambda: len(engine_replicas(ray_server)) == 1, 120, "scaled back to one replica", interval=1.0)
+    (last,) = wait_for(lambda: len(engine_replicas(ray_server)) == 1 and engine_replicas(ray_server), 120,
+                       "scaled back to one replica", interval=1.0)  # fmt: skip
     ok = requests.post(ray_server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}, timeout=60)
     assert ok.status_code == 200, ok.text
+    # the only replica killed: no peer is left, and its replacement still serves what was pushed
+    os.kill(last, signal.SIGKILL)
+    wait_for(lambda: engine_replicas(ray_server) not in ([], [last]), 90, "a replacement for the only replica")
+    wait_for(lambda: requests.get(url + "/weight_version", timeout=10).json()["weight_version"] == "v3", 120,
+             "the replacement serving the pushed weights")  # fmt: skip
+    _serves_what_was_pushed(url, "v3", "kept")
+    adapted = requests.post(url + "/v1/completions", json={"model": "kept", "prompt": "hi", "max_tokens": 3}, timeout=60)
+    assert adapted.status_code == 200, adapted.text
 
 
 def test_serve_run_as_the_docs_say(tiny_model_dir, tmp_path):

@@ -213,16 +213,18 @@ def test_add_stats_keeps_non_counts_from_the_first():
         "a": 3, "flag": True, "name": "x", "replicas": 2}
 
 
-def test_a_replica_started_later_takes_its_peers_weights_and_adapters_over():
-    """What a running peer's ``served_state`` says is applied before the replica takes requests:
-    its weights pushed (same path, same version), its adapters loaded in order; an adapter that
-    cannot be loaded here is left out, weights that cannot fail the replica. Its own state then
-    says the same, for the next replica to take over."""
+def test_a_replica_started_later_takes_the_recorded_weights_and_adapters_over():
+    """What the control calls recorded (``ServedState``) is applied once the model is loaded: the
+    weights pushed (same path, same version); each adapter loaded, replaced in place where one of
+    the settings' holds its name with another folder, unloaded where a call unloaded it; an adapter
+    that cannot be loaded here left out; asked again until two answers agree. Weights that cannot be
+    loaded fail the replica."""
     from gyrfalcon.ray.replica import EngineReplica
+    from gyrfalcon.ray.state import ServedState
 
     class Core:
         def __init__(self) -> None:
-            self.calls, self.adapters = [], []
+            self.calls, self.adapters = [], {"boot": "/boot", "old": "/old"}  # --lora-modules
 
         def wait_ready(self, timeout):
             self.calls.append("ready")
@@ -236,27 +238,41 @@ def test_a_replica_started_later_takes_its_peers_weights_and_adapters_over():
         def load_lora_adapter(self, name, path, load_inplace=False):
             if path == "/missing":
                 raise RequestError("'/missing' does not exist on the server", "lora_path")
-            self.calls.append(("adapter", name))
-            self.adapters.append([name, path])
+            if name in self.adapters and not load_inplace:
+                raise RequestError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+            self.calls.append(("load", name, path))
+            self.adapters[name] = path
+
+        def unload_lora_adapter(self, name):
+            self.calls.append(("unload", name))
+            del self.adapters[name]
 
         def lora_adapters(self):
-            return self.adapters
+            return [[name, path] for name, path in self.adapters.items()]
 
         def shutdown(self, *args, **kwargs):
             pass
 
+    record = ServedState("{}")
     replica = EngineReplica.__new__(EngineReplica)
     replica.core, replica._pushed = Core(), None
-    assert replica.served_state() == {"weights": None, "adapters": []}
-    replica._catch_up(None)  # no peer runs: nothing to take
-    replica._catch_up({"weights": None, "adapters": []})
-    assert replica.core.calls == []
-    peer = {"weights": ["/w", "v7"], "adapters": [["b", "/b"], ["x", "/missing"], ["a", "/a"]]}
-    replica._catch_up(peer)
-    assert replica.core.calls == ["ready", ("weights", "/w", "v7"), ("adapter", "b"), ("adapter", "a")]
-    assert replica.served_state() == {"weights": ["/w", "v7"], "adapters": [["b", "/b"], ["a", "/a"]]}
+    replica._take_over(record.get)  # nothing recorded: nothing to take
+    assert replica.core.calls == ["ready"]
+    record.weights("/w", "v7")
+    for name, path in (("boot", "/boot"), ("old", "/new"), ("x", "/missing"), ("a", "/a"), ("gone", "/g"), ("gone", None)):
+        record.adapter(name, path)
+    asked = []
+    replica.core.calls.clear()
+    replica._take_over(lambda: asked.append(1) or record.get())
+    assert replica.core.calls == ["ready", ("weights", "/w", "v7"), ("load", "old", "/new"), ("load", "a", "/a")]
+    assert len(asked) == 2  # asked again once, the same answer
+    assert replica.core.adapters == {"boot": "/boot", "old": "/new", "a": "/a"}
+    record.adapter("boot", None)  # a call unloads one of the settings' adapters
+    replica._take_over(record.get)
+    assert "boot" not in replica.core.adapters
+    record.weights("/gone", "v8")
     with pytest.raises(RequestError):
-        replica._catch_up({"weights": ["/gone", "v8"], "adapters": []})
+        replica._take_over(record.get)
 
 
 def test_the_adapters_listed_are_those_every_replica_holds(make_core):
