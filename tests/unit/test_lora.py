@@ -257,8 +257,14 @@ def test_an_adapter_of_another_shape_or_module_is_refused(tiny_model_dir, tmp_pa
     (struct.pack("<Q", 5) + b"[1,2]", "header is not a JSON object"),
     (_safetensors({"x": {"dtype": "I8", "shape": [4], "data_offsets": [0, 4]}}, 4), "dtype 'I8' is not served"),
     (_safetensors({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, 8), "do not hold \\[4\\] F32"),
-    (_safetensors({"x": {"dtype": "F32", "shape": [-1, 4], "data_offsets": [0, 16]}}, 16), "do not hold"),
+    (_safetensors({"x": {"dtype": "F32", "shape": [-1, 4], "data_offsets": [0, 16]}}, 16), "shape \\[-1, 4\\] is not a list of whole"),
+    (_safetensors({"x": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, 4), "is not a list of whole numbers"),
+    (_safetensors({"x": {"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]}}, 4), "is not a list of whole numbers"),
+    (_safetensors({"x": {"dtype": "F32", "shape": "1", "data_offsets": [0, 4]}}, 4), "is not a list of whole numbers"),
     (_safetensors({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4.0]}}, 4), "not whole numbers"),
+    (_safetensors({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, 4), "bytes 0..8 do not hold"),
+    (_safetensors({"x": {"dtype": "F32", "shape": [1]}}, 4), "its entry has no 'data_offsets'"),
+    (_safetensors({"x": [1, 2]}, 4), "its entry is not a JSON object"),
 ])  # fmt: skip
 def test_a_weights_file_that_is_not_safetensors_is_refused_naming_why(tiny_model_dir, tmp_path, content, why):
     folder = write_adapter(tiny_model_dir, tmp_path / "bad", seed=3)
@@ -345,6 +351,31 @@ def test_an_adapters_factors_are_laid_into_its_slot_alike_in_c_and_by_numpy(tiny
     assert stacks[0][2 * k_proj][8:16].abs().sum() == 0  # "some" (slot 1) has no k_proj: its rows all zero
     q_proj = stacks[0][2 * list(shapes).index((0, "q_proj"))]
     assert q_proj[8 + 3 : 16].abs().sum() == 0 < q_proj[8:11].abs().sum()  # zero past rank 3
+
+
+@pytest.mark.parametrize(("out", "rank"), [(13, 8), (24, 16), (17, 3)])
+def test_lora_pack_lays_b_transposed_and_scaled_as_numpy_does_past_the_tiles(out, rank):
+    """``lora_pack``'s ``B`` transposed times the scaling in 8 x 8 tiles, and the outputs past the
+    last tile (``out`` not a multiple of 8) or a rank not a multiple of 8 a value at a time: the bits
+    of numpy's ``b.T * scaling``; ``A`` as it is, the rows past the rank zero."""
+    import numpy as np
+
+    from gyrfalcon.kernels import native
+
+    kernels = native.library(None)
+    rng = np.random.default_rng(out * rank)
+    ins, max_rank, scaling = 11, 16, np.float32(0.37)
+    a, b = rng.standard_normal((rank, ins), dtype=np.float32), rng.standard_normal((out, rank), dtype=np.float32)
+    a_stack = rng.standard_normal((2 * max_rank, ins), dtype=np.float32)  # (what an earlier adapter left)
+    bt_stack = rng.standard_normal((2 * max_rank, out), dtype=np.float32)
+    pointers = [np.array([x.ctypes.data], dtype=np.uint64) for x in (a, b, a_stack, bt_stack)]
+    widths = np.array([ins], dtype=np.int64), np.array([out], dtype=np.int64)
+    assert kernels.lora_pack(1, *(p.ctypes.data for p in pointers), widths[0].ctypes.data, widths[1].ctypes.data,
+                             max_rank, rank, max_rank, float(scaling), 1) == 0  # fmt: skip
+    assert np.array_equal(a_stack[max_rank : max_rank + rank], a) and not a_stack[max_rank + rank :].any()
+    assert np.array_equal(bt_stack[max_rank : max_rank + rank], b.T * scaling) and not bt_stack[max_rank + rank :].any()
+    assert kernels.lora_pack(1, *(p.ctypes.data for p in pointers), widths[0].ctypes.data, widths[1].ctypes.data,
+                             0, max_rank + 1, max_rank, float(scaling), 1) != 0  # a rank above the slot's: refused
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -82,16 +82,18 @@ def file_header(path: Path) -> tuple[dict[str, FileTensor], tuple[int, int, int,
         if name == "__metadata__":
             continue
         try:
-            kind, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            kind, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            if not isinstance(shape, list):
+                raise ValueError(f"its shape {shape!r} is not a list of whole numbers ≥ 0")
+            shape = tuple(shape)
             count = _DTYPES[kind].itemsize
             for n in shape:
                 if type(n) is not int or n < 0:
-                    count = -1
-                    break
+                    raise ValueError(f"its shape {entry['shape']!r} is not a list of whole numbers ≥ 0")
                 count *= n
             if type(begin) is not int or type(end) is not int:
                 raise ValueError(f"its data_offsets {entry['data_offsets']} are not whole numbers")
-            if count < 0 or not 0 <= begin <= end <= data or end - begin != count:
+            if not 0 <= begin <= end <= data or end - begin != count:
                 raise ValueError(f"its bytes {begin}..{end} do not hold {list(shape)} {kind}")
         except (KeyError, TypeError, ValueError) as exc:
             raise AdapterError(f"adapter_model.safetensors: tensor {name}: {_entry_fault(entry, exc)}") from None

@@ -244,10 +244,12 @@ class LoraRegistry:
         sources = [_fp32(adapter.factors.get(key, (None, None))) for key in table.keys]
         a_sources = np.array([a.ctypes.data if a is not None else 0 for a, _ in sources], dtype=np.uint64)
         b_sources = np.array([b.ctypes.data if b is not None else 0 for _, b in sources], dtype=np.uint64)
-        kernels.lora_pack(len(table.keys), a_sources.ctypes.data, b_sources.ctypes.data, table.a.ctypes.data,
-                          table.bt.ctypes.data, table.ins.ctypes.data, table.outs.ctypes.data,
-                          adapter.slot * self.max_rank, adapter.rank, self.max_rank, float(np.float32(adapter.scaling)),
-                          threads())  # fmt: skip
+        status = kernels.lora_pack(len(table.keys), a_sources.ctypes.data, b_sources.ctypes.data, table.a.ctypes.data,
+                                   table.bt.ctypes.data, table.ins.ctypes.data, table.outs.ctypes.data,
+                                   adapter.slot * self.max_rank, adapter.rank, self.max_rank,
+                                   float(np.float32(adapter.scaling)), threads())  # fmt: skip
+        if status:
+            raise ValueError(f"lora_pack refused rank {adapter.rank} for slots of {self.max_rank} (status {status})")
         return True
 
     def _read_into_slot(self, adapter: LoraAdapter) -> bool:
@@ -272,10 +274,14 @@ class LoraRegistry:
                                        table.bt.ctypes.data, table.ins.ctypes.data, table.outs.ctypes.data,
                                        adapter.slot * self.max_rank, adapter.rank, self.max_rank,
                                        float(np.float32(adapter.scaling)))  # fmt: skip
+            if status == 0:  # (written again while it was read: its modification time says so)
+                check_identity(fd, adapter.file_id)
         finally:
             os.close(fd)
         if status == -errno.ENOMEM:
             raise MemoryError("lora_read could not allocate a buffer")
+        if status == -errno.EINVAL:
+            raise ValueError(f"lora_read refused rank {adapter.rank} for slots of {self.max_rank}")
         if status < 0:
             raise unreadable(os.strerror(-status))
         if status > 0:  # (its size was checked with its header: written again meanwhile)

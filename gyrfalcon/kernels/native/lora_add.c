@@ -211,10 +211,12 @@ static void pack_one(const float *a, const float *b, float *as, float *bs, long 
 
 /* One adapter's factors into its slot (rows first .. first + max_rank) of `count` projections'
  * stacks, the layout lora_add reads: projection j's from a[j] [rank][in[j]] and b[j]
- * [out[j]][rank] (pack_one; NULL where the adapter has none) into a_stack[j] and bt_stack[j]. */
+ * [out[j]][rank] (pack_one; NULL where the adapter has none) into a_stack[j] and bt_stack[j].
+ * Returns 0, or -EINVAL for a rank above max_rank. */
 int lora_pack(long count, const float *const *a, const float *const *b, float *const *a_stack, float *const *bt_stack,
               const long *in, const long *out, long first, long rank, long max_rank, float scaling, int threads) {
     (void)threads;
+    if (rank < 0 || rank > max_rank) return -EINVAL;
 #if defined(_OPENMP)
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
 #endif
@@ -242,9 +244,11 @@ static int read_fully(int fd, void *into, size_t size, long at) {
  * projection's B and laid from there (-1: the adapter has no factors there). Why projection by
  * projection: each B is transposed while its bytes are still in the cache the read left them in;
  * read whole into the slot first, then transposed, a load cost 1.3 ms more for the default model.
- * On the calling thread. Returns 0, 1 where the file ends early, or -errno (-ENOMEM: no buffer). */
+ * On the calling thread. Returns 0, 1 where the file ends early, or -errno (-ENOMEM: no buffer,
+ * -EINVAL: a rank above max_rank). */
 int lora_read(int fd, long count, const long *a_at, const long *b_at, float *const *a_stack, float *const *bt_stack,
               const long *in, const long *out, long first, long rank, long max_rank, float scaling) {
+    if (rank < 0 || rank > max_rank) return -EINVAL;
     long most = 0;
     for (long j = 0; j < count; j++)
         if (b_at[j] >= 0 && out[j] > most) most = out[j];
