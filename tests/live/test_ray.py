@@ -256,6 +256,7 @@ def _error(events: list) -> dict | None:
 
 def _serves_what_was_pushed(url: str, version: str, adapter: str) -> None:
     """Every replica serves the weights and the adapter the control routes pushed (the new ones took them over)."""
+    time.sleep(1.0)  # the ingress polls the replicas' health (their versions) every half second
     assert requests.get(url + "/weight_version", timeout=10).json()["weight_version"] == version
     assert adapter in [m["id"] for m in requests.get(url + "/v1/models", timeout=10).json()["data"]]
 
