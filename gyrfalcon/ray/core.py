@@ -21,7 +21,7 @@ callers — the API's executor threads — never touch Ray's loops.
 - The control calls (``pause``, ``resume``, ``pause_state``, ``abort_requests``, ``sleep``,
   ``wake_up``, ``sleep_state``, ``update_weights``, the LoRA adapters') go to every replica and
   answer once each has applied them (a pause or a sleep has settled once it has on every one); the
-  weights' and adapters' calls are then recorded for the replicas Ray starts later
+  weights', adapters' and pause's calls are then recorded for the replicas Ray starts later
   (:mod:`gyrfalcon.ray.state`).
 """
 
@@ -122,10 +122,14 @@ class RayEngineCore(EngineCore):
         return add_stats([a for a in answers if isinstance(a, dict)])
 
     def pause(self, mode: str = "abort", clear_cache: bool = True) -> PauseState:
-        return _joined(self._run(self._gather("pause", mode, clear_cache), BROADCAST_TIMEOUT_S))
+        state = _joined(self._run(self._gather("pause", mode, clear_cache), BROADCAST_TIMEOUT_S))
+        self._record("paused", mode)
+        return state
 
     def resume(self) -> PauseState:
-        return _joined(self._run(self._gather("resume"), BROADCAST_TIMEOUT_S))
+        state = _joined(self._run(self._gather("resume"), BROADCAST_TIMEOUT_S))
+        self._record("paused", None)
+        return state
 
     def pause_state(self) -> PauseState:
         return _joined(self._run(self._gather("pause_state"), BROADCAST_TIMEOUT_S))

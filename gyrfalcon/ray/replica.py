@@ -14,9 +14,10 @@ it as it is: a 400 or 404 naming its field, not a replica's failure).
 
 A broadcast reaches the replicas that run when it is made. One started later — autoscaled, or
 replacing one that died — takes over what the calls made before it recorded
-(:mod:`gyrfalcon.ray.state`: the weights pushed last, the adapters loaded or unloaded at run time)
-once its model is loaded and before it takes a request, so that no request gets the settings'
-weights, or a 404 for an adapter, from it. Pause and sleep are not taken over.
+(:mod:`gyrfalcon.ray.state`: the weights pushed last, the adapters loaded or unloaded at run time,
+a pause) once its model is loaded and before it takes a request, so that no request gets the
+settings' weights, a 404 for an adapter, or generation during a pause, from it. Sleep is not taken
+over.
 """
 
 from __future__ import annotations
@@ -170,6 +171,10 @@ class EngineReplica:
             taken = state
 
     def _apply(self, state: dict[str, Any]) -> None:
+        paused = self.core.pause_state().mode
+        if state.get("paused") and paused != state["paused"]:  # first: nothing generates meanwhile
+            self.core.pause(state["paused"], False)
+            log.info("took over the replicas' pause (%s)", state["paused"])
         if state["weights"] and state["weights"] != self._pushed:
             path, version = state["weights"]
             self._push(path, version)
@@ -183,6 +188,8 @@ class EngineReplica:
                     self.core.load_lora_adapter(name, path, name in held)
             except RequestError as exc:
                 log.warning("could not take over the LoRA adapter %s (%s): %s", name, path, exc)
+        if not state.get("paused") and paused is not None:  # resumed since an earlier look
+            self.core.resume()
 
     def __del__(self) -> None:
         core = getattr(self, "core", None)

@@ -265,7 +265,7 @@ def test_autoscaling_and_a_replica_killed_under_load(ray_server, tiny_model_dir,
     """1 → 2 replicas under load; one killed under load: its clients get an error event at once, new
     requests succeed meanwhile, Ray starts another; back to 1 replica when idle. The replicas Ray
     adds serve the weights and the adapter pushed before they started, as the first one does, even
-    the one replacing the only replica (no peer left)."""
+    the one replacing the only replica (no peer left), and keep a pause made before they started."""
     from tests.unit.test_lora import write_adapter
 
     assert len(engine_replicas(ray_server)) == 1
@@ -315,12 +315,16 @@ def test_autoscaling_and_a_replica_killed_under_load(ray_server, tiny_model_dir,
                        "scaled back to one replica", interval=1.0)  # fmt: skip
     ok = requests.post(ray_server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}, timeout=60)
     assert ok.status_code == 200, ok.text
-    # the only replica killed: no peer is left, and its replacement still serves what was pushed
+    # the only replica killed while paused: no peer is left, and its replacement still serves what
+    # was pushed, paused until the resume
+    assert requests.post(url + "/pause", params={"mode": "keep"}, timeout=60).status_code == 200
     os.kill(last, signal.SIGKILL)
     wait_for(lambda: engine_replicas(ray_server) not in ([], [last]), 90, "a replacement for the only replica")
     wait_for(lambda: requests.get(url + "/weight_version", timeout=10).json()["weight_version"] == "v3", 120,
              "the replacement serving the pushed weights")  # fmt: skip
     _serves_what_was_pushed(url, "v3", "kept")
+    assert requests.get(url + "/is_paused", timeout=60).json()["is_paused"] is True
+    assert requests.post(url + "/resume", timeout=60).json()["status"] == "resumed"
     adapted = requests.post(url + "/v1/completions", json={"model": "kept", "prompt": "hi", "max_tokens": 3}, timeout=60)
     assert adapted.status_code == 200, adapted.text
 

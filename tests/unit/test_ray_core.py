@@ -10,7 +10,8 @@ import time
 import pytest
 
 from gyrfalcon.engine_api.errors import QueueFull, ShuttingDown
-from gyrfalcon.engine_api.types import CompletionOutput, EngineHealth, EngineInfo, EngineRequest, RequestOutput, SamplingParams
+from gyrfalcon.engine_api.types import (CompletionOutput, EngineHealth, EngineInfo, EngineRequest, PauseState, RequestOutput,
+                                       SamplingParams)  # fmt: skip
 from gyrfalcon.engine_process import codec
 from gyrfalcon.errors import RequestError
 from gyrfalcon.ray.core import RayEngineCore, add_stats
@@ -217,14 +218,14 @@ def test_a_replica_started_later_takes_the_recorded_weights_and_adapters_over():
     """What the control calls recorded (``ServedState``) is applied once the model is loaded: the
     weights pushed (same path, same version); each adapter loaded, replaced in place where one of
     the settings' holds its name with another folder, unloaded where a call unloaded it; an adapter
-    that cannot be loaded here left out; asked again until two answers agree. Weights that cannot be
-    loaded fail the replica."""
+    that cannot be loaded here left out; a pause taken first, a resume last; asked again until two
+    answers agree. Weights that cannot be loaded fail the replica."""
     from gyrfalcon.ray.replica import EngineReplica
     from gyrfalcon.ray.state import ServedState
 
     class Core:
         def __init__(self) -> None:
-            self.calls, self.adapters = [], {"boot": "/boot", "old": "/old"}  # --lora-modules
+            self.calls, self.adapters, self.paused = [], {"boot": "/boot", "old": "/old"}, None  # --lora-modules
 
         def wait_ready(self, timeout):
             self.calls.append("ready")
@@ -250,6 +251,17 @@ def test_a_replica_started_later_takes_the_recorded_weights_and_adapters_over():
         def lora_adapters(self):
             return [[name, path] for name, path in self.adapters.items()]
 
+        def pause_state(self):
+            return PauseState(self.paused)
+
+        def pause(self, mode, clear_cache=True):
+            self.calls.append(("pause", mode))
+            self.paused = mode
+
+        def resume(self):
+            self.calls.append("resume")
+            self.paused = None
+
         def shutdown(self, *args, **kwargs):
             pass
 
@@ -270,6 +282,14 @@ def test_a_replica_started_later_takes_the_recorded_weights_and_adapters_over():
     record.adapter("boot", None)  # a call unloads one of the settings' adapters
     replica._take_over(record.get)
     assert "boot" not in replica.core.adapters
+    record.paused("keep")  # paused: before anything else, so that nothing generates meanwhile
+    record.weights("/w2", "v8")
+    replica.core.calls.clear()
+    replica._take_over(record.get)
+    assert replica.core.calls == ["ready", ("pause", "keep"), ("weights", "/w2", "v8")]
+    record.paused(None)
+    replica._take_over(record.get)
+    assert replica.core.calls[-1] == "resume" and replica.core.paused is None
     record.weights("/gone", "v8")
     with pytest.raises(RequestError):
         replica._take_over(record.get)
