@@ -13,7 +13,9 @@ recorded (CPU engines only, and a new replica holds its memory until it is asked
 
 One replica, no CPU, holding a few strings: no request ever queues behind a generate call to reach
 it. Its argument is the application's settings, so redeploying the application with other settings
-starts it anew.
+starts it anew. Its record lives in its memory: should its replica die, Ray starts it again empty,
+and replicas started after that serve their settings' weights until the next call (the running ones
+keep what they serve).
 """
 
 from __future__ import annotations
