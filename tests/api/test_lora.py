@@ -5,13 +5,15 @@ field (404 for an adapter that is not there); without the flag the routes are no
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from gyrfalcon.engine_api.types import EngineRequest, SamplingParams
 from gyrfalcon.plugins.engines import create_transformers_engine
 from tests.conftest import tiny_settings
 from tests.helpers import api_client, served_app
-from tests.unit.test_lora import write_adapter
+from tests.unit.test_lora import _safetensors, write_adapter
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +77,12 @@ def test_adapters_load_and_unload_while_serving(served, tmp_path):
     assert answer.status_code == 200 and answer.text == "Success: LoRA adapter 'second' added successfully."
     assert {card["id"] for card in client.simulate_get("/v1/models").json["data"]} == {"tiny", "first", "second"}
     assert client.simulate_post("/v1/completions", json={**BODY, "model": "second"}).json["choices"][0]["text"] == _text(engine, "second")
+    malformed = shutil.copytree(second, tmp_path / "malformed")  # a weights file whose header lies
+    (malformed / "adapter_model.safetensors").write_bytes(
+        _safetensors({"x": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}}, 4))
     refusals = [
         ({"lora_name": "second", "lora_path": str(second)}, 400, "lora_name"),  # the name is taken
+        ({"lora_name": "first", "lora_path": str(malformed), "load_inplace": True}, 400, "lora_path"),
         ({"lora_name": "first", "lora_path": str(tmp_path), "load_inplace": True}, 400, "lora_path"),  # not a PEFT folder
         ({"lora_name": "first", "lora_path": str(tmp_path / "gone"), "load_inplace": True}, 404, "lora_path"),
         ({"lora_name": "second"}, 400, "lora_path"),  # (the schema's)
