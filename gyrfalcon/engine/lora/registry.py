@@ -28,7 +28,6 @@ from gyrfalcon.engine.lora.peft import (AdapterError, LoraAdapter, changed, chec
 from gyrfalcon.kernels.native import loaded, threads
 
 
-
 class _StackTable(NamedTuple):
     """Every projection's stacks as ``lora_pack`` and ``lora_read`` take them, in one order: their
     keys, the addresses of ``A`` and ``Bᵀ``, and their widths (``in`` and ``out``)."""
