@@ -28,6 +28,13 @@ def _safetensors(header: dict, data_bytes: int) -> bytes:
     return struct.pack("<Q", len(text)) + text + bytes(data_bytes)
 
 
+def projection_shapes(base: str) -> dict[tuple[int, str], tuple[int, int]]:
+    """``(layer, module)`` → ``(out, in)`` of ``base``'s projections, as the registry takes them."""
+    weights = load_file(str(Path(base) / "model.safetensors"))
+    return {(int(key.split(".")[2]), key.split(".")[4]): tuple(t.shape) for key, t in weights.items()
+            if key.startswith("model.layers.") and key.split(".")[4] in TARGETS}  # fmt: skip
+
+
 def write_adapter(base: str, out: Path, seed: int, rank: int = 4, alpha: float = 8.0, targets=TARGETS, **config) -> Path:
     """A PEFT folder of random factors over ``base``'s projections (as training a few steps leaves
     them: both factors non-zero)."""
@@ -273,6 +280,25 @@ def test_a_weights_file_that_is_not_safetensors_is_refused_naming_why(tiny_model
         read_adapter("bad", str(folder), {}, max_rank=16)
 
 
+def test_a_header_checked_for_an_earlier_file_is_checked_again_against_this_files_size_and_rank(tiny_model_dir,
+                                                                                              tmp_path):  # fmt: skip
+    """Headers are checked once per header (a trainer's versions of an adapter share theirs): a file
+    with the bytes of a header served before still has its size and its config's rank checked."""
+    shapes = projection_shapes(tiny_model_dir)
+    good = write_adapter(tiny_model_dir, tmp_path / "good", seed=1)
+    assert read_adapter("good", str(good), shapes, max_rank=8, factors=False).rank == 4
+    cut = shutil.copytree(good, tmp_path / "cut")
+    data = (cut / "adapter_model.safetensors").read_bytes()
+    (cut / "adapter_model.safetensors").write_bytes(data[:-4])
+    with pytest.raises(AdapterError, match="do not hold"):
+        read_adapter("cut", str(cut), shapes, max_rank=8, factors=False)
+    other_rank = shutil.copytree(good, tmp_path / "other_rank")
+    config = json.loads((other_rank / "adapter_config.json").read_text())
+    (other_rank / "adapter_config.json").write_text(json.dumps({**config, "r": 2}))
+    with pytest.raises(AdapterError, match="do not fit"):
+        read_adapter("other_rank", str(other_rank), shapes, max_rank=8, factors=False)
+
+
 def test_unknown_adapters_and_flags_that_cannot_serve(tiny_model_dir, tmp_path):
     from gyrfalcon.config import Settings
     from gyrfalcon.errors import Kind, RequestError
@@ -331,9 +357,7 @@ def test_an_adapters_factors_are_laid_into_its_slot_alike_in_c_and_by_numpy(tiny
     from gyrfalcon.kernels import native
 
     native.library(None)
-    weights = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
-    shapes = {(int(key.split(".")[2]), key.split(".")[4]): tuple(t.shape) for key, t in weights.items()
-              if key.startswith("model.layers.") and key.split(".")[4] in TARGETS}  # fmt: skip
+    shapes = projection_shapes(tiny_model_dir)
     full = write_adapter(tiny_model_dir, tmp_path / "full", seed=1, rank=8, alpha=7.0)
     some = write_adapter(tiny_model_dir, tmp_path / "some", seed=2, rank=3, alpha=5.0, targets=("q_proj", "down_proj"))
     stacks = []
@@ -386,9 +410,7 @@ def test_a_16_bit_adapter_is_served_as_its_exact_fp32_values(tiny_model_dir, tmp
     from gyrfalcon.kernels import native
 
     native.library(None)
-    weights = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
-    shapes = {(int(key.split(".")[2]), key.split(".")[4]): tuple(t.shape) for key, t in weights.items()
-              if key.startswith("model.layers.") and key.split(".")[4] in TARGETS}  # fmt: skip
+    shapes = projection_shapes(tiny_model_dir)
     source = write_adapter(tiny_model_dir, tmp_path / "source", seed=5, rank=4)
     tensors = load_file(str(source / "adapter_model.safetensors"))
     for name, convert in (("half", lambda t: t.to(dtype)), ("wide", lambda t: t.to(dtype).float())):
@@ -410,9 +432,7 @@ def test_a_weights_file_written_again_between_its_header_and_its_data_is_refused
     from gyrfalcon.kernels import native
 
     native.library(None)
-    weights = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
-    shapes = {(int(key.split(".")[2]), key.split(".")[4]): tuple(t.shape) for key, t in weights.items()
-              if key.startswith("model.layers.") and key.split(".")[4] in TARGETS}  # fmt: skip
+    shapes = projection_shapes(tiny_model_dir)
     folder = write_adapter(tiny_model_dir, tmp_path / "a", seed=1)
     registry = LoraRegistry(shapes, max_loras=1, max_rank=8, device="cpu")
     adapter = read_adapter("a", str(folder), shapes, max_rank=8, factors=False)

@@ -254,8 +254,9 @@ class LoraRegistry:
     def _read_into_slot(self, adapter: LoraAdapter) -> bool:
         """An fp32 adapter's file read straight into its slot by ``lora_read`` (``lora_add.c``):
         each ``A`` into its rows as it lies, each ``B`` laid out as it is read, so the file's bytes
-        are copied once and passed over once more. False where that does not apply (another dtype,
-        no kernels): the caller reads the factors first."""
+        are copied once and passed over once more, on as many plain threads as torch steps with
+        (not an OpenMP team: :func:`~gyrfalcon.kernels.native.threads`). False where that does not
+        apply (another dtype, no kernels): the caller reads the factors first."""
         kernels = loaded()
         if kernels is None or any(entry.dtype != "F32" for pair in adapter.layout.values() for entry in pair):
             return False
@@ -272,7 +273,7 @@ class LoraRegistry:
             status = kernels.lora_read(fd, len(pairs), a_at.ctypes.data, b_at.ctypes.data, table.a.ctypes.data,
                                        table.bt.ctypes.data, table.ins.ctypes.data, table.outs.ctypes.data,
                                        adapter.slot * self.max_rank, adapter.rank, self.max_rank,
-                                       float(np.float32(adapter.scaling)))  # fmt: skip
+                                       float(np.float32(adapter.scaling)), torch.get_num_threads())  # fmt: skip
             if status == 0:  # (written again while it was read: its modification time says so)
                 check_identity(fd, adapter.file_id)
         finally:

@@ -74,7 +74,7 @@ _SIGNATURES = {
     "q4_pack_scales": ([_POINTER] * 3 + [_LONG] * 2, _INT),
     "q8_pack_panels": ([_POINTER] * 2 + [_LONG] * 2 + [_INT], _INT),
     "lora_pack": ([_LONG] + [_POINTER] * 6 + [_LONG] * 3 + [ctypes.c_float, _INT], _INT),
-    "lora_read": ([_INT, _LONG] + [_POINTER] * 6 + [_LONG] * 3 + [ctypes.c_float], _INT),
+    "lora_read": ([_INT, _LONG] + [_POINTER] * 6 + [_LONG] * 3 + [ctypes.c_float, _INT], _INT),
 }
 
 

@@ -14,6 +14,7 @@
  * order, of product times Bt, added to y once. */
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -239,29 +240,63 @@ static int read_fully(int fd, void *into, size_t size, long at) {
     return 0;
 }
 
+/* What lora_read's threads share: its arguments, the next projection to take, and the first failure. */
+struct read_job {
+    int fd;
+    long count;
+    const long *a_at, *b_at;
+    float *const *a_stack, *const *bt_stack;
+    const long *in, *out;
+    long first, rank, max_rank, most;
+    float scaling;
+    long next;
+    int status;
+};
+
+/* one thread's part of lora_read: projections taken one at a time until none is left or a read failed */
+static void *read_some(void *arg) {
+    struct read_job *job = arg;
+    float *buffer = malloc(sizeof(float) * (size_t)(job->most * job->rank + 1));
+    int status = buffer == NULL ? -ENOMEM : 0;
+    long j;
+    while (status == 0 && __atomic_load_n(&job->status, __ATOMIC_RELAXED) == 0 &&
+           (j = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->count) {
+        long in = job->in[j], out = job->out[j];
+        float *as = job->a_stack[j] + job->first * in, *bs = job->bt_stack[j] + job->first * out;
+        int held = job->a_at[j] >= 0 && job->b_at[j] >= 0;
+        if (held && (status = read_fully(job->fd, as, sizeof(float) * (size_t)(job->rank * in), job->a_at[j])) == 0)
+            status = read_fully(job->fd, buffer, sizeof(float) * (size_t)(job->rank * out), job->b_at[j]);
+        if (status == 0)
+            pack_one(held ? as : NULL, held ? buffer : NULL, as, bs, in, out, job->rank, job->max_rank, job->scaling);
+    }
+    free(buffer);
+    int none = 0;
+    if (status != 0) __atomic_compare_exchange_n(&job->status, &none, status, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    return NULL;
+}
+
 /* lora_pack's slot written straight from an fp32 safetensors file fd: projection j's A read from
  * byte a_at[j] into its slot rows as it lies, its B from b_at[j] into a buffer the size of one
  * projection's B and laid from there (-1: the adapter has no factors there). Why projection by
  * projection: each B is transposed while its bytes are still in the cache the read left them in;
  * read whole into the slot first, then transposed, a load cost 1.3 ms more for the default model.
- * On the calling thread. Returns 0, 1 where the file ends early, or -errno (-ENOMEM: no buffer,
- * -EINVAL: a rank above max_rank). */
+ * On the calling thread and threads - 1 more, each taking the next projection, each with its own
+ * buffer: plain threads, not an OpenMP team, which would leave libgomp counting threads that
+ * throttle the step loop's own teams (gyrfalcon/kernels/native/__init__.py, threads()). Returns 0,
+ * 1 where the file ends early, or -errno (-ENOMEM: no buffer, -EINVAL: a rank above max_rank). */
 int lora_read(int fd, long count, const long *a_at, const long *b_at, float *const *a_stack, float *const *bt_stack,
-              const long *in, const long *out, long first, long rank, long max_rank, float scaling) {
+              const long *in, const long *out, long first, long rank, long max_rank, float scaling, int threads) {
     if (rank < 0 || rank > max_rank) return -EINVAL;
-    long most = 0;
+    struct read_job job = {fd, count, a_at, b_at, a_stack, bt_stack, in, out, first, rank, max_rank, 0, scaling, 0, 0};
     for (long j = 0; j < count; j++)
-        if (b_at[j] >= 0 && out[j] > most) most = out[j];
-    float *buffer = malloc(sizeof(float) * (size_t)(most * rank + 1));
-    if (buffer == NULL) return -ENOMEM;
-    int status = 0;
-    for (long j = 0; j < count && status == 0; j++) {
-        float *as = a_stack[j] + first * in[j], *bs = bt_stack[j] + first * out[j];
-        int held = a_at[j] >= 0 && b_at[j] >= 0;
-        if (held && (status = read_fully(fd, as, sizeof(float) * (size_t)(rank * in[j]), a_at[j])) == 0)
-            status = read_fully(fd, buffer, sizeof(float) * (size_t)(rank * out[j]), b_at[j]);
-        if (status == 0) pack_one(held ? as : NULL, held ? buffer : NULL, as, bs, in[j], out[j], rank, max_rank, scaling);
-    }
-    free(buffer);
-    return status;
+        if (b_at[j] >= 0 && out[j] > job.most) job.most = out[j];
+    enum { MOST_HELPERS = 15 };
+    pthread_t helpers[MOST_HELPERS];
+    int started = 0;
+    while (started < threads - 1 && started < MOST_HELPERS &&
+           pthread_create(&helpers[started], NULL, read_some, &job) == 0)
+        started++;
+    read_some(&job);
+    for (int i = 0; i < started; i++) pthread_join(helpers[i], NULL);
+    return job.status;
 }
