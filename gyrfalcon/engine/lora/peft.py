@@ -241,7 +241,7 @@ def _layout(raw: bytes, size: int, rank: int, projections: tuple[tuple[tuple[int
     (``((layer, module), (out, in))``) at ``rank``; an :class:`AdapterError` naming the first
     tensor that does not. Kept by its arguments, as :func:`_entries` is. Shared: never changed."""
     shapes = dict(projections)
-    names = _factor_names(tuple(shapes))
+    names = factor_names(tuple(shapes))
     halves: tuple[dict, dict] = ({}, {})  # each (layer, module)'s A, and its B
     for key, tensor in _entries(raw, size).items():
         found = names.get(key) or _factor_of(key, shapes)
@@ -261,9 +261,10 @@ def _layout(raw: bytes, size: int, rank: int, projections: tuple[tuple[tuple[int
 
 
 @functools.lru_cache(maxsize=8)
-def _factor_names(projections: tuple[tuple[int, str], ...]) -> dict[str, tuple[int, str, int]]:
+def factor_names(projections: tuple[tuple[int, str], ...]) -> dict[str, tuple[int, str, int]]:
     """The names PEFT gives the factors of ``projections`` (with and without its ``base_model.model.``
-    prefix) → ``(layer, module, 0 for A or 1 for B)``: a look-up instead of a match per tensor."""
+    prefix) → ``(layer, module, 0 for A or 1 for B)``: a look-up instead of a match per tensor
+    (kept; a registry makes its model's when it is made, not at the first load)."""
     names = {}
     for layer, module in projections:
         parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
@@ -274,7 +275,7 @@ def _factor_names(projections: tuple[tuple[int, str], ...]) -> dict[str, tuple[i
 
 
 def _factor_of(key: str, shapes: dict[tuple[int, str], tuple[int, int]]) -> tuple[int, str, int]:
-    """``(layer, module, half)`` of a tensor name :func:`_factor_names` does not list, or an
+    """``(layer, module, half)`` of a tensor name :func:`factor_names` does not list, or an
     :class:`AdapterError` naming why it cannot serve."""
     match = _KEY.match(key)
     if match is None or match.group(2) not in TARGETS:
