@@ -39,9 +39,9 @@ def capture_mode(cfg: EngineConfig, device: str) -> str:
     compiled step (unless ``--no-compile-decode``)."""
     kind = torch.device(device).type
     mode = "off"
-    # with LoRA on CUDA, steps run the operators (a captured graph would replay the adapters' masks
-    # as captured); on the CPU the compiled step takes each row's slot from a static buffer
-    if not cfg.enforce_eager and not (cfg.enable_lora and kind != "cpu"):
+    # with LoRA, a captured or compiled step takes each row's adapter slot from a static buffer
+    # (gyrfalcon.engine.lora.step)
+    if not cfg.enforce_eager:
         mode = "cuda-graphs" if kind == "cuda" else "compiled" if kind == "cpu" and cfg.compile_decode else "off"
     if mode == "compiled":  # inductor's code cached beside the models (read at its first use)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root(cfg.cache_dir) / "inductor"))
@@ -214,8 +214,8 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
             path = DecodePath("native", runner.direct.layer_loop.describe())
         else:
             path = DecodePath("eager", "--enforce-eager" if cfg.enforce_eager else
-                              "--enable-lora, where the compiled step does not serve adapters (CUDA, or a stream "
-                              "other than fp32)" if cfg.enable_lora else
+                              "--enable-lora, where the compiled step does not serve adapters (a stream other "
+                              "than fp32)" if cfg.enable_lora else
                               "--no-compile-decode" if device == "cpu" else "no fast path on this device")  # fmt: skip
         log.warning("decode path: %s (prepared in %.1f s)", path.describe(), time.perf_counter() - started)
         speculative, speculates = _speculation(cfg, runner, scratch)
@@ -226,14 +226,15 @@ def load_runner(cfg: EngineConfig, max_model_len: int, device: str, quantization
 
 def _attach_lora(cfg: EngineConfig, runner: ModelRunner, device: str) -> None:
     """``--enable-lora`` (on the direct forward): the adapters' registry, its slots empty, as the
-    runner's; the compiled step, whose adapter products are the fp32 kernel's, only on an fp32 stream."""
+    runner's; the CPU's compiled step, whose adapter products are the fp32 kernel's, only on an fp32
+    stream (a CUDA graph's are matmuls in any dtype)."""
     if not cfg.enable_lora or runner.direct is None:
         return
     config = LoraConfig.of(cfg)
     with torch.inference_mode(False):  # loads write its stacks in place outside inference mode
         runner.lora_registry = LoraRegistry(projection_shapes(runner.direct.layers), config.max_loras,
                                             config.max_lora_rank, device, config.max_cpu_loras)  # fmt: skip
-    if runner.model.dtype != torch.float32:
+    if runner.model.dtype != torch.float32 and runner.decode_steps is not None and runner.decode_steps.mode == "compiled":
         runner.decode_steps = None
 
 

@@ -402,6 +402,34 @@ def test_lora_pack_lays_b_transposed_and_scaled_as_numpy_does_past_the_tiles(out
                              0, max_rank + 1, max_rank, float(scaling), 1) != 0  # a rank above the slot's: refused
 
 
+def test_the_rows_of_a_captured_step_compute_every_projection_from_their_slots_buffer(tiny_model_dir, tmp_path):
+    """A CUDA graph captures a decode step once, before any adapter is loaded, and replays it with
+    other rows: its rows (:meth:`LoraRows.static` on CUDA) compute every projection, the mask made
+    again from the slots buffer after each fill, and add what the eager rows of the same adapters
+    add (here on the CPU, through the same masked matmuls, in bf16)."""
+    from gyrfalcon.engine.lora.registry import LoraRegistry
+    from gyrfalcon.engine.lora.step import LoraRows
+
+    shapes = projection_shapes(tiny_model_dir)
+    registry = LoraRegistry(shapes, max_loras=2, max_rank=8, device="cpu")
+    rows = LoraRows(torch.full((3,), -1, dtype=torch.long), 8, registry.stacks, registry.active, "cpu",
+                    every_projection=True)  # fmt: skip
+    out, inp = shapes[(0, "q_proj")]
+    x = torch.randn(3, inp, generator=torch.Generator().manual_seed(0))
+    before = torch.zeros(3, out, dtype=torch.bfloat16)
+    rows.add(before, x, 0, "q_proj")  # what the capture computes: no adapter yet
+    assert not before.any()
+    adapter = registry.load("q", str(write_adapter(tiny_model_dir, tmp_path / "q", seed=4, targets=("q_proj",))))
+    rows.fill([adapter, None, adapter])
+    captured, eager = torch.zeros(3, out, dtype=torch.bfloat16), torch.zeros(3, out, dtype=torch.bfloat16)
+    rows.add(captured, x, 0, "q_proj")
+    LoraRows.of([(adapter, 0, 1), (None, 1, 1), (adapter, 2, 1)], "cpu").add(eager, x, 0, "q_proj")
+    assert torch.equal(captured, eager) and captured[0].any() and captured[2].any() and not captured[1].any()
+    untargeted = torch.zeros(3, shapes[(0, "k_proj")][0], dtype=torch.bfloat16)
+    rows.add(untargeted, x, 0, "k_proj")  # computed (zeros in every slot), adds nothing
+    assert not untargeted.any()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_16_bit_adapter_is_served_as_its_exact_fp32_values(tiny_model_dir, tmp_path, dtype):
     """PEFT often saves adapters in the model's 16-bit dtype: such a file (read into numpy, then laid

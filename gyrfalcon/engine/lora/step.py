@@ -8,10 +8,13 @@ one fixed order, so it gets the same bits alone and in any batch, and ``decode_l
 the same kernel for steps of decode rows); elsewhere two matmuls a projection over the product
 masked to each row's own slot's columns.
 
-A compiled decode step (:mod:`~gyrfalcon.engine.model.captured`) holds its rows' slots in a static
-buffer of its bucket (:meth:`LoraRows.static`) and calls the kernel through the operator
-``gyrfalcon::lora_product`` for every projection, whichever adapters are loaded: a projection no
-adapter targets has zeros in every slot, so it adds nothing, as the eager step, which skips it, does.
+A static decode step (:mod:`~gyrfalcon.engine.model.captured`) holds its rows' slots in a buffer
+of its bucket on the device (:meth:`LoraRows.static`). Compiled on the CPU it calls the kernel
+through the operator ``gyrfalcon::lora_product`` for every projection; captured as a CUDA graph it
+runs the masked matmuls for every projection, the mask computed on the device from that buffer, so
+that a replay serves whichever adapters the rows hold then, and adapters loaded after the capture.
+Both compute every projection, whichever adapters are loaded: a projection no adapter targets has
+zeros in every slot, so it adds nothing, as the eager step, which skips it, does.
 """
 
 from __future__ import annotations
@@ -26,26 +29,39 @@ from gyrfalcon.kernels import native
 
 
 class LoraRows:
-    """``slots``: each row's slot (-1: the base model's), ``[T]`` on the CPU; ``rank``: the columns
-    of a slot; ``stacks`` and ``active``: the registry's (see the module docstring)."""
+    """``slots``: each row's slot (-1: the base model's), ``[T]`` on the CPU (a static step's: on
+    its device); ``rank``: the columns of a slot; ``stacks`` and ``active``: the registry's (see the
+    module docstring)."""
 
-    def __init__(self, slots: torch.Tensor, rank: int, stacks: dict, active: set, device: torch.device | str) -> None:
+    def __init__(self, slots: torch.Tensor, rank: int, stacks: dict, active: set, device: torch.device | str,
+                 every_projection: bool = False) -> None:  # fmt: skip
         self.slots, self.rank, self.stacks, self.active = slots, rank, stacks, active
         self.width = next(iter(stacks.values()))[0].shape[0]
         self._device = device
         self._mask: torch.Tensor | None = None
+        #: every projection computed, none skipped for want of an adapter (a step captured once, replayed later)
+        self.every_projection = every_projection
 
     @classmethod
     def static(cls, rows: int, registry: Any, device: torch.device | str) -> LoraRows:
         """Rows of a static decode step (a bucket of ``rows``), every one the base model's until a
-        step writes its slot into :attr:`slots` (:meth:`fill`); over ``registry``'s stacks."""
-        return cls(torch.full((rows,), -1, dtype=torch.long), registry.max_rank, registry.stacks, registry.active, device)
+        step writes its slot into :attr:`slots` (:meth:`fill`), a buffer on ``device``; over
+        ``registry``'s stacks. On CUDA every projection is computed (a graph captures the step
+        before any adapter is loaded)."""
+        slots = torch.full((rows,), -1, dtype=torch.long, device=device)
+        return cls(slots, registry.max_rank, registry.stacks, registry.active, device,
+                   every_projection=torch.device(device).type == "cuda")  # fmt: skip
 
     def fill(self, adapters: Sequence[Any]) -> None:
         """Each row's slot from ``adapters`` (an adapter or None per row), the rest the base model's."""
         slots = [-1 if adapter is None else adapter.slot for adapter in adapters]
         self.slots.copy_(torch.tensor(slots + [-1] * (len(self.slots) - len(slots)), dtype=torch.long))
-        self._mask = None  # (made again from these slots where the operators need it)
+        self.renew()  # (made again from these slots where the operators need it)
+
+    def renew(self) -> None:
+        """The rows' mask made again from :attr:`slots` at its next use: a step being captured
+        computes it inside the graph, so that each replay reads the slots of its own rows."""
+        self._mask = None
 
     @classmethod
     def of(cls, spans: Sequence[tuple[Any, int, int]], device: torch.device | str) -> LoraRows | None:
@@ -63,8 +79,8 @@ class LoraRows:
     @property
     def mask(self) -> torch.Tensor:
         """``[T, width]``: one over each row's own slot's columns, zero elsewhere (the operators' way)."""
-        if self._mask is None:
-            columns = torch.arange(self.width) // self.rank
+        if self._mask is None:  # (on the slots' device: no host copy inside a captured step)
+            columns = torch.arange(self.width, device=self.slots.device) // self.rank
             self._mask = (columns[None, :] == self.slots[:, None]).float().to(self._device)
         return self._mask
 
@@ -88,7 +104,7 @@ class LoraRows:
             a, bt = self.stacks[(layer, module)]
             y += _lora_product(x, a, bt, self.slots, self.rank)
             return
-        if (layer, module) not in self.active:
+        if (layer, module) not in self.active and not self.every_projection:
             return
         a, bt = self.stacks[(layer, module)]
         kernels = native.loaded()

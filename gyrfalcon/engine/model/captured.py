@@ -185,7 +185,9 @@ class DecodeSteps(CompiledMode):
         return peak(lambda: heads_of(self._eager(bucket), outputs))
 
     def _eager(self, bucket: Bucket) -> torch.Tensor:
-        bucket.step._masks.clear()  # computed anew from this step's buffers
+        bucket.step._masks.clear()  # computed anew from this step's buffers (inside a graph being captured)
+        if bucket.step.lora is not None:
+            bucket.step.lora.renew()
         return self.runner.run_model(bucket.ids, bucket.positions, bucket.step, 0)
 
     @torch.inference_mode()
