@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from gyrfalcon.engine_api.lengths import context_message, context_overflow, min_tokens_problem
-from gyrfalcon.engine_api.limits import FIELD_KEYWORDS, ServedLimits, keyword_refusal, limits_of
+from gyrfalcon.engine_api.limits import FIELD_KEYWORDS, ServedLimits, item_refusal, keyword_refusal, limits_of
 from gyrfalcon.engine_api.types import EngineInfo, EngineRequest, OutputKind
 from gyrfalcon.errors import RequestError
 from gyrfalcon.policies import LogitsProcessor, LogprobGatherer
@@ -50,9 +50,6 @@ NATIVE_CAPABILITIES = frozenset(
 #: None): the least all of them allow, which the engine serves; and the prompt's, which is
 #: generate's ``token_ids``
 ENGINE_KEYWORDS: dict[str, dict[str, Any]] = {"n": {"minimum": 1}, "logprobs": {"minimum": 0}, "prompt": {"minItems": 1}}
-
-#: engine fields whose items the documents want to be non-empty strings (``minLength: 1``)
-NON_EMPTY_STRINGS = ("stop", "bad_words")
 
 #: what a deployment needs to honour a refused field, when it is a setting
 UNSUPPORTED_HINT: dict[str, str] = {
@@ -178,7 +175,7 @@ class RequestValidator:
     def check_bounds(self, request: EngineRequest) -> None:
         """The bounds of the request's fields as the wire decides them for a request that came
         through the API: the documents' keywords (:mod:`gyrfalcon.engine_api.limits`; the prompt's
-        are generate's ``token_ids``) and the deployment's ``FIELD_LIMITS`` (the vocabulary, ``n``,
+        are generate's ``token_ids``) and those of string items (the stop strings', bad words') and the deployment's ``FIELD_LIMITS`` (the vocabulary, ``n``,
         the logprob counts, the context), over the prompt and every field set off its default."""
         params = request.sampling
         fields = {"prompt": request.prompt_token_ids, **{name: getattr(params, name) for name in sorted(params.asked_fields())}}
@@ -189,14 +186,13 @@ class RequestValidator:
             refusal = keyword_refusal(value, keywords, name)
             if refusal is not None:
                 raise RequestError(refusal, name)
+            refused = item_refusal(value, name)
+            if refused is not None:
+                raise RequestError(refused[1], refused[0])
             for limit in limits_of(name):
                 refused = limit.check(value, self.limits, name)
                 if refused is not None:
                     raise RequestError(refused[1], refused[0])
-        for name in NON_EMPTY_STRINGS:
-            for i, item in enumerate(getattr(params, name)):
-                if not isinstance(item, str) or not item:
-                    raise RequestError(f"{name} must be non-empty strings", f"{name}.{i}")
 
     def _check_lengths(self, request: EngineRequest) -> None:
         params = request.sampling

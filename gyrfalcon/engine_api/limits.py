@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from gyrfalcon.generated.field_bounds import FIELD_KEYWORDS
+from gyrfalcon.generated.field_bounds import FIELD_KEYWORDS, ITEM_KEYWORDS
 
 
 def is_token_id(value: Any, vocab_size: int) -> bool:
@@ -113,6 +113,24 @@ def keyword_refusal(value: Any, keywords: dict[str, Any], param: str) -> str | N
             return f"'{param}' holds at most {keywords['maxItems']} items"
         if keywords.get("uniqueItems") and len(set(map(repr, value))) != len(value):
             return f"'{param}' must not repeat an item"
+    return None
+
+
+def item_refusal(values: Any, param: str) -> tuple[str, str] | None:
+    """The first of ``values`` (a field's array) that is not a string of the lengths the documents
+    give the items of request field ``param`` (:data:`ITEM_KEYWORDS`), as ``(param of the item,
+    message)``; None when every item keeps them, or the documents bound none (or bound them
+    differently in two schemas: the wire decided those)."""
+    keywords = ITEM_KEYWORDS.get(param)
+    if not keywords or not isinstance(values, (list, tuple)):
+        return None
+    least, most = keywords.get("minLength", 0), keywords.get("maxLength")
+    for i, item in enumerate(values):
+        if not isinstance(item, str) or len(item) < least:
+            return f"{param}.{i}", (f"{param} must be non-empty strings" if least == 1 else
+                                    f"{param} must be strings of at least {least} characters")  # fmt: skip
+        if most is not None and len(item) > most:
+            return f"{param}.{i}", f"{param} must be strings of at most {most} characters"
     return None
 
 

@@ -139,6 +139,30 @@ def request_field_keywords(spec: dict[str, Any]) -> dict[str, dict[str, Any] | N
     return dict(sorted(found.items()))
 
 
+#: the keywords of a request field's string items that :func:`request_item_keywords` gathers
+ITEM_KEYWORDS = ("minLength", "maxLength")
+
+
+def request_item_keywords(spec: dict[str, Any]) -> dict[str, dict[str, Any] | None]:
+    """Each request field whose array items (in the field itself or in one of its ``oneOf`` or
+    ``anyOf`` branches) the documents bound with :data:`ITEM_KEYWORDS`: those keywords; None for a
+    field two request schemas bound differently. Fields with none are left out."""
+    schemas = spec["components"]["schemas"]
+    found: dict[str, dict[str, Any] | None] = {}
+    for schema_name in request_schema_names(spec):
+        for name, prop in sorted(schemas[schema_name].get("properties", {}).items()):
+            keywords = {}
+            for branch in (prop, *prop.get("oneOf", ()), *prop.get("anyOf", ())):
+                items = branch.get("items") if isinstance(branch, dict) else None
+                if isinstance(items, dict):
+                    keywords.update({k: items[k] for k in ITEM_KEYWORDS if k in items})
+            if name in found and found[name] != keywords:
+                found[name] = None
+            else:
+                found.setdefault(name, keywords)
+    return {name: keywords for name, keywords in sorted(found.items()) if keywords != {}}
+
+
 def request_field_names(spec: dict[str, Any]) -> set[str]:
     """Every property name of every request schema (the names ``ServedLimits.unsupported`` may use)."""
     schemas = spec["components"]["schemas"]

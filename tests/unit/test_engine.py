@@ -154,6 +154,8 @@ def test_length_at_max_tokens_and_at_context_end(tiny_engine):
         (PROMPT, {"top_p": 0.0}, "top_p"),
         (PROMPT, {"top_k": -5}, "top_k"),
         (PROMPT, {"stop": ["x", ""]}, "stop.1"),
+        (PROMPT, {"stop": ["x" * 1025]}, "stop.0"),  # the documents' maxLength of a stop string
+        (PROMPT, {"bad_words": ["ok", 7]}, "bad_words.1"),
         (PROMPT, {"stop_token_ids": [600]}, "stop_token_ids"),
     ],
 )
