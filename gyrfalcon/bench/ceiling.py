@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
+
+from gyrfalcon.bench.client import say
 
 
 @dataclass
@@ -165,3 +168,47 @@ def compiled_loop(model, prompts: list[list[int]], new_tokens: int, compile: boo
     _generate_s(model, input_ids, mask, 1, compile)  # warm-up of the prefill alone
     prefill = _generate_s(model, input_ids, mask, 1, compile)
     return CeilingResult(len(prompts), new_tokens, prefill, max(total - prefill, 0.0), compile_s=first if compile else None)
+
+
+def run_ceilings(model_path: str, args: Any, device: str, prompts: list[list[int]]) -> dict[str, Any]:
+    """The eager ceiling at every level of ``args.concurrency`` (``gyrfalcon bench``'s options), then the compiled one where enabled; a compile failure ends only the latter.
+
+    Returns ``eager`` and ``compiled`` ({batch: CeilingResult}), ``compiled_error`` and, on CUDA,
+    ``peak_memory`` (bytes allocated at most while the ceilings ran).
+    """
+    import torch
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    baseline: dict[int, CeilingResult] = {}
+    if not cuda:  # the fp32 eager loop without quantisation: the CPU targets' baseline
+        plain = load(model_path, "float32", args.num_threads, device, "none")
+        for c in args.concurrency:
+            bare_loop(plain, prompts[:c], 2)
+            baseline[c] = bare_loop(plain, prompts[:c], args.output_tokens)
+            say(f"fp32 eager loop at batch {c}: {baseline[c].output_tokens_per_s:.1f} tok/s")
+        del plain
+    model = load(model_path, args.dtype, args.num_threads, device, args.quantization)
+    eager: dict[int, CeilingResult] = {}
+    compiled: dict[int, CeilingResult] = {}
+    error = None
+    for c in args.concurrency:
+        bare_loop(model, prompts[:c], 2)  # warm-up at this batch size
+        eager[c] = bare_loop(model, prompts[:c], args.output_tokens)
+        say(f"eager ceiling at batch {c}: {eager[c].output_tokens_per_s:.1f} tok/s, step {eager[c].time_per_step * 1000:.2f} ms")
+    if args.compiled_ceiling:
+        for c in args.concurrency:
+            try:
+                compiled[c] = r = compiled_loop(model, prompts[:c], args.output_tokens)
+            except Exception as exc:  # a compiler failure must not lose the rest of the report
+                error = f"at batch {c}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                say(f"compiled ceiling failed {error}")
+                break
+            say(f"compiled ceiling at batch {c}: compile + capture {r.compile_s:.1f} s, "
+                f"{r.output_tokens_per_s:.1f} tok/s, step {r.time_per_step * 1000:.2f} ms")  # fmt: skip
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"eager": eager, "compiled": compiled, "compiled_error": error, "peak_memory": peak, "baseline": baseline}

@@ -12,6 +12,7 @@ import http.client
 import json
 import queue
 import random
+import sys
 import threading
 import time
 import urllib.parse
@@ -64,6 +65,11 @@ class LoadReport:
 
     def tpot(self, q: float) -> float:
         return percentile([t for r in self.ok if (t := r.tpot) is not None], q)
+
+
+def say(text: str) -> None:
+    """A line of the bench's progress, on stderr (the report goes to stdout)."""
+    print(f"bench: {text}", file=sys.stderr, flush=True)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -9,7 +9,8 @@ after 1,000 mixed requests; finally, with the server stopped (``--launch``) or i
 this process on the same device and dtype, on the warm-up's prompts: the eager loop, and on a GPU the compiled
 static-cache loop; on a CPU also the fp32 eager loop without quantisation, the baseline of the
 targets. ``--peer-url URL`` runs the same loads against another OpenAI-compatible server (a llama.cpp
-server on the same GGUF) in the same run and prints each level's ratio. ``--launch`` starts ``gyrfalcon serve`` on a free port and stops it again;
+server on the same GGUF) in the same run and prints each level's ratio; ``--peer-serve-args ARGS``
+launches the peer as the same server with more options (speculation on, against it off). ``--launch`` starts ``gyrfalcon serve`` on a free port and stops it again;
 ``--random-weights CONFIG.json`` benchmarks a model of that shape with random weights, built first.
 """
 
@@ -27,8 +28,8 @@ import tempfile
 import time
 from typing import Any
 
-from gyrfalcon.bench.ceiling import CeilingResult
-from gyrfalcon.bench.client import Client, run_load, spec_counts, spec_note
+from gyrfalcon.bench.ceiling import run_ceilings
+from gyrfalcon.bench.client import Client, run_load, say, spec_counts, spec_note
 from gyrfalcon.bench.workloads import WORKLOADS, level_prompts
 from gyrfalcon.config import Settings
 from gyrfalcon.kernels.quant import QUANTIZATIONS
@@ -55,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-url", default=None, metavar="URL",
                    help="another OpenAI-compatible server (llama.cpp's llama-server on the same GGUF, built on this "
                         "machine: docs/benchmarks.md): the same loads in the same run, ratios printed")  # fmt: skip
+    p.add_argument("--peer-serve-args", default=None, metavar="ARGS",
+                   help="with --launch, the peer is a second `gyrfalcon serve` of the same model with --serve-args "
+                        "and these options: --peer-serve-args \"--speculative-config '{…}'\" measures the server "
+                        "with and without them in one run, the same prompts' token ids to both")  # fmt: skip
     p.add_argument("--peer-api-key", default=None)
     p.add_argument("--peer-threads", type=int, default=None,
                    help="the threads the peer runs with (its -t), for the header: a server does not say")  # fmt: skip
@@ -116,6 +121,8 @@ def resolve_options(args: argparse.Namespace, device: str) -> str | None:
         return f"--random-weights {args.random_weights!r}: no such file"
     if args.tokenizer and not args.random_weights:
         return "--tokenizer goes with --random-weights"
+    if args.peer_serve_args is not None and (not args.launch or args.peer_url):
+        return "--peer-serve-args goes with --launch, and not with --peer-url"
     return None
 
 
@@ -171,69 +178,23 @@ def warm_up(client: Client, model: str, prompts: list[list[int]], top: int, serv
 def run_peer(args: argparse.Namespace, model_path: str, warm: list[list[int]], levels: list[list[list[int]]]):
     """The same loads against ``--peer-url`` (its first model), level by level. The prompts go as
     their text (decoded with the model's tokenizer), since not every server takes token ids
-    (llama.cpp's Python server does not); a peer on the same model tokenises them back to the same length."""
+    (llama.cpp's Python server does not), and a peer on the same model tokenises them back to the
+    same length; as their token ids to a peer of ``--peer-serve-args``."""
     from gyrfalcon.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
+    as_sent = (lambda ids: ids) if args.peer_serve_args is not None else tokenizer.decode
     peer = Client(args.peer_url, args.peer_api_key)
     name = peer.model_name()
-    warm_up(Client(args.peer_url, args.peer_api_key, timeout=WARM_UP_TIMEOUT_S), name, [tokenizer.decode(warm[0])], 1)
+    warm_up(Client(args.peer_url, args.peer_api_key, timeout=WARM_UP_TIMEOUT_S), name, [as_sent(warm[0])], 1)
     loads = []
     for c, prompts in zip(args.concurrency, levels):
-        load = run_load(peer, [_completion(name, tokenizer.decode(p), args.output_tokens) for p in prompts], c)
+        before = spec_counts(peer)
+        load = run_load(peer, [_completion(name, as_sent(p), args.output_tokens) for p in prompts], c)
         loads.append(load)
-        _say(f"peer c={c}: {load.output_tokens_per_s:.1f} tok/s, TPOT p50 {load.tpot(50) * 1000:.1f} ms, {load.errors} errors")
+        say(f"peer c={c}: {load.output_tokens_per_s:.1f} tok/s, TTFT p50 {load.ttft(50) * 1000:.0f} ms, "
+            f"TPOT p50 {load.tpot(50) * 1000:.1f} ms, {load.errors} errors{spec_note(before, spec_counts(peer))}")  # fmt: skip
     return loads
-
-
-def _say(text: str) -> None:
-    print(f"bench: {text}", file=sys.stderr, flush=True)
-
-
-def run_ceilings(model_path: str, args: argparse.Namespace, device: str, prompts: list[list[int]]) -> dict[str, Any]:
-    """The eager ceiling at every level, then the compiled one where enabled; a compile failure ends only the latter.
-
-    Returns ``eager`` and ``compiled`` ({batch: CeilingResult}), ``compiled_error`` and, on CUDA,
-    ``peak_memory`` (bytes allocated at most while the ceilings ran).
-    """
-    import torch
-
-    from gyrfalcon.bench.ceiling import bare_loop, compiled_loop, load
-
-    cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    baseline: dict[int, CeilingResult] = {}
-    if not cuda:  # the fp32 eager loop without quantisation: the CPU targets' baseline
-        plain = load(model_path, "float32", args.num_threads, device, "none")
-        for c in args.concurrency:
-            bare_loop(plain, prompts[:c], 2)
-            baseline[c] = bare_loop(plain, prompts[:c], args.output_tokens)
-            _say(f"fp32 eager loop at batch {c}: {baseline[c].output_tokens_per_s:.1f} tok/s")
-        del plain
-    model = load(model_path, args.dtype, args.num_threads, device, args.quantization)
-    eager: dict[int, CeilingResult] = {}
-    compiled: dict[int, CeilingResult] = {}
-    error = None
-    for c in args.concurrency:
-        bare_loop(model, prompts[:c], 2)  # warm-up at this batch size
-        eager[c] = bare_loop(model, prompts[:c], args.output_tokens)
-        _say(f"eager ceiling at batch {c}: {eager[c].output_tokens_per_s:.1f} tok/s, step {eager[c].time_per_step * 1000:.2f} ms")
-    if args.compiled_ceiling:
-        for c in args.concurrency:
-            try:
-                compiled[c] = r = compiled_loop(model, prompts[:c], args.output_tokens)
-            except Exception as exc:  # a compiler failure must not lose the rest of the report
-                error = f"at batch {c}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                _say(f"compiled ceiling failed {error}")
-                break
-            _say(f"compiled ceiling at batch {c}: compile + capture {r.compile_s:.1f} s, "
-                 f"{r.output_tokens_per_s:.1f} tok/s, step {r.time_per_step * 1000:.2f} ms")  # fmt: skip
-    peak = torch.cuda.max_memory_allocated() if cuda else None
-    del model
-    if cuda:
-        torch.cuda.empty_cache()
-    return {"eager": eager, "compiled": compiled, "compiled_error": error, "peak_memory": peak, "baseline": baseline}
 
 
 def decode_path(client: Client) -> str | None:
@@ -247,7 +208,10 @@ def decode_path(client: Client) -> str | None:
 
 def peer_facts(args: argparse.Namespace) -> str:
     """What the peer says of itself (llama-server's ``/props``: its build and slots) and the threads
-    ``--peer-threads`` gives: the peer runs on this machine, so its CPU is the header's."""
+    ``--peer-threads`` gives: the peer runs on this machine, so its CPU is the header's. A peer of
+    ``--peer-serve-args``: the options it adds."""
+    if args.peer_serve_args is not None:
+        return f"the same server with {args.peer_serve_args}"
     facts = []
     try:
         status, body = Client(args.peer_url, args.peer_api_key).get("/props")
@@ -295,21 +259,30 @@ def _model_path(args: argparse.Namespace, device: str, workdir: str) -> tuple[st
     tokenizer = args.tokenizer or resolve_model(None, None)
     folder = os.path.join(workdir, folder_name(args.random_weights))
     built, build_s = build_timed(args.random_weights, tokenizer, folder, device, args.dtype, args.seed)
-    _say(f"random weights of {args.random_weights} built in {build_s:.1f} s")
+    say(f"random weights of {args.random_weights} built in {build_s:.1f} s")
     return str(built), build_s
 
 
-def _launch(args: argparse.Namespace, device: str, model_path: str, workdir: str):
-    """``gyrfalcon serve`` for ``--launch``, its log under ``workdir``."""
+def _launch(args: argparse.Namespace, device: str, model_path: str, workdir: str, peer: bool = False):
+    """``gyrfalcon serve`` for ``--launch``, its log under ``workdir``; ``peer``: the one of
+    ``--peer-serve-args``, whose URL becomes ``--peer-url``."""
     from gyrfalcon.bench.server import launch, serve_argv
 
     def argv(port: int) -> list[str]:
-        extra = f"--quantization {args.quantization} {args.serve_args}"
+        extra = f"--quantization {args.quantization} {args.serve_args} {args.peer_serve_args if peer else ''}"
         return serve_argv(port, model_path, device, args.dtype, args.num_threads, max(args.concurrency), extra)
 
-    server = launch(argv, os.path.join(workdir, "serve.log"))
-    _say(f"server at {server.url}: {shlex.join(server.argv[2:])}")
+    server = launch(argv, os.path.join(workdir, "peer-serve.log" if peer else "serve.log"))
+    say(f"{'peer' if peer else 'server'} at {server.url}: {shlex.join(server.argv[2:])}")
+    if peer:
+        args.peer_url = server.url
     return server
+
+
+def _stop(*servers: Any) -> None:
+    for server in servers:
+        if server is not None:
+            server.stop()
 
 
 def _served_loads(client: Client, name: str, args: argparse.Namespace, levels: list[list]) -> list:
@@ -319,8 +292,8 @@ def _served_loads(client: Client, name: str, args: argparse.Namespace, levels: l
         before = spec_counts(client)
         load = run_load(client, [_completion(name, p, args.output_tokens) for p in prompts], c)
         loads.append(load)
-        _say(f"c={c}: {load.output_tokens_per_s:.1f} tok/s, TTFT p50 {load.ttft(50) * 1000:.0f} ms, "
-             f"TPOT p50 {load.tpot(50) * 1000:.1f} ms, {load.errors} errors{spec_note(before, spec_counts(client))}")  # fmt: skip
+        say(f"c={c}: {load.output_tokens_per_s:.1f} tok/s, TTFT p50 {load.ttft(50) * 1000:.0f} ms, "
+            f"TPOT p50 {load.tpot(50) * 1000:.1f} ms, {load.errors} errors{spec_note(before, spec_counts(client))}")  # fmt: skip
     return loads
 
 
@@ -330,11 +303,11 @@ def _n_and_memory(client: Client, name: str, args: argparse.Namespace, prompt, v
 
     n_cmp = n_comparison(client, name, prompt, args.n, args.output_tokens) if args.n > 1 else None
     if n_cmp:
-        _say(f"{n_cmp}")
+        say(f"{n_cmp}")
     memory = None
     if args.mixed:
         memory = memory_check(client, name, args.mixed, vocab, args.seed)
-        _say(f"memory {memory}")
+        say(f"memory {memory}")
     return n_cmp, memory
 
 
@@ -351,13 +324,15 @@ def main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops a launched server
     workdir = tempfile.mkdtemp(prefix="gyrfalcon-bench-")
-    server, build_s = None, None
+    server, peer_server, build_s = None, None, None
     try:
         model_path, build_s = _model_path(args, device, workdir)
         url = args.url
         if args.launch:
             server = _launch(args, device, model_path, workdir)
             url = server.url
+            if args.peer_serve_args is not None:
+                peer_server = _launch(args, device, model_path, workdir, peer=True)
         client = Client(url, args.api_key)
         name = client.model_name()
         path = decode_path(client)
@@ -369,8 +344,7 @@ def main(args: argparse.Namespace) -> int:
         loads = _served_loads(client, name, args, levels)
         peer_loads = run_peer(args, model_path, warm, levels) if args.peer_url else []
         n_cmp, memory = _n_and_memory(client, name, args, warm[0], vocab)
-        if server is not None:  # free the device (and the CPU) for the ceilings
-            server.stop()
+        _stop(server, peer_server)  # free the device (and the CPU) for the ceilings
         ceilings: dict[str, Any] = {"eager": {}, "compiled": {}, "compiled_error": None, "peak_memory": None, "baseline": {}}
         if not args.no_ceiling:
             ceilings = run_ceilings(model_path, args, device, warm)
@@ -379,8 +353,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"gyrfalcon bench: {exc}", file=sys.stderr)
         return 1
     finally:
-        if server is not None:
-            server.stop()
+        _stop(server, peer_server)
         shutil.rmtree(workdir, ignore_errors=True)
     wall = time.perf_counter() - started
     text = table(loads, ceilings["eager"], ceilings["compiled"], n_cmp, memory, device, ceilings["compiled_error"],

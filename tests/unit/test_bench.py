@@ -181,7 +181,8 @@ def test_a_compile_failure_keeps_the_report():
 
 def test_a_failing_compile_leaves_the_eager_ceilings(tiny_model_dir, monkeypatch):
     import gyrfalcon.bench.ceiling as ceiling
-    from gyrfalcon.bench.run import resolve_options, run_ceilings
+    from gyrfalcon.bench.ceiling import run_ceilings
+    from gyrfalcon.bench.run import resolve_options
 
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler\nlong traceback")
@@ -215,6 +216,11 @@ def test_device_defaults_and_validation():
     assert "not both" in resolve_options(_args("--launch", "--model", "m", "--random-weights", "c.json"), "cpu")
     assert "no such file" in resolve_options(_args("--launch", "--random-weights", "does/not/exist.json"), "cpu")
     assert "--output-tokens must be at least 2" in resolve_options(_args("--launch", "--output-tokens", "1"), "cpu")
+    spec = "--speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'"
+    assert resolve_options(_args("--launch", "--peer-serve-args", spec), "cpu") is None
+    for refused in (_args("--url", "http://127.0.0.1:9", "--peer-serve-args", spec),
+                    _args("--launch", "--peer-url", "http://127.0.0.1:9", "--peer-serve-args", spec)):  # fmt: skip
+        assert "--peer-serve-args goes with --launch" in resolve_options(refused, "cpu")
     with pytest.raises(SystemExit):
         _args("--launch", "--dtype", "float8")
 
