@@ -83,12 +83,14 @@ def targets(device: str, loads: list[LoadReport], eager: dict[int, CeilingResult
 def table(loads: list[LoadReport], eager: dict[int, CeilingResult], compiled: dict[int, CeilingResult] | None = None,
           n_cmp: dict[str, float] | None = None, memory: dict[str, Any] | None = None, device: str = "cpu",
           compiled_error: str | None = None, peak_memory: int | None = None,
-          baseline: dict[int, CeilingResult] | None = None, peer: list[LoadReport] | None = None) -> str:  # fmt: skip
+          baseline: dict[int, CeilingResult] | None = None, peer: list[LoadReport] | None = None,
+          variant: str | None = None) -> str:  # fmt: skip
     """The markdown table of a run, then one line per target ratio and the other findings.
 
     ``ceiling`` columns are the eager loop; ``compiled`` columns (only when measured) the static-cache
     loop; ``fp32 loop`` the CPU baseline (unquantised fp32 eager loop); ``peer`` the same load on
-    another server.
+    another server: llama-server, whose targets are checked, or the same server with the options
+    ``variant`` (``--peer-serve-args``), whose speed-up is printed instead.
     """
     compiled = compiled or {}
     baseline = baseline or {}
@@ -125,9 +127,18 @@ def table(loads: list[LoadReport], eager: dict[int, CeilingResult], compiled: di
             cells += [_fmt(tps), _fmt(other.tpot(50) * 1000 if other else nan), _fmt(load.output_tokens_per_s / tps if tps else nan, 2)]
         lines.append("| " + " | ".join(cells) + " |")
     out = ["\n".join(lines), ""]
-    out.extend(t.line() for t in targets(device, loads, eager, compiled, n_cmp, baseline, peer))
+    out.extend(t.line() for t in targets(device, loads, eager, compiled, n_cmp, baseline, None if variant else peer))
+    out.extend(f"- c={c}: output tok/s with {variant} / without: {x:.2f}" for c, x in variant_ratios(loads, peer, variant))
     out.extend(_findings(n_cmp, memory, compiled, compiled_error, peak_memory))
     return "\n".join(out)
+
+
+def variant_ratios(loads: list[LoadReport], peer: list[LoadReport] | None, variant: str | None) -> list[tuple[int, float]]:
+    """Per level, the peer's output tok/s over the server's where the peer is the same server with
+    the options ``variant``; none otherwise."""
+    peers = {load.concurrency: load for load in peer or []}
+    return [(load.concurrency, peers[load.concurrency].output_tokens_per_s / load.output_tokens_per_s)
+            for load in loads if variant is not None and load.concurrency in peers and load.output_tokens_per_s > 0]
 
 
 def _findings(n_cmp: dict[str, float] | None, memory: dict[str, Any] | None, compiled: dict[int, CeilingResult],
@@ -166,8 +177,9 @@ def _loads(loads: list[LoadReport]) -> list[dict[str, Any]]:
 
 def figures(device: str, loads: list[LoadReport], eager: dict[int, CeilingResult], compiled: dict[int, CeilingResult],
             n_cmp: dict[str, float] | None, memory: dict[str, Any] | None, baseline: dict[int, CeilingResult] | None = None,
-            peer_loads: list[LoadReport] | None = None, **extra: Any) -> dict[str, Any]:  # fmt: skip
-    """Everything of the report as JSON-ready data (``extra``: run facts such as wall time and build time)."""
+            peer_loads: list[LoadReport] | None = None, variant: str | None = None, **extra: Any) -> dict[str, Any]:  # fmt: skip
+    """Everything of the report as JSON-ready data (``extra``: run facts such as wall time and build
+    time; ``variant``: :func:`table`'s)."""
     return {
         "device": device,
         "loads": _loads(loads),
@@ -178,6 +190,8 @@ def figures(device: str, loads: list[LoadReport], eager: dict[int, CeilingResult
         "n": n_cmp,
         "memory": memory,
         "targets": [{"label": t.label, "value": t.value, "op": t.op, "target": t.target, "met": t.met}
-                    for t in targets(device, loads, eager, compiled, n_cmp, baseline, peer_loads)],  # fmt: skip
+                    for t in targets(device, loads, eager, compiled, n_cmp, baseline, None if variant else peer_loads)],  # fmt: skip
+        "variant": variant,
+        "variant_ratios": dict(variant_ratios(loads, peer_loads, variant)),
         **extra,
     }

@@ -357,7 +357,7 @@ def main(args: argparse.Namespace) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     wall = time.perf_counter() - started
     text = table(loads, ceilings["eager"], ceilings["compiled"], n_cmp, memory, device, ceilings["compiled_error"],
-                 ceilings["peak_memory"], ceilings["baseline"], peer_loads)  # fmt: skip
+                 ceilings["peak_memory"], ceilings["baseline"], peer_loads, args.peer_serve_args)  # fmt: skip
     print(f"{header}\n\n{text}\n\ntotal wall time {wall:.0f} s")
     if args.plot:
         from gyrfalcon.bench.plot import write_plot
@@ -367,7 +367,7 @@ def main(args: argparse.Namespace) -> int:
         data = figures(device, loads, ceilings["eager"], ceilings["compiled"], n_cmp, memory, dtype=args.dtype,
                        compiled_error=ceilings["compiled_error"], peak_memory=ceilings["peak_memory"], build_s=build_s,
                        wall_s=wall, quantization=args.quantization, baseline=ceilings["baseline"], decode_path=path,
-                       peer_loads=peer_loads)  # fmt: skip
+                       peer_loads=peer_loads, variant=args.peer_serve_args)  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(data, f, indent=2)
     return 0

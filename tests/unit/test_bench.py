@@ -142,6 +142,17 @@ def test_cpu_report_prints_the_fp32_baseline_and_the_peer_with_their_targets():
     assert not {"c=1 output tok/s / fp32 eager loop at batch 1", "c=1 output tok/s / the peer's"} & met
 
 
+def test_a_peer_that_is_the_same_server_with_more_options_gets_its_speed_up_not_llama_servers_targets():
+    from gyrfalcon.bench.report import figures, table
+
+    loads, peer = [_load(1, 100.0, 0.007)], [_load(1, 171.0, 0.003)]
+    variant = "--speculative-config '{\"method\": \"ngram\"}'"
+    text = table(loads, {}, {}, None, None, "cpu", peer=peer, variant=variant)
+    assert f"- c=1: output tok/s with {variant} / without: 1.71" in text and "the peer's" not in text
+    data = figures("cpu", loads, {}, {}, None, None, peer_loads=peer, variant=variant)
+    assert data["variant_ratios"] == {1: pytest.approx(1.71)} and data["targets"] == []
+
+
 def test_cpu_report_prints_only_ratios_it_has_both_figures_of():
     from gyrfalcon.bench.report import table
 
