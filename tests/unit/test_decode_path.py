@@ -287,6 +287,39 @@ def _stand_in_capture(captured: list[int], off_at: dict[int, float], raise_at: i
     return capture
 
 
+def test_the_cuda_graph_path_serves_adapters_loaded_after_the_capture(stepped, tiny_model_dir, tmp_path, monkeypatch):
+    """With ``--enable-lora`` the CUDA-graph branch (the stand-in capture: no GPU here) captures its
+    buckets before any adapter is loaded, each bucket's rows computing every projection from its
+    slots buffer; adapters loaded afterwards, mixed in one batch with the base model, get the eager
+    engine's tokens."""
+    from gyrfalcon.engine.model import graphs
+    from tests.unit.test_batching import PROMPTS as SHORT, finals, run
+    from tests.unit.test_lora import write_adapter
+
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(graphs, "pool_bytes", lambda pool: 3 * 2**20)
+    monkeypatch.setattr(graphs, "capture", _stand_in_capture([], {}))
+    folders = {name: str(write_adapter(tiny_model_dir, tmp_path / name, seed=seed)) for name, seed in (("a", 1), ("b", 2))}
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    names = ["a", None, "b", "a"]
+
+    def answers(engine):
+        for name, folder in folders.items():
+            engine.load_lora_adapter(name, folder)
+        streams = [engine.submit(EngineRequest(f"r{i}", SHORT[i % len(SHORT)], greedy, lora_name=n))
+                   for i, n in enumerate(names)]  # fmt: skip
+        run(engine, streams)
+        return finals(streams)
+
+    expected = answers(stepped(enable_lora=True, max_loras=2))
+    engine = stepped(enable_lora=True, max_loras=2)
+    steps = engine.core.runner.decode_steps = DecodeSteps(engine.core.runner, 8, 128, mode="static")
+    steps.mode, steps.pool_budget = "cuda-graphs", 2 * 2**20  # the graphs' branch, with the stand-in capture
+    assert steps.prepare().name == "captured" and not engine.core.lora.held()
+    assert all(bucket.step.lora.every_projection for bucket in steps._buckets.values())
+    assert answers(engine) == expected and sum(b.runs for b in steps._buckets.values()) >= 5
+
+
 def test_the_cuda_graph_path_captures_largest_first_checks_each_bucket_and_serves_the_engines_tokens(stepped, monkeypatch):
     """The CUDA-graph branch of the decode steps, on the CPU through a stand-in for the capture (no
     GPU here): every batch bucket captured at start-up, largest first, each checked against the

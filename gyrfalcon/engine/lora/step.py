@@ -43,14 +43,13 @@ class LoraRows:
         self.every_projection = every_projection
 
     @classmethod
-    def static(cls, rows: int, registry: Any, device: torch.device | str) -> LoraRows:
+    def static(cls, rows: int, registry: Any, device: torch.device | str, every_projection: bool = False) -> LoraRows:
         """Rows of a static decode step (a bucket of ``rows``), every one the base model's until a
         step writes its slot into :attr:`slots` (:meth:`fill`), a buffer on ``device``; over
-        ``registry``'s stacks. On CUDA every projection is computed (a graph captures the step
-        before any adapter is loaded)."""
+        ``registry``'s stacks. ``every_projection``: for a step captured as a CUDA graph, which
+        is captured before any adapter is loaded."""
         slots = torch.full((rows,), -1, dtype=torch.long, device=device)
-        return cls(slots, registry.max_rank, registry.stacks, registry.active, device,
-                   every_projection=torch.device(device).type == "cuda")  # fmt: skip
+        return cls(slots, registry.max_rank, registry.stacks, registry.active, device, every_projection)
 
     def fill(self, adapters: Sequence[Any]) -> None:
         """Each row's slot from ``adapters`` (an adapter or None per row), the rest the base model's."""

@@ -166,7 +166,8 @@ class DecodeSteps(CompiledMode):
                             rows_in_place=self.runner.rows_in_place)  # fmt: skip
         ids, positions = ids.view(1, batch), positions.view(1, batch)
         if self.runner.lora_registry is not None:  # (--enable-lora) each row's adapter slot, a static buffer of its own
-            step.lora = LoraRows.static(batch, self.runner.lora_registry, self.runner.device)
+            step.lora = LoraRows.static(batch, self.runner.lora_registry, self.runner.device,
+                                        every_projection=self.mode == "cuda-graphs")  # fmt: skip
         if self.mode == "compiled":  # one compiled graph per batch bucket for every width: the width is dynamic
             torch._dynamo.maybe_mark_dynamic(step.decode_blocks, 1)
             statics = [(ids, 1), (positions, 1), (slots, 0), (rows_at, 0), (step.decode_blocks, 0)]
