@@ -127,8 +127,9 @@ def table(loads: list[LoadReport], eager: dict[int, CeilingResult], compiled: di
             cells += [_fmt(tps), _fmt(other.tpot(50) * 1000 if other else nan), _fmt(load.output_tokens_per_s / tps if tps else nan, 2)]
         lines.append("| " + " | ".join(cells) + " |")
     out = ["\n".join(lines), ""]
-    out.extend(t.line() for t in targets(device, loads, eager, compiled, n_cmp, baseline, None if variant else peer))
-    out.extend(f"- c={c}: output tok/s with {variant} / without: {x:.2f}" for c, x in variant_ratios(loads, peer, variant))
+    out.extend(t.line() for t in targets(device, loads, eager, compiled, n_cmp, baseline, peer if variant is None else None))
+    out.extend(f"- c={c}: output tok/s with {variant or 'no more options'} / without: {x:.2f}"
+               for c, x in variant_ratios(loads, peer, variant))  # fmt: skip
     out.extend(_findings(n_cmp, memory, compiled, compiled_error, peak_memory))
     return "\n".join(out)
 
@@ -190,7 +191,7 @@ def figures(device: str, loads: list[LoadReport], eager: dict[int, CeilingResult
         "n": n_cmp,
         "memory": memory,
         "targets": [{"label": t.label, "value": t.value, "op": t.op, "target": t.target, "met": t.met}
-                    for t in targets(device, loads, eager, compiled, n_cmp, baseline, None if variant else peer_loads)],  # fmt: skip
+                    for t in targets(device, loads, eager, compiled, n_cmp, baseline, peer_loads if variant is None else None)],  # fmt: skip
         "variant": variant,
         "variant_ratios": dict(variant_ratios(loads, peer_loads, variant)),
         **extra,

@@ -211,7 +211,7 @@ def peer_facts(args: argparse.Namespace) -> str:
     ``--peer-threads`` gives: the peer runs on this machine, so its CPU is the header's. A peer of
     ``--peer-serve-args``: the options it adds."""
     if args.peer_serve_args is not None:
-        return f"the same server with {args.peer_serve_args}"
+        return f"the same server with {args.peer_serve_args or 'no more options'}"
     facts = []
     try:
         status, body = Client(args.peer_url, args.peer_api_key).get("/props")

@@ -151,6 +151,8 @@ def test_a_peer_that_is_the_same_server_with_more_options_gets_its_speed_up_not_
     assert f"- c=1: output tok/s with {variant} / without: 1.71" in text and "the peer's" not in text
     data = figures("cpu", loads, {}, {}, None, None, peer_loads=peer, variant=variant)
     assert data["variant_ratios"] == {1: pytest.approx(1.71)} and data["targets"] == []
+    same = table(loads, {}, {}, None, None, "cpu", peer=peer, variant="")  # the same options: an A/A run
+    assert "- c=1: output tok/s with no more options / without: 1.71" in same and "the peer's" not in same
 
 
 def test_cpu_report_prints_only_ratios_it_has_both_figures_of():
