@@ -16,7 +16,7 @@ import copy
 import json
 from functools import lru_cache
 from pathlib import Path
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -127,16 +127,7 @@ FIELD_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", 
 def request_field_keywords(spec: dict[str, Any]) -> dict[str, dict[str, Any] | None]:
     """Each request field's :data:`FIELD_KEYWORDS` as the documents state them (its items' not
     included); None for a field the documents bound differently in two request schemas."""
-    schemas = spec["components"]["schemas"]
-    found: dict[str, dict[str, Any] | None] = {}
-    for schema_name in request_schema_names(spec):
-        for name, prop in sorted(schemas[schema_name].get("properties", {}).items()):
-            keywords = {k: prop[k] for k in FIELD_KEYWORDS if k in prop}
-            if name in found and found[name] != keywords:
-                found[name] = None
-            else:
-                found.setdefault(name, keywords)
-    return dict(sorted(found.items()))
+    return _merged(spec, lambda prop: {k: prop[k] for k in FIELD_KEYWORDS if k in prop})
 
 
 #: the keywords of a request field's string items that :func:`request_item_keywords` gathers
@@ -147,20 +138,32 @@ def request_item_keywords(spec: dict[str, Any]) -> dict[str, dict[str, Any] | No
     """Each request field whose array items (in the field itself or in one of its ``oneOf`` or
     ``anyOf`` branches) the documents bound with :data:`ITEM_KEYWORDS`: those keywords; None for a
     field two request schemas bound differently. Fields with none are left out."""
+    found = _merged(spec, _item_keywords)
+    return {name: keywords for name, keywords in found.items() if keywords != {}}
+
+
+def _item_keywords(prop: dict[str, Any]) -> dict[str, Any]:
+    keywords = {}
+    for branch in (prop, *prop.get("oneOf", ()), *prop.get("anyOf", ())):
+        items = branch.get("items") if isinstance(branch, dict) else None
+        if isinstance(items, dict):
+            keywords.update({k: items[k] for k in ITEM_KEYWORDS if k in items})
+    return keywords
+
+
+def _merged(spec: dict[str, Any], keywords_of: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, dict[str, Any] | None]:
+    """``keywords_of`` each property of every request schema, by property name, sorted; None for a
+    name two schemas give different keywords."""
     schemas = spec["components"]["schemas"]
     found: dict[str, dict[str, Any] | None] = {}
     for schema_name in request_schema_names(spec):
         for name, prop in sorted(schemas[schema_name].get("properties", {}).items()):
-            keywords = {}
-            for branch in (prop, *prop.get("oneOf", ()), *prop.get("anyOf", ())):
-                items = branch.get("items") if isinstance(branch, dict) else None
-                if isinstance(items, dict):
-                    keywords.update({k: items[k] for k in ITEM_KEYWORDS if k in items})
+            keywords = keywords_of(prop)
             if name in found and found[name] != keywords:
                 found[name] = None
             else:
                 found.setdefault(name, keywords)
-    return {name: keywords for name, keywords in sorted(found.items()) if keywords != {}}
+    return dict(sorted(found.items()))
 
 
 def request_field_names(spec: dict[str, Any]) -> set[str]:

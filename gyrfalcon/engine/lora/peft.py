@@ -59,16 +59,6 @@ def file_identity(fd: int) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def file_header(path: Path) -> tuple[dict[str, FileTensor], tuple[int, int, int, int]]:
-    """The tensors of the safetensors file ``path`` as its header lists them (no data read), each
-    checked to be of a served dtype with its bytes inside the file, and the file's
-    :func:`file_identity` (its data read later must come from the same file); an
-    :class:`AdapterError` for a file that is not safetensors or holds another dtype. The dict is
-    shared by every file of the same header: read it, never change it."""
-    raw, size, identity = _raw_header(path)
-    return _entries(raw, size), identity
-
-
 def _raw_header(path: Path) -> tuple[bytes, int, tuple[int, int, int, int]]:
     """The header's bytes of the safetensors file ``path``, the file's size and its :func:`file_identity`."""
     with open(path, "rb") as f:
@@ -84,10 +74,13 @@ def _raw_header(path: Path) -> tuple[bytes, int, tuple[int, int, int, int]]:
 
 @functools.lru_cache(maxsize=8)
 def _entries(raw: bytes, size: int) -> dict[str, FileTensor]:
-    """:func:`file_header`'s tensors from the header's bytes ``raw`` in a file of ``size`` bytes.
+    """The tensors of a safetensors file as its header lists them, from the header's bytes ``raw``
+    in a file of ``size`` bytes: each checked to be of a served dtype with its bytes inside the
+    file; an :class:`AdapterError` for a header that is not safetensors' or a dtype not served.
     Kept by those bytes: a trainer's next version of an adapter, and every adapter of one shape
     written by one library, have the same header, and its checks cost more than reading the file's
-    factors (0.7 ms warm, up to 2 ms in a serving process, for the default model's 420 tensors)."""
+    factors (0.7 ms warm, up to 2 ms in a serving process, for the default model's 420 tensors).
+    Shared: never changed."""
     try:
         header = orjson.loads(raw)
     except ValueError as exc:  # (orjson's JSONDecodeError is a ValueError)
@@ -130,14 +123,12 @@ def _entry_fault(entry: object, exc: Exception) -> str:
     return str(exc)
 
 
-def file_tensors(path: Path, header: dict[str, FileTensor] | None = None,
-                 identity: tuple[int, int, int, int] | None = None) -> dict[str, np.ndarray]:  # fmt: skip
-    """The tensors of the safetensors file ``path`` (its :func:`file_header`, or ``header`` read
-    from the file of ``identity``) as numpy arrays — fp32 and fp16 views of its bytes, read in one
-    call; bf16 widened to fp32 — for the registry to copy into its stacks (numpy, not torch: a call
-    of either costs more than the copy of a factor, and an adapter has hundreds)."""
-    if header is None:
-        header, identity = file_header(path)
+def file_tensors(path: Path, header: dict[str, FileTensor], identity: tuple[int, int, int, int] | None) -> dict[str, np.ndarray]:
+    """The tensors ``header`` lists (:func:`_entries`) of the safetensors file ``path``, read from
+    the file of ``identity`` (:func:`check_identity`), as numpy arrays — fp32 and fp16 views of its
+    bytes, read in one call; bf16 widened to fp32 — for the registry to copy into its stacks
+    (numpy, not torch: a call of either costs more than the copy of a factor, and an adapter has
+    hundreds)."""
     start = min((t.begin for t in header.values()), default=0)
     end = max((t.end for t in header.values()), default=0)
     with open(path, "rb") as f:
