@@ -64,12 +64,12 @@ def test_a_library_that_others_could_write_is_built_again_never_loaded(tmp_path)
 
 
 @pytest.mark.parametrize("width", [64, 100, 576, 9000])
-def test_a_rows_mean_square_has_the_same_bits_alone_and_in_any_batch(tmp_path, width):
+def test_a_rows_mean_square_has_the_same_bits_alone_and_in_any_batch(width):
     """``mean_square.c`` sums each row in one order whatever the rows beside it (widths that are
     and are not whole 16-lane vectors, batches small and large enough to be shared between
     threads), agrees with ATen's mean to rounding, and the operator a compiled step calls gives the
     eager call's bits."""
-    native.library(tmp_path)
+    native.library(None)
     torch.manual_seed(width)
     x = torch.randn(300, width) * 10
     alone = torch.cat([mean_square(x[i : i + 1]) for i in range(len(x))])
@@ -85,7 +85,7 @@ def test_a_rows_mean_square_has_the_same_bits_alone_and_in_any_batch(tmp_path, w
 
 @pytest.mark.parametrize("window", [0, 37])
 @pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16, torch.float16])
-def test_one_query_attention_reads_the_blocks_in_place_as_sdpa_over_their_copy(tmp_path, window, cache):
+def test_one_query_attention_reads_the_blocks_in_place_as_sdpa_over_their_copy(window, cache):
     """``one_query_attention.c``: each row's heads over its own blocks (scattered, some rows of one
     block, some of many; grouped query heads; a sliding window) agree with SDPA over the gathered
     context, give the same bits alone and in the batch, and the compiled step's operator gives the
@@ -93,7 +93,7 @@ def test_one_query_attention_reads_the_blocks_in_place_as_sdpa_over_their_copy(t
     from gyrfalcon.engine.model.attention import _gather, _sdpa
     from gyrfalcon.engine.model.one_query import _operator, one_query_attention
 
-    native.library(tmp_path)
+    native.library(None)
     torch.manual_seed(window)
     block, kv_heads, heads, dim, width = 16, 3, 9, 64, 20
     keys, values = torch.randn(40 * block, kv_heads, dim).to(cache), torch.randn(40 * block, kv_heads, dim).to(cache)
@@ -116,7 +116,7 @@ def test_one_query_attention_reads_the_blocks_in_place_as_sdpa_over_their_copy(t
 
 @pytest.mark.parametrize("window", [0, 37])
 @pytest.mark.parametrize("cache", [torch.float32, torch.float16])
-def test_a_prefills_groups_read_the_blocks_in_place_as_sdpa_over_their_copy(tmp_path, window, cache):
+def test_a_prefills_groups_read_the_blocks_in_place_as_sdpa_over_their_copy(window, cache):
     """``prefill_attention.c``: a segment's rows (starting mid-block, scattered blocks, grouped query
     heads, a sliding window) agree with SDPA over the gathered context; rows of one-row groups are
     left to the decode rows' kernel; each row's bits are the same whether its prompt came in one
@@ -124,7 +124,7 @@ def test_a_prefills_groups_read_the_blocks_in_place_as_sdpa_over_their_copy(tmp_
     from gyrfalcon.engine.model.attention import _gather, _sdpa, block_groups
     from gyrfalcon.engine.model.one_query import RowsInPlace
 
-    native.library(tmp_path)
+    native.library(None)
     torch.manual_seed(window + 1)
     block, kv_heads, heads, dim, start, count = 16, 3, 9, 64, 5, 140
     keys, values = torch.randn(40 * block, kv_heads, dim).to(cache), torch.randn(40 * block, kv_heads, dim).to(cache)
