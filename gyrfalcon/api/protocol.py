@@ -12,7 +12,11 @@ socket before answering, and answers its own parse errors in plain text. Here:
   while a non-streaming answer is pending, ``100 Continue`` (which every HTTP/1.1 client skips) is
   written once a second, so a client that really went away resets the connection and the work is
   aborted instead of running to its end;
-- the server's own errors are the API's JSON error envelope.
+- the server's own errors are the API's JSON error envelope;
+- when the worker stops, a TLS connection it closes is cut after ``tls_close_grace`` if the client
+  has not answered TLS's closing message (asyncio and uvloop wait 30 s for that answer, which a
+  client holding an idle keep-alive connection never sends, and a stopping worker waits for every
+  connection: a server behind HTTPS took 20 s to stop after one request).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class ConnectionLimits:
     max_url_bytes: int = 8 * 1024
     #: how often a half-closed client's pending answer is probed
     probe_interval: float = 1.0
+    #: how long a stopping worker's TLS connection, once closed, may wait for the client's close_notify
+    tls_close_grace: float = 1.0
 
 
 def error_response(status: int, message: str) -> bytes:
@@ -66,6 +72,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._probe_timer: asyncio.TimerHandle | None = None
+        self._close_timer: asyncio.TimerHandle | None = None
         self._reading_head = True  # waiting for a request's line and headers (the head timer runs)
         self._in_head = False  # the parser is inside a head: its bytes count against the limit
         self._head_bytes = 0
@@ -201,8 +208,22 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.transport.write(CONTINUE)  # a client that is gone answers with a reset
         self._probe_timer = self.loop.call_later(self.limits.probe_interval, self._probe)
 
+    # ------------------------------------------------------------------ the worker stops
+
+    def shutdown(self) -> None:
+        super().shutdown()  # closes an idle connection now, a busy one after its response
+        if self.transport.get_extra_info("sslcontext") is not None and self._close_timer is None:
+            self._close_timer = self.loop.call_later(self.limits.tls_close_grace, self._cut_closed_tls)
+
+    def _cut_closed_tls(self) -> None:
+        self._close_timer = None
+        if self.transport.is_closing():  # closed, still waiting for the client's close_notify
+            self.transport.abort()
+        else:  # a response still running: its own close comes first
+            self._close_timer = self.loop.call_later(self.limits.tls_close_grace, self._cut_closed_tls)
+
     def connection_lost(self, exc: Exception | None) -> None:
-        for name in ("_head_timer", "_send_timer", "_probe_timer"):
+        for name in ("_head_timer", "_send_timer", "_probe_timer", "_close_timer"):
             self._cancel(name)
         super().connection_lost(exc)
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import time
 
 import pytest
 import requests
@@ -31,5 +34,13 @@ def test_https_with_a_certificate(tiny_model_dir, tmp_path):
         one = selected(["models"])[0]
         assert run_check(Target(server.url, model_name="tiny"), one).outcome is Outcome.ERROR
         assert run_check(Target(server.url, insecure=True), one).outcome is Outcome.PASSED
+        # SIGTERM while a client holds an idle keep-alive connection: the worker stops in seconds,
+        # not after the 30 s a TLS close waits for a close_notify that such a client never sends
+        idle = requests.Session()
+        assert idle.get(server.url + "/health", verify=str(cert), timeout=30).status_code == 200
+        started = time.monotonic()
+        os.killpg(server.process.pid, signal.SIGTERM)
+        server.process.wait(timeout=30)
+        assert time.monotonic() - started < 10, f"stopped {time.monotonic() - started:.1f} s after SIGTERM"
     finally:
         stop_server(server)
