@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from gyrfalcon.engine.lora.peft import (AdapterError, LoraAdapter, changed, check_identity, factor_names, read_adapter,
-                                        read_factors, unreadable)
+from gyrfalcon.engine.lora.peft import (AdapterError, LoraAdapter, changed, check_identity, read_adapter,
+                                        read_factors, unreadable, warm_checks)
 from gyrfalcon.kernels.native import loaded, threads
 
 
@@ -79,9 +79,10 @@ class LoraRegistry:
         self._ticks = 0
         self._targets: _StackTable | None = None  # the stacks' addresses and widths, for lora_pack and lora_read
         self._reserved: set[int] = set()  # slots a load is filling
-        # tables of the model, not of an adapter: made now rather than in the first load
+        # tables of the model, not of an adapter, and the header's checks run once: now rather
+        # than in the first load
         self._stack_targets()
-        factor_names(tuple(shapes))
+        warm_checks(shapes)
 
     def load(self, name: str, path: str, replace: bool = False, in_use: frozenset[int] = frozenset()) -> LoraAdapter:
         """Read, check and know the adapter of ``path`` as ``name`` (``replace``: in place of one of
