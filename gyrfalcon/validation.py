@@ -175,8 +175,9 @@ class RequestValidator:
     def check_bounds(self, request: EngineRequest) -> None:
         """The bounds of the request's fields as the wire decides them for a request that came
         through the API: the documents' keywords (:mod:`gyrfalcon.engine_api.limits`; the prompt's
-        are generate's ``token_ids``) and those of string items (the stop strings', bad words') and the deployment's ``FIELD_LIMITS`` (the vocabulary, ``n``,
-        the logprob counts, the context), over the prompt and every field set off its default."""
+        are generate's ``token_ids``), those of string items (the stop strings', the bad words')
+        and the deployment's ``FIELD_LIMITS`` (the vocabulary, ``n``, the logprob counts, the
+        context), over the prompt and every field set off its default."""
         params = request.sampling
         fields = {"prompt": request.prompt_token_ids, **{name: getattr(params, name) for name in sorted(params.asked_fields())}}
         for name, value in fields.items():
